@@ -1,0 +1,143 @@
+"""``python -m sglang_oasis.launch_server``: SGLang's server with sglang-oasis options and defaults.
+
+Takes every SGLang server argument plus the ``--oasis-*`` options of :class:`OasisConfig`:
+
+- without ``--model-path`` it serves the embedded default model (SmolLM2-135M-Instruct from PyPI,
+  converted once into the cache);
+- without a GPU (or with ``--device cpu``) it runs SGLang's CPU engine with CPU-friendly defaults,
+  each of which an explicit argument overrides;
+- a bad option stops start-up with a message naming it (exit status 2).
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from collections.abc import Sequence
+
+from sglang_oasis.config import OasisConfig, OasisConfigError
+from sglang_oasis.platform.cpu.import_hook import CPU_ENGINE_ENV, install
+
+PROG = "python -m sglang_oasis.launch_server"
+
+
+def build_oasis_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=PROG, add_help=False, allow_abbrev=False)
+    OasisConfig.add_cli_args(parser)
+    return parser
+
+
+def given(argv: Sequence[str], option: str) -> bool:
+    """Whether ``option`` appears on the command line (as ``--opt value`` or ``--opt=value``)."""
+    return any(arg == option or arg.startswith(option + "=") for arg in argv)
+
+
+def option_value(argv: Sequence[str], option: str) -> str | None:
+    for i, arg in enumerate(argv):
+        if arg.startswith(option + "="):
+            return arg.split("=", 1)[1]
+        if arg == option and i + 1 < len(argv):
+            return argv[i + 1]
+    return None
+
+
+def gpu_available() -> bool:
+    import torch
+
+    return bool(torch.cuda.is_available())
+
+
+def wants_cpu(sglang_argv: Sequence[str]) -> bool:
+    """CPU engine when asked for (``--device cpu`` or ``SGLANG_USE_CPU_ENGINE=1``) or when there is no GPU."""
+    device = option_value(sglang_argv, "--device")
+    if device is not None:
+        return device == "cpu"
+    return os.environ.get(CPU_ENGINE_ENV) == "1" or not gpu_available()
+
+
+def cpu_defaults(sglang_argv: Sequence[str], config: OasisConfig) -> list[str]:
+    """SGLang arguments to add on CPU: only those the user did not give."""
+    extra: list[str] = []
+    if not given(sglang_argv, "--device"):
+        extra += ["--device", "cpu"]
+    if not config.cpu_defaults:
+        return extra
+    if not given(sglang_argv, "--attention-backend"):
+        # SGLang's CPU default backend (intel_amx) needs AMX, which these machines lack.
+        extra += ["--attention-backend", "torch_native"]
+    if not (given(sglang_argv, "--max-total-tokens") or given(sglang_argv, "--mem-fraction-static")):
+        # Uncapped, SGLang's CPU engine takes ~72% of RAM for the KV pool.
+        extra += ["--max-total-tokens", str(config.cpu_max_total_tokens)]
+    if not given(sglang_argv, "--sleep-on-idle"):
+        # Otherwise the idle scheduler spins a whole core.
+        extra += ["--sleep-on-idle"]
+    return extra
+
+
+def split_argv(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
+    """Separate ``--oasis-*`` options (validated into an OasisConfig) from SGLang's arguments."""
+    parser = build_oasis_parser()
+    namespace, rest = parser.parse_known_args(list(argv))
+    unknown = [arg.split("=", 1)[0] for arg in rest if arg.startswith("--oasis-")]
+    if unknown:
+        parser.error(f"unrecognized sglang-oasis option: {unknown[0]} (see --help)")
+    try:
+        return OasisConfig.from_cli_args(namespace), rest
+    except OasisConfigError as error:
+        parser.error(str(error))
+    raise AssertionError("unreachable")
+
+
+def print_help() -> None:
+    from sglang.srt.server_args import ServerArgs
+
+    parser = argparse.ArgumentParser(
+        prog=PROG, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    OasisConfig.add_cli_args(parser)
+    ServerArgs.add_cli_args(parser)
+    parser.print_help()
+
+
+def prepare(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
+    """Everything before SGLang parses its arguments: oasis config, platform, defaults, model path."""
+    config, sglang_argv = split_argv(argv)
+    if wants_cpu(sglang_argv):
+        # Both must be in the environment before SGLang is imported: its modules read them at import
+        # time, and the server subprocesses (spawned) inherit them.
+        os.environ[CPU_ENGINE_ENV] = "1"
+        if config.cpu_defaults:
+            os.environ.setdefault("OMP_NUM_THREADS", "1")
+        install()
+        sglang_argv += cpu_defaults(sglang_argv, config)
+    if not given(sglang_argv, "--model-path"):
+        from sglang_oasis.models.default_model import prepare_default_model
+
+        sglang_argv += ["--model-path", str(prepare_default_model())]
+    config.to_env()
+    return config, sglang_argv
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if "-h" in argv or "--help" in argv:
+        print_help()
+        return
+    _config, sglang_argv = prepare(argv)
+
+    from sglang.launch_server import run_server
+    from sglang.srt.plugins import load_plugins
+    from sglang.srt.server_args import prepare_server_args
+    from sglang.srt.utils import kill_process_tree
+
+    load_plugins()
+    server_args = prepare_server_args(sglang_argv)
+    try:
+        run_server(server_args)
+    finally:
+        kill_process_tree(os.getpid(), include_parent=False)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,1 @@
+"""Models that work offline: the embedded default (SmolLM2 from PyPI) and tiny random test models."""

@@ -1,0 +1,97 @@
+"""A real ``sglang_oasis.launch_server`` process on 127.0.0.1, started and stopped by its own process group.
+
+Used by tests (session-scoped fixtures) and benchmarks (dense and sparse servers in one run). Only the
+process group this object started is ever signalled.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class ServerStartError(RuntimeError):
+    pass
+
+
+class ServerProcess:
+    """``python -m sglang_oasis.launch_server <args> --host 127.0.0.1 --port <free>``, logged to a file."""
+
+    def __init__(self, args: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> None:
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = log_path
+        self.command = [
+            sys.executable, "-m", "sglang_oasis.launch_server",
+            "--host", "127.0.0.1", "--port", str(self.port), *args,
+        ]  # fmt: skip
+        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+        self.process: subprocess.Popen[bytes] | None = None
+
+    def start(self, timeout_s: float = 300.0) -> ServerProcess:
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child for its lifetime
+        self.process = subprocess.Popen(
+            self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
+        )
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise ServerStartError(
+                    f"server exited with {self.process.returncode} during start-up:\n{self.log_tail()}"
+                )
+            if self._ready():
+                return self
+            time.sleep(1.0)
+        self.stop()
+        raise ServerStartError(f"server not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+
+    def _ready(self) -> bool:
+        try:
+            with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as response:
+                return bool(response.status == 200)
+        except (urllib.error.URLError, ConnectionError, TimeoutError):
+            return False
+
+    def alive(self) -> bool:
+        return self.process is not None and self.process.poll() is None
+
+    def log_tail(self, chars: int = 4000) -> str:
+        try:
+            return self.log_path.read_text(errors="replace")[-chars:]
+        except OSError:
+            return "(no log)"
+
+    def stop(self, timeout_s: float = 30.0) -> None:
+        """SIGTERM the server's process group, then SIGKILL it if it lingers."""
+        if self.process is None or self.process.poll() is not None:
+            return
+        pgid = os.getpgid(self.process.pid)
+        os.killpg(pgid, signal.SIGTERM)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.process.wait(timeout=timeout_s)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pgid, signal.SIGKILL)  # children that outlived the parent
+        self.process.wait(timeout=timeout_s)
+
+    def __enter__(self) -> ServerProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()

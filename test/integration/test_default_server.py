@@ -1,0 +1,102 @@
+"""The default server (no arguments: SmolLM2 from PyPI on CPU) through SGLang's APIs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import requests
+
+from sglang_oasis.testing.server_process import ServerProcess
+
+pytestmark = pytest.mark.server
+
+QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
+
+
+def chat(server: ServerProcess, **body) -> requests.Response:
+    payload = {"model": "default", "messages": QUESTION, "temperature": 0, "max_tokens": 24, **body}
+    return requests.post(server.url + "/v1/chat/completions", json=payload, timeout=120)
+
+
+def test_chat_answers_paris(default_server: ServerProcess) -> None:
+    response = chat(default_server)
+    assert response.status_code == 200, response.text
+    assert "Paris" in response.json()["choices"][0]["message"]["content"]
+
+
+def test_streaming_chat_equals_the_plain_answer(default_server: ServerProcess) -> None:
+    plain = chat(default_server).json()["choices"][0]["message"]["content"]
+    pieces = []
+    with chat(default_server, stream=True) as response:
+        assert response.status_code == 200
+        for line in response.iter_lines(decode_unicode=True):
+            if not line or not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            delta = json.loads(line[len("data: ") :])["choices"][0]["delta"]
+            pieces.append(delta.get("content") or "")
+    assert len([p for p in pieces if p]) > 1, "expected the answer in several chunks"
+    assert "".join(pieces) == plain
+
+
+def test_generate_and_completions(default_server: ServerProcess) -> None:
+    params = {"max_new_tokens": 12, "temperature": 0, "ignore_eos": True}
+    generated = requests.post(
+        default_server.url + "/generate",
+        json={"text": "Once upon a time", "sampling_params": params},
+        timeout=120,
+    ).json()
+    assert generated["meta_info"]["completion_tokens"] == 12
+    assert generated["text"].strip()
+
+    completion = requests.post(
+        default_server.url + "/v1/completions",
+        json={"model": "default", "prompt": "Once upon a time", "max_tokens": 12, "temperature": 0,
+              "ignore_eos": True},
+        timeout=120,
+    ).json()  # fmt: skip
+    assert completion["usage"]["completion_tokens"] == 12
+    assert completion["choices"][0]["text"] == generated["text"]  # same greedy continuation
+
+
+def test_frontend_program_runs_against_the_server(default_server: ServerProcess) -> None:
+    import sglang as sgl
+
+    @sgl.function
+    def capital(s, country):
+        s += sgl.user(f"What is the capital of {country}?")
+        s += sgl.assistant(sgl.gen("answer", max_tokens=24, temperature=0))
+
+    backend = sgl.RuntimeEndpoint(default_server.url)
+    state = capital.run(country="France", backend=backend)
+    assert "Paris" in state["answer"]
+
+
+def test_repeated_long_prefix_is_cached(default_server: ServerProcess) -> None:
+    prefix = " ".join(f"Fact {i}: the number {i} comes after {i - 1}." for i in range(1, 80))
+    params = {"max_new_tokens": 2, "temperature": 0}
+
+    def cached_tokens(question: str) -> tuple[int, int]:
+        body = {"text": prefix + " " + question, "sampling_params": params}
+        meta = requests.post(default_server.url + "/generate", json=body, timeout=120).json()["meta_info"]
+        return meta["prompt_tokens"], meta["cached_tokens"]
+
+    prompt_tokens, first = cached_tokens("What comes after 5?")
+    assert prompt_tokens > 1000
+    _, second = cached_tokens("What comes after 9?")
+    assert first < 100
+    assert second >= prompt_tokens - 20  # everything but the new question came from the radix cache
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        pytest.param({"max_tokens": -1}, id="negative-max-tokens"),
+        pytest.param({"messages": [{"role": "user", "content": "hello " * 9000}]}, id="longer-than-context"),
+    ],
+)
+def test_bad_request_fails_alone(default_server: ServerProcess, body: dict) -> None:
+    response = chat(default_server, **body)
+    assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
+    assert chat(default_server).status_code == 200  # the server keeps serving
+    assert default_server.alive()

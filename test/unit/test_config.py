@@ -1,0 +1,94 @@
+"""OasisConfig validation and the launcher's argument handling (no server)."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+
+import pytest
+
+from sglang_oasis.config import ENV_VAR, OasisConfig, OasisConfigError
+from sglang_oasis.launch_server import cpu_defaults, given, option_value, split_argv
+
+
+def test_cli_defaults_come_from_the_dataclass() -> None:
+    parser = argparse.ArgumentParser()
+    OasisConfig.add_cli_args(parser)
+    assert OasisConfig.from_cli_args(parser.parse_args([])) == OasisConfig()
+
+
+def test_cli_parses_every_field() -> None:
+    config, rest = split_argv(
+        [
+            "--oasis-mode",
+            "dense",
+            "--oasis-cpu-defaults",
+            "false",
+            "--oasis-cpu-max-total-tokens=1234",
+            "--port",
+            "9",
+        ]
+    )
+    assert config == OasisConfig(mode="dense", cpu_defaults=False, cpu_max_total_tokens=1234)
+    assert rest == ["--port", "9"]
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "option"),
+    [({"mode": "bogus"}, "--oasis-mode"), ({"cpu_max_total_tokens": 0}, "--oasis-cpu-max-total-tokens")],
+)
+def test_invalid_values_name_the_option(kwargs: dict, option: str) -> None:
+    with pytest.raises(OasisConfigError, match=option):
+        OasisConfig(**kwargs)
+
+
+def test_config_travels_through_the_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(ENV_VAR, raising=False)
+    assert OasisConfig.from_env() is None
+    config = OasisConfig(cpu_max_total_tokens=999)
+    config.to_env()
+    assert json.loads(__import__("os").environ[ENV_VAR])["cpu_max_total_tokens"] == 999
+    assert OasisConfig.from_env() == config
+
+
+def test_cpu_defaults_only_fill_what_is_missing() -> None:
+    config = OasisConfig()
+    added = cpu_defaults([], config)
+    assert option_value(added, "--device") == "cpu"
+    assert option_value(added, "--attention-backend") == "torch_native"
+    assert option_value(added, "--max-total-tokens") == str(config.cpu_max_total_tokens)
+    assert given(added, "--sleep-on-idle")
+
+    explicit = [
+        "--attention-backend",
+        "triton",
+        "--max-total-tokens=100",
+        "--sleep-on-idle",
+        "--device",
+        "cpu",
+    ]
+    assert cpu_defaults(explicit, config) == []
+    assert cpu_defaults(["--mem-fraction-static", "0.1"], config).count("--max-total-tokens") == 0
+    assert cpu_defaults([], OasisConfig(cpu_defaults=False)) == ["--device", "cpu"]
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--oasis-mode", "bogus"], "--oasis-mode"),
+        (["--oasis-cpu-max-total-tokens", "-5"], "--oasis-cpu-max-total-tokens"),
+        (["--oasis-no-such-option", "1"], "--oasis-no-such-option"),
+        (["--oasis-cpu-defaults", "maybe"], "--oasis-cpu-defaults"),
+    ],
+)
+def test_bad_oasis_option_stops_startup_naming_it(argv: list[str], needle: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sglang_oasis.launch_server", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert needle in result.stderr
