@@ -1,0 +1,90 @@
+"""The head-wise mapping of one (request, layer): which host block each device slot mirrors, per KV head.
+
+Each KV head has its own ``num_slots`` device slots (its working set: K selected blocks plus the active
+block and any sinks), so heads can hold different blocks. For every slot the table keeps the host block
+it holds (or nothing) and the decode step at which that block was last selected, for least-recently-
+selected eviction. SGLang's own page tables are not touched: the attention backend reads through this
+map.
+
+Applying a selection for a step::
+
+    needed   = the head's selected blocks
+    keep     = needed ∩ resident           (stay in their slots, last-selected := step)
+    missing  = needed − resident           (loaded into free slots first, then into the slots of
+    victims  = resident − needed            victims, least recently selected first)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+
+EMPTY = -1  # tensor encoding of "no block" (the Python API uses None)
+
+
+class Load(NamedTuple):
+    """Copy host block ``block`` into device slot ``slot`` of KV head ``head``."""
+
+    head: int
+    slot: int
+    block: int
+
+
+class HeadwiseMap:
+    def __init__(self, num_kv_heads: int, num_slots: int) -> None:
+        if num_kv_heads <= 0 or num_slots <= 0:
+            raise ValueError(f"need positive heads and slots, got {num_kv_heads}, {num_slots}")
+        self.num_kv_heads = num_kv_heads
+        self.num_slots = num_slots
+        self.slot_block = torch.full((num_kv_heads, num_slots), EMPTY, dtype=torch.int64)
+        self.last_selected = torch.full((num_kv_heads, num_slots), EMPTY, dtype=torch.int64)
+
+    def block_at(self, head: int, slot: int) -> int | None:
+        block = int(self.slot_block[head, slot])
+        return None if block == EMPTY else block
+
+    def resident(self, head: int) -> set[int]:
+        row = self.slot_block[head]
+        return set(row[row != EMPTY].tolist())
+
+    def apply_selection(self, selected: Sequence[set[int]], step: int) -> list[Load]:
+        """Make every selected block resident; returns the loads that requires.
+
+        Blocks that stay selected keep their slots; unselected blocks leave only when their slot is
+        needed (free slots are used first), so once a head's slots are full its resident set equals its
+        selection. ``selected[h]`` may hold at most ``num_slots`` blocks.
+        """
+        if len(selected) != self.num_kv_heads:
+            raise ValueError(f"selection for {len(selected)} heads, map has {self.num_kv_heads}")
+        loads: list[Load] = []
+        for head, needed in enumerate(selected):
+            if len(needed) > self.num_slots:
+                raise ValueError(f"head {head}: {len(needed)} blocks selected for {self.num_slots} slots")
+            loads += self._apply_head(head, needed, step)
+        return loads
+
+    def _apply_head(self, head: int, needed: set[int], step: int) -> list[Load]:
+        blocks = self.slot_block[head].tolist()
+        last = self.last_selected[head].tolist()
+        slot_of = {block: slot for slot, block in enumerate(blocks) if block != EMPTY}
+        for block in needed & slot_of.keys():
+            self.last_selected[head, slot_of[block]] = step
+        free_slots = [slot for slot, block in enumerate(blocks) if block == EMPTY]
+        victims = sorted(
+            (slot for block, slot in slot_of.items() if block not in needed), key=lambda s: last[s]
+        )
+        loads = []
+        for block, slot in zip(sorted(needed - slot_of.keys()), free_slots + victims, strict=False):
+            self.slot_block[head, slot] = block
+            self.last_selected[head, slot] = step
+            loads.append(Load(head, slot, block))
+        return loads
+
+    def clear(self) -> list[int]:
+        """Empty every slot (request finished); returns the distinct host blocks that were mirrored."""
+        mirrored = sorted(set(self.slot_block[self.slot_block != EMPTY].tolist()))
+        self.slot_block.fill_(EMPTY)
+        self.last_selected.fill_(EMPTY)
+        return mirrored

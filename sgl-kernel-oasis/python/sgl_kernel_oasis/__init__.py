@@ -1,0 +1,10 @@
+"""sgl-kernel-oasis: the ops of sglang-oasis's hot path.
+
+Each op has a pure-torch reference with the public signature (the CPU path runs these); Triton kernels
+with the same signatures are added beside them and tested against them.
+"""
+
+from sgl_kernel_oasis.block_scoring import score_blocks, select_top_blocks
+from sgl_kernel_oasis.block_summaries import append_block_summaries, build_block_summaries
+
+__all__ = ["append_block_summaries", "build_block_summaries", "score_blocks", "select_top_blocks"]

@@ -1,0 +1,67 @@
+"""Score every block's summary with a query and pick each KV head's top-K blocks.
+
+The score of block b for one query head is the Quest upper bound of ``q . k`` over any key inside the
+block's element-wise [min, max] box::
+
+    upper(q, b) = sum_d max(q_d * kmin[b, d], q_d * kmax[b, d])
+
+With grouped-query attention, the G = num_q_heads / num_kv_heads query heads of a group share one KV
+head and therefore one working set; their bounds are summed into the KV head's score. Query heads are
+grouped contiguously (query head j uses KV head j // G), as in SGLang's and HF's models.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def score_blocks(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Per-KV-head block scores.
+
+    Args:
+        query: ``[rows, num_q_heads, head_dim]`` (one row per query: the real token, a draft token...).
+        kmin, kmax: ``[num_blocks, num_kv_heads, head_dim]``.
+
+    Returns:
+        ``[rows, num_kv_heads, num_blocks]`` float32 scores.
+    """
+    assert query.dim() == 3, f"query must be [rows, q_heads, head_dim], got {tuple(query.shape)}"
+    assert kmin.shape == kmax.shape and kmin.dim() == 3, (kmin.shape, kmax.shape)
+    rows, num_q_heads, head_dim = query.shape
+    num_blocks, num_kv_heads, kv_dim = kmin.shape
+    assert kv_dim == head_dim, (kv_dim, head_dim)
+    assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} query heads over {num_kv_heads} KV heads"
+    group = num_q_heads // num_kv_heads
+    q = query.float().view(rows, num_kv_heads, group, 1, head_dim)
+    lo = kmin.float().permute(1, 0, 2).reshape(1, num_kv_heads, 1, num_blocks, head_dim)
+    hi = kmax.float().permute(1, 0, 2).reshape(1, num_kv_heads, 1, num_blocks, head_dim)
+    bound = torch.maximum(q * lo, q * hi).sum(dim=-1)  # [rows, kv_heads, group, blocks]
+    return bound.sum(dim=2)
+
+
+def select_top_blocks(scores: torch.Tensor, k: int, always: torch.Tensor | None = None) -> torch.Tensor:
+    """The ``k`` best blocks per (row, KV head), plus blocks that must always be resident.
+
+    Args:
+        scores: ``[rows, num_kv_heads, num_blocks]``.
+        k: blocks to select by score (clipped to the number of blocks).
+        always: optional ``[num_blocks]`` bool mask of blocks forced in (sinks, the active block);
+            they do not count against ``k``.
+
+    Returns:
+        ``[rows, num_kv_heads, num_blocks]`` bool mask of selected blocks. Ties are broken arbitrarily;
+        callers must not depend on which of two equal-score blocks wins.
+    """
+    assert scores.dim() == 3
+    num_blocks = scores.shape[-1]
+    selected = torch.zeros_like(scores, dtype=torch.bool)
+    if always is not None:
+        assert always.shape == (num_blocks,), (always.shape, num_blocks)
+        scores = scores.masked_fill(always, float("-inf"))
+        selected |= always
+    candidates = num_blocks - (int(always.sum()) if always is not None else 0)
+    take = min(k, candidates)
+    if take > 0:
+        top = scores.topk(take, dim=-1).indices
+        selected.scatter_(-1, top, True)
+    return selected

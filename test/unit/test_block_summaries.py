@@ -1,0 +1,97 @@
+"""Block summaries, scoring and top-K selection against plain loops, on awkward sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from sgl_kernel_oasis import append_block_summaries, build_block_summaries, score_blocks, select_top_blocks
+
+
+def summaries_loop(keys: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    mins, maxs = [], []
+    for start in range(0, keys.shape[0], block_size):
+        block = keys[start : start + block_size]
+        mins.append(block.min(dim=0).values)
+        maxs.append(block.max(dim=0).values)
+    return torch.stack(mins), torch.stack(maxs)
+
+
+def scores_loop(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    rows, num_q, _ = query.shape
+    num_blocks, num_kv, _ = kmin.shape
+    group = num_q // num_kv
+    out = torch.zeros(rows, num_kv, num_blocks)
+    for r in range(rows):
+        for qh in range(num_q):
+            kv = qh // group
+            for b in range(num_blocks):
+                q = query[r, qh].float()
+                out[r, kv, b] += torch.maximum(q * kmin[b, kv].float(), q * kmax[b, kv].float()).sum()
+    return out
+
+
+@pytest.mark.parametrize("num_tokens", [1, 15, 16, 17, 63, 500])
+@pytest.mark.parametrize("block_size", [16, 5])
+def test_build_matches_loop(num_tokens: int, block_size: int) -> None:
+    keys = torch.randn(num_tokens, 3, 7, generator=torch.Generator().manual_seed(num_tokens))
+    got = build_block_summaries(keys, block_size)
+    want = summaries_loop(keys, block_size)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+@pytest.mark.parametrize(
+    ("before", "appended"), [(0, 1), (5, 1), (15, 1), (16, 1), (7, 40), (0, 33), (31, 2)]
+)
+def test_append_matches_rebuilding(before: int, appended: int) -> None:
+    block_size = 16
+    keys = torch.randn(
+        before + appended, 2, 8, generator=torch.Generator().manual_seed(before * 100 + appended)
+    )
+    capacity = -(-(before + appended) // block_size) + 2
+    kmin = torch.full((capacity, 2, 8), float("nan"))
+    kmax = torch.full((capacity, 2, 8), float("nan"))
+    if before:
+        built = build_block_summaries(keys[:before], block_size)
+        kmin[: built[0].shape[0]], kmax[: built[1].shape[0]] = built
+    append_block_summaries(kmin, kmax, before, keys[before:], block_size)
+    want_min, want_max = summaries_loop(keys, block_size)
+    n = want_min.shape[0]
+    assert torch.equal(kmin[:n], want_min) and torch.equal(kmax[:n], want_max)
+
+
+@pytest.mark.parametrize(("num_q", "num_kv"), [(4, 4), (9, 3), (7, 1), (6, 2)])
+def test_scores_match_loop(num_q: int, num_kv: int) -> None:
+    gen = torch.Generator().manual_seed(num_q)
+    keys = torch.randn(37, num_kv, 16, generator=gen)
+    kmin, kmax = build_block_summaries(keys, 16)
+    query = torch.randn(2, num_q, 16, generator=gen)
+    torch.testing.assert_close(score_blocks(query, kmin, kmax), scores_loop(query, kmin, kmax))
+
+
+def test_score_is_an_upper_bound_of_every_key_in_the_block() -> None:
+    gen = torch.Generator().manual_seed(1)
+    keys = torch.randn(64, 1, 8, generator=gen)
+    kmin, kmax = build_block_summaries(keys, 16)
+    query = torch.randn(1, 1, 8, generator=gen)
+    scores = score_blocks(query, kmin, kmax)[0, 0]
+    dots = (keys[:, 0] @ query[0, 0]).view(4, 16)
+    assert torch.all(scores >= dots.max(dim=1).values - 1e-5)
+
+
+@pytest.mark.parametrize("k", [1, 3, 10, 50])
+def test_top_k_takes_the_best_score_sum(k: int) -> None:
+    gen = torch.Generator().manual_seed(k)
+    scores = torch.randn(2, 3, 23, generator=gen)
+    always = torch.zeros(23, dtype=torch.bool)
+    always[[0, 22]] = True  # a sink and the active block
+    selected = select_top_blocks(scores, k, always)
+    assert torch.all(selected[..., always])
+    for r in range(2):
+        for h in range(3):
+            free_scores = scores[r, h][~always]
+            chosen = selected[r, h][~always]
+            take = min(k, free_scores.numel())
+            assert int(chosen.sum()) == take
+            # Compare score sums, not indices: ties may pick either block.
+            assert torch.isclose(free_scores[chosen].sum(), free_scores.topk(take).values.sum())
