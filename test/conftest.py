@@ -11,10 +11,21 @@ from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.models.tiny_models import TinyModelSpec, build_tiny_model
 from sglang_oasis.testing.server_process import ServerProcess
 
+# fp32 everywhere an equivalence is claimed; small pools so several servers fit beside each other.
+FP32 = ["--dtype", "float32"]
+SMALL_POOL = ["--max-total-tokens", "16384"]
+SPARSE_SMALL = ["--oasis-host-kv-tokens", "16384", "--oasis-device-kv-tokens", "16384"]
+
 
 @pytest.fixture(scope="session")
 def default_model_dir() -> Path:
     return prepare_default_model()
+
+
+@pytest.fixture(scope="session")
+def smollm2_6l_dir() -> Path:
+    """SmolLM2's first 6 layers: those layers' attention exactly, ~3x faster than all 30."""
+    return prepare_default_model(num_layers=6)
 
 
 @pytest.fixture(scope="session")
@@ -24,14 +35,12 @@ def tiny_qwen3_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_tiny_model(
-        TinyModelSpec(arch="llama", hidden_size=384, num_heads=6, num_kv_heads=2),
-        tmp_path_factory.mktemp("models"),
-    )
+    spec = TinyModelSpec(arch="llama", hidden_size=384, num_heads=6, num_kv_heads=2)
+    return build_tiny_model(spec, tmp_path_factory.mktemp("models"))
 
 
-def _serve(args: list[str], log: Path) -> Iterator[ServerProcess]:
-    server = ServerProcess(args, log_path=log).start()
+def _serve(args: list[str], name: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = ServerProcess(args, log_path=tmp_path_factory.mktemp("logs") / f"{name}.log").start()
     try:
         yield server
     finally:
@@ -40,13 +49,40 @@ def _serve(args: list[str], log: Path) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="session")
 def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """The README's first command as a newcomer runs it: no model path, CPU defaults."""
-    yield from _serve([], tmp_path_factory.mktemp("logs") / "default-server.log")
+    """The README's first command as a newcomer runs it: no model path, sparse mode, CPU defaults."""
+    yield from _serve([], "default-server", tmp_path_factory)
 
 
 @pytest.fixture(scope="session")
 def tiny_qwen3_server(
     tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    args = ["--model-path", str(tiny_qwen3_dir), "--dtype", "float32", "--max-total-tokens", "8192"]
-    yield from _serve(args, tmp_path_factory.mktemp("logs") / "tiny-qwen3-server.log")
+    """Dense baseline on the tiny Qwen3."""
+    args = ["--model-path", str(tiny_qwen3_dir), "--oasis-mode", "dense", *FP32, *SMALL_POOL]
+    yield from _serve(args, "tiny-qwen3-dense", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_sparse_server(
+    tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """Sparse on the tiny Qwen3 with K = 64 blocks: covers every block of prompts up to 1024 tokens."""
+    args = ["--model-path", str(tiny_qwen3_dir), "--oasis-top-k", "64", *FP32, *SPARSE_SMALL]
+    yield from _serve(args, "tiny-qwen3-sparse", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def smollm2_dense_server(
+    smollm2_6l_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    args = ["--model-path", str(smollm2_6l_dir), "--oasis-mode", "dense", *FP32, *SMALL_POOL]
+    yield from _serve(args, "smollm2-6l-dense", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
+def smollm2_sparse_server(
+    smollm2_6l_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """Sparse with the default K = 128 blocks of 16: covers every block of prompts up to 2048 tokens."""
+    args = ["--model-path", str(smollm2_6l_dir), *FP32, *SPARSE_SMALL]
+    yield from _serve(args, "smollm2-6l-sparse", tmp_path_factory)

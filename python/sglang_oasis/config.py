@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 ENV_VAR = "SGLANG_OASIS_CONFIG"
-MODES = ("dense",)
+MODES = ("sparse", "dense")
 
 
 class OasisConfigError(ValueError):
@@ -31,11 +31,47 @@ def _option(name: str) -> str:
 @dataclass(frozen=True)
 class OasisConfig:
     mode: str = field(
-        default="dense",
+        default="sparse",
         metadata={
-            "help": "KV caching mode. 'dense' serves plain SGLang through this entry point (the baseline "
-            "for every comparison).",
+            "help": "KV caching mode. 'sparse': full KV in the host tier, decode attends over per-KV-head "
+            "working sets (the oasis attention backend). 'dense' serves plain SGLang through this entry "
+            "point (the baseline for every comparison).",
             "choices": MODES,
+        },
+    )
+    block_size: int = field(
+        default=16,
+        metadata={"help": "Tokens per KV block (sparse mode; becomes SGLang's --page-size)."},
+    )
+    top_k: int = field(
+        default=128,
+        metadata={
+            "help": "Blocks selected per request, layer and KV head for decode attention (sparse mode)."
+        },
+    )
+    sink_blocks: int = field(
+        default=0,
+        metadata={
+            "help": "Leading blocks always kept in every working set, besides the top-K (sparse mode)."
+        },
+    )
+    dense_layers: tuple[int, ...] = field(
+        default=(),
+        metadata={"help": "Comma-separated layer ids that decode densely (sparse mode); empty: none."},
+    )
+    host_kv_tokens: int | None = field(
+        default=None,
+        metadata={
+            "help": "Capacity of the host KV tier in tokens (sparse mode: SGLang's KV pool, i.e. "
+            "--max-total-tokens, lives in host memory). Default: SGLang's own sizing, or "
+            "--oasis-cpu-max-total-tokens on CPU.",
+        },
+    )
+    device_kv_tokens: int = field(
+        default=65536,
+        metadata={
+            "help": "Device budget for working sets, in tokens (sparse mode). Sets --max-running-requests "
+            "to budget // ((top-k + sink blocks) * block size) unless that is given.",
         },
     )
     cpu_defaults: bool = field(
@@ -55,11 +91,26 @@ class OasisConfig:
     def __post_init__(self) -> None:
         if self.mode not in MODES:
             raise OasisConfigError(f"{_option('mode')}: {self.mode!r} is not one of {', '.join(MODES)}")
-        if self.cpu_max_total_tokens <= 0:
+        for name in ("block_size", "top_k", "device_kv_tokens", "cpu_max_total_tokens"):
+            if getattr(self, name) <= 0:
+                raise OasisConfigError(f"{_option(name)}: must be positive, got {getattr(self, name)}")
+        if self.sink_blocks < 0:
+            raise OasisConfigError(f"{_option('sink_blocks')}: must be >= 0, got {self.sink_blocks}")
+        if self.host_kv_tokens is not None and self.host_kv_tokens < self.block_size:
             raise OasisConfigError(
-                f"{_option('cpu_max_total_tokens')}: must be a positive number of tokens, "
-                f"got {self.cpu_max_total_tokens}"
+                f"{_option('host_kv_tokens')}: must hold at least one block ({self.block_size}), "
+                f"got {self.host_kv_tokens}"
             )
+        if any(layer < 0 for layer in self.dense_layers):
+            raise OasisConfigError(
+                f"{_option('dense_layers')}: layer ids must be >= 0, got {self.dense_layers}"
+            )
+        object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
+
+    @property
+    def working_set_tokens(self) -> int:
+        """Tokens one request's working set holds per layer and KV head (the active tail aside)."""
+        return (self.top_k + self.sink_blocks) * self.block_size
 
     # --- command line -------------------------------------------------------------------------
 
@@ -74,8 +125,10 @@ class OasisConfig:
             }
             if f.type in ("bool", bool):
                 kwargs.update(type=_parse_bool, metavar="{true,false}")
-            elif f.type in ("int", int):
+            elif f.type in ("int", int, "int | None"):
                 kwargs["type"] = int
+            elif f.type in ("tuple[int, ...]",):
+                kwargs.update(type=_parse_int_list, metavar="L1,L2,...")
             if "choices" in f.metadata:
                 kwargs["choices"] = f.metadata["choices"]
             group.add_argument(_option(f.name), **kwargs)
@@ -92,7 +145,18 @@ class OasisConfig:
     @classmethod
     def from_env(cls) -> OasisConfig | None:
         raw = os.environ.get(ENV_VAR)
-        return cls(**json.loads(raw)) if raw else None
+        if not raw:
+            return None
+        values = json.loads(raw)
+        values["dense_layers"] = tuple(values.get("dense_layers", ()))
+        return cls(**values)
+
+
+def _parse_int_list(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(part) for part in text.split(",") if part.strip())
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
 
 
 def _parse_bool(text: str) -> bool:

@@ -75,6 +75,42 @@ def cpu_defaults(sglang_argv: Sequence[str], config: OasisConfig) -> list[str]:
     return extra
 
 
+class LaunchError(ValueError):
+    """Options that contradict each other; the message names them."""
+
+
+def sparse_mode_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[str]:
+    """SGLang arguments sparse mode needs: the oasis backend, pages = blocks, the host-tier size, and a
+    running-request cap that fits the working sets in the device budget."""
+    extra: list[str] = []
+    backend = option_value(sglang_argv, "--attention-backend")
+    if backend not in (None, "oasis"):
+        raise LaunchError(
+            f"--attention-backend {backend}: sparse mode uses the oasis backend (or pass --oasis-mode dense)"
+        )
+    if backend is None:
+        extra += ["--attention-backend", "oasis"]
+    page_size = option_value(sglang_argv, "--page-size")
+    if page_size is not None and page_size != str(config.block_size):
+        raise LaunchError(
+            f"--page-size {page_size}: sparse mode pages the KV by --oasis-block-size {config.block_size}"
+        )
+    if page_size is None:
+        extra += ["--page-size", str(config.block_size)]
+    if config.host_kv_tokens is not None:
+        if given(sglang_argv, "--max-total-tokens"):
+            raise LaunchError(
+                "--max-total-tokens and --oasis-host-kv-tokens both set the host KV tier: give one"
+            )
+        extra += ["--max-total-tokens", str(config.host_kv_tokens)]
+    if not given(sglang_argv, "--max-running-requests"):
+        extra += ["--max-running-requests", str(max(1, config.device_kv_tokens // config.working_set_tokens))]
+    for phase in ("decode", "prefill"):  # the backend runs eagerly
+        if not given(sglang_argv, f"--cuda-graph-backend-{phase}"):
+            extra += [f"--cuda-graph-backend-{phase}", "disabled"]
+    return extra
+
+
 def split_argv(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
     """Separate ``--oasis-*`` options (validated into an OasisConfig) from SGLang's arguments."""
     parser = build_oasis_parser()
@@ -103,6 +139,11 @@ def print_help() -> None:
 def prepare(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
     """Everything before SGLang parses its arguments: oasis config, platform, defaults, model path."""
     config, sglang_argv = split_argv(argv)
+    if config.mode == "sparse":
+        try:
+            sglang_argv += sparse_mode_args(sglang_argv, config)
+        except LaunchError as error:
+            build_oasis_parser().error(str(error))
     if wants_cpu(sglang_argv):
         # Both must be in the environment before SGLang is imported: its modules read them at import
         # time, and the server subprocesses (spawned) inherit them.
@@ -131,11 +172,17 @@ def main(argv: Sequence[str] | None = None) -> None:
     from sglang.srt.server_args import prepare_server_args
     from sglang.srt.utils import kill_process_tree
 
-    load_plugins()
+    from sglang_oasis.http_routes import add_oasis_routes
+    from sglang_oasis.stats import OasisStats
+
+    load_plugins()  # registers the oasis attention backend and its CLI choice
     server_args = prepare_server_args(sglang_argv)
+    stats = OasisStats.create(server_args.port)
+    add_oasis_routes(stats)
     try:
         run_server(server_args)
     finally:
+        stats.close()
         kill_process_tree(os.getpid(), include_parent=False)
 
 

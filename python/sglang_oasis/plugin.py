@@ -13,10 +13,24 @@ from sglang_oasis.platform.cpu.import_hook import install_if_cpu_engine
 
 logger = logging.getLogger(__name__)
 
+BACKEND_NAME = "oasis"
+
+
+def register_attention_backend() -> None:
+    """``--attention-backend oasis``: the factory (used in the scheduler) and the CLI choice."""
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES, add_attention_backend_choices
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend as register
+
+    from sglang_oasis.attention.oasis_backend import create_oasis_backend
+
+    register(BACKEND_NAME)(create_oasis_backend)
+    if BACKEND_NAME not in ATTENTION_BACKEND_CHOICES:
+        add_attention_backend_choices([BACKEND_NAME])
+
 
 def load() -> None:
     # Normally already done at interpreter start-up (sglang_oasis_startup.pth); repeated here for
     # environments where site .pth files are skipped (python -S).
     cpu = install_if_cpu_engine()
-    config = OasisConfig.from_env()
-    logger.info("sglang-oasis plugin loaded (cpu stand-in: %s, config: %s)", cpu, config)
+    register_attention_backend()
+    logger.info("sglang-oasis plugin loaded (cpu stand-in: %s, config: %s)", cpu, OasisConfig.from_env())

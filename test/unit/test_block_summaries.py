@@ -95,3 +95,33 @@ def test_top_k_takes_the_best_score_sum(k: int) -> None:
             assert int(chosen.sum()) == take
             # Compare score sums, not indices: ties may pick either block.
             assert torch.isclose(free_scores[chosen].sum(), free_scores.topk(take).values.sum())
+
+
+def dense_attention_loop(query, keys, values, valid, scale):
+    batch, rows, num_q, _ = query.shape
+    num_kv = keys.shape[1]
+    out = torch.zeros_like(query)
+    for b in range(batch):
+        for r in range(rows):
+            for qh in range(num_q):
+                kv = qh // (num_q // num_kv)
+                k = keys[b, kv][valid[b, kv]]
+                v = values[b, kv][valid[b, kv]]
+                p = torch.softmax((k @ query[b, r, qh]) * scale, dim=0)
+                out[b, r, qh] = p @ v
+    return out
+
+
+@pytest.mark.parametrize(("num_q", "num_kv", "rows"), [(4, 4, 1), (9, 3, 2), (7, 1, 1)])
+def test_sparse_decode_attention_matches_loop(num_q: int, num_kv: int, rows: int) -> None:
+    from sgl_kernel_oasis import sparse_decode_attention
+
+    gen = torch.Generator().manual_seed(num_q * 10 + rows)
+    batch, tokens, dim = 3, 37, 16
+    query = torch.randn(batch, rows, num_q, dim, generator=gen)
+    keys = torch.randn(batch, num_kv, tokens, dim, generator=gen)
+    values = torch.randn(batch, num_kv, tokens, dim, generator=gen)
+    valid = torch.rand(batch, num_kv, tokens, generator=gen) > 0.4
+    valid[..., 0] = True
+    got = sparse_decode_attention(query, keys, values, valid, dim**-0.5)
+    torch.testing.assert_close(got, dense_attention_loop(query, keys, values, valid, dim**-0.5))

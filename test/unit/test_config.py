@@ -32,6 +32,7 @@ def test_cli_parses_every_field() -> None:
         ]
     )
     assert config == OasisConfig(mode="dense", cpu_defaults=False, cpu_max_total_tokens=1234)
+    assert OasisConfig().mode == "sparse"
     assert rest == ["--port", "9"]
 
 
@@ -92,3 +93,43 @@ def test_bad_oasis_option_stops_startup_naming_it(argv: list[str], needle: str) 
     )
     assert result.returncode == 2
     assert needle in result.stderr
+
+
+def test_sparse_mode_adds_backend_pages_and_request_cap() -> None:
+    from sglang_oasis.launch_server import sparse_mode_args
+
+    config = OasisConfig(top_k=32, sink_blocks=0, block_size=16, device_kv_tokens=8192, host_kv_tokens=4096)
+    added = sparse_mode_args([], config)
+    assert option_value(added, "--attention-backend") == "oasis"
+    assert option_value(added, "--page-size") == "16"
+    assert option_value(added, "--max-total-tokens") == "4096"
+    assert option_value(added, "--max-running-requests") == str(8192 // (32 * 16))
+    assert option_value(added, "--cuda-graph-backend-decode") == "disabled"
+    explicit = sparse_mode_args(["--max-running-requests", "3", "--page-size", "16"], config)
+    assert not given(explicit, "--page-size") and not given(explicit, "--max-running-requests")
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--attention-backend", "triton"], "--attention-backend triton"),
+        (["--page-size", "32"], "--page-size 32"),
+        (["--max-total-tokens", "100", "--oasis-host-kv-tokens", "200"], "--oasis-host-kv-tokens"),
+    ],
+)
+def test_sparse_mode_rejects_contradicting_options(argv: list[str], needle: str) -> None:
+    result = subprocess.run(
+        [sys.executable, "-m", "sglang_oasis.launch_server", *argv],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 2
+    assert needle in result.stderr
+
+
+def test_dense_layers_parse_and_normalise() -> None:
+    config, _ = split_argv(["--oasis-dense-layers", "3,0,3"])
+    assert config.dense_layers == (0, 3)
+    with pytest.raises(OasisConfigError, match="--oasis-dense-layers"):
+        OasisConfig(dense_layers=(-1,))

@@ -1,0 +1,1 @@
+"""The ``oasis`` attention backend registered with SGLang."""

@@ -1,0 +1,216 @@
+"""SGLang attention backend ``oasis``: dense prefill, sparse decode over per-KV-head working sets.
+
+In sparse mode SGLang's KV pool is the host tier (page size = block size), holding every request's full
+KV; this backend keeps, beside it, the block summaries (``BlockSummaryStore``) and the working sets
+(``WorkingSetPool``) that stand for device memory. Per layer:
+
+- extend (prefill, or a suffix after a prefix hit): dense attention over the pool, exactly as SGLang's
+  torch_native backend; the new keys are folded into the summaries; the last prompt token's query
+  selects the first working set;
+- decode step t: attention over each KV head's working set plus the active tail (tokens after the
+  blocks the selection covered); then the step-t query scores every full block's summary and its
+  top-K becomes the working set for step t+1 (synchronously in this version), loading the blocks that
+  changed from the host tier.
+
+Layers in ``dense_layers`` decode densely. With K at least the number of full blocks every block is
+selected and the output equals dense attention.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import TYPE_CHECKING, Any
+
+import torch
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+from sglang.srt.mem_cache.memory_pool import KVWriteLoc
+
+from sgl_kernel_oasis import score_blocks, select_top_blocks, sparse_decode_attention
+from sglang_oasis.config import OasisConfig
+from sglang_oasis.memory.summary_store import BlockSummaryStore
+from sglang_oasis.memory.working_set import WorkingSetPool
+from sglang_oasis.stats import OasisStats
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+logger = logging.getLogger(__name__)
+
+
+class OasisAttnBackend(TorchNativeAttnBackend):
+    def __init__(self, model_runner: Any, config: OasisConfig) -> None:
+        super().__init__(model_runner)
+        pool = self.token_to_kv_pool
+        self.config = config
+        self.block_size = config.block_size
+        if pool.page_size != self.block_size:
+            raise ValueError(
+                f"oasis backend needs --page-size {self.block_size} (= --oasis-block-size), got {pool.page_size}"
+            )
+        num_layers = pool.layer_num
+        self.num_kv_heads = pool.head_num
+        head_dim = pool.head_dim
+        max_requests = self.req_to_token_pool.req_to_token.shape[0]
+        num_pages = pool.size // self.block_size + 2  # SGLang keeps padding pages past ``size``
+        self.summaries = BlockSummaryStore(
+            num_layers, num_pages, self.num_kv_heads, head_dim, self.block_size, pool.dtype, self.device
+        )
+        self.num_slots = config.top_k + config.sink_blocks
+        self.working_sets = WorkingSetPool(
+            max_requests, num_layers, self.num_kv_heads, head_dim, self.num_slots, self.block_size,
+            pool.dtype, self.device,
+        )  # fmt: skip
+        self.dense_layers = frozenset(config.dense_layers)
+        self.stats = OasisStats.attach(model_runner.server_args.port)
+        self.stats.set("host_tokens_capacity", int(pool.size))
+        self.stats.set("device_working_set_bytes", self.working_sets.nbytes)
+        self.stats.set("device_summary_bytes", self.summaries.nbytes)
+        self.allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
+        self.step = 0
+        self._reqs: list[int] = []
+        # Gauges change when requests finish, which no forward pass sees while the server is idle.
+        self._gauge_thread = threading.Thread(target=self._refresh_gauges, name="oasis-gauges", daemon=True)
+        self._gauge_thread.start()
+        logger.info(
+            "oasis sparse KV: block %d, top-k %d, sinks %d, dense layers %s; working sets %.1f MiB for %d "
+            "request slots, summaries %.1f MiB",
+            self.block_size, config.top_k, config.sink_blocks, sorted(self.dense_layers) or "none",
+            self.working_sets.nbytes / 2**20, max_requests, self.summaries.nbytes / 2**20,
+        )  # fmt: skip
+
+    # --- per forward batch ------------------------------------------------------------------------
+
+    def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
+        super().init_forward_metadata(forward_batch)
+        mode = forward_batch.forward_mode
+        self._reqs = forward_batch.req_pool_indices.tolist()
+        if mode.is_extend():
+            generations = self.req_to_token_pool.req_generation[self._reqs].tolist()
+            for req, generation in zip(self._reqs, generations, strict=True):
+                if self.working_sets.claim(req, int(generation)):
+                    self.stats.add("requests")
+        elif mode.is_decode():
+            self.step += 1
+            self.stats.add("decode_steps")
+
+    def _live_requests(self) -> list[int]:
+        free = set(self.req_to_token_pool.free_slots)
+        return [
+            req for req, owner in enumerate(self.working_sets.owner) if owner is not None and req not in free
+        ]
+
+    def _refresh_gauges(self, period_s: float = 0.5) -> None:
+        while True:
+            try:
+                live = self._live_requests()
+                self.stats.set("running_requests", len(live))
+                self.stats.set(
+                    "device_working_set_tokens", self.working_sets.resident_blocks(live) * self.block_size
+                )
+                if self.allocator is not None:
+                    used = self.token_to_kv_pool.size - self.allocator.available_size()
+                    self.stats.set("host_tokens_used", int(used))
+            except Exception:  # a gauge is not worth a crash; read again next period
+                logger.debug("oasis gauge refresh failed", exc_info=True)
+            time.sleep(period_s)
+
+    # --- attention -------------------------------------------------------------------------------
+
+    def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):
+        out = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
+        if layer.is_cross_attention:
+            return out
+        layer_id = layer.layer_id
+        if k is not None and save_kv_cache:
+            self._summarise(layer, forward_batch, k)
+        if layer_id in self.dense_layers:
+            return out
+        q_rows = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        last = torch.cumsum(forward_batch.extend_seq_lens, 0) - 1  # last new token of each request
+        self._select(layer, q_rows[last], forward_batch.seq_lens.tolist())
+        return out
+
+    def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):
+        layer_id = layer.layer_id
+        if layer.is_cross_attention or layer_id in self.dense_layers:
+            out = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+            if k is not None and save_kv_cache and not layer.is_cross_attention:
+                self._summarise(layer, forward_batch, k)
+            return out
+        pool = self.token_to_kv_pool
+        if save_kv_cache and k is not None and v is not None:
+            pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
+            self._summarise(layer, forward_batch, k)
+        q_rows = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        seq_lens = forward_batch.seq_lens.tolist()
+        keys, values, valid = self._decode_token_sets(layer_id, seq_lens)
+        out = sparse_decode_attention(q_rows[:, None], keys, values, valid, layer.scaling)[:, 0]
+        self._select(layer, q_rows, seq_lens)
+        return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _summarise(self, layer: RadixAttention, forward_batch: ForwardBatch, k: torch.Tensor) -> None:
+        self.summaries.update(
+            layer.layer_id, forward_batch.out_cache_loc, k.reshape(-1, self.num_kv_heads, layer.qk_head_dim)
+        )
+
+    def _decode_token_sets(self, layer_id: int, seq_lens: list[int]) -> tuple[torch.Tensor, ...]:
+        """Working set (in block order) followed by the active tail, per request and KV head."""
+        reqs = torch.tensor(self._reqs, dtype=torch.int64)
+        ws_keys, ws_values, ws_valid = self.working_sets.gather(reqs, layer_id)
+        covered = self.working_sets.covered[reqs, layer_id].tolist()
+        starts = [c * self.block_size for c in covered]
+        tail_len = max(end - start for start, end in zip(starts, seq_lens, strict=True))
+        req_to_token = self.req_to_token_pool.req_to_token
+        locations = torch.zeros((len(seq_lens), tail_len), dtype=torch.int64)
+        tail_valid = torch.zeros((len(seq_lens), tail_len), dtype=torch.bool)
+        for i, (req, start, end) in enumerate(zip(self._reqs, starts, seq_lens, strict=True)):
+            locations[i, : end - start] = req_to_token[req, start:end]
+            tail_valid[i, : end - start] = True
+        pool = self.token_to_kv_pool
+        tail_keys = pool.get_key_buffer(layer_id)[locations].transpose(1, 2)  # [bs, H, tail, D]
+        tail_values = pool.get_value_buffer(layer_id)[locations].transpose(1, 2)
+        heads = ws_keys.shape[1]
+        keys = torch.cat([ws_keys, tail_keys.to(ws_keys.dtype)], dim=2)
+        values = torch.cat([ws_values, tail_values.to(ws_values.dtype)], dim=2)
+        valid = torch.cat([ws_valid, tail_valid[:, None, :].expand(-1, heads, -1)], dim=2)
+        return keys, values, valid
+
+    # --- selection -------------------------------------------------------------------------------
+
+    def _select(self, layer: RadixAttention, queries: torch.Tensor, seq_lens: list[int]) -> None:
+        """Choose each request's working set for the next step from ``queries`` ``[bs, q_heads, dim]``."""
+        layer_id = layer.layer_id
+        pool = self.token_to_kv_pool
+        k_buffer, v_buffer = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
+        req_to_token = self.req_to_token_pool.req_to_token
+        block = self.block_size
+        for i, (req, seq_len) in enumerate(zip(self._reqs, seq_lens, strict=True)):
+            full_blocks = seq_len // block
+            table = self.working_sets.table(req, layer_id)
+            self.working_sets.covered[req, layer_id] = full_blocks
+            if full_blocks == 0:
+                continue
+            pages = req_to_token[req, 0 : full_blocks * block : block].to(torch.int64) // block
+            if full_blocks <= self.num_slots:
+                selected = [set(range(full_blocks))] * self.num_kv_heads
+            else:
+                kmin, kmax = self.summaries.lookup(layer_id, pages)
+                scores = score_blocks(queries[i : i + 1], kmin, kmax)
+                always = torch.zeros(full_blocks, dtype=torch.bool)
+                always[: self.config.sink_blocks] = True
+                mask = select_top_blocks(scores, self.config.top_k, always)[0]
+                selected = [set(row.nonzero().flatten().tolist()) for row in mask]
+            loads = table.apply_selection(selected, self.step)
+            moved = self.working_sets.load(req, layer_id, loads, pages, k_buffer, v_buffer)
+            self.stats.add("selections")
+            self.stats.add("selection_changes", len(loads))
+            self.stats.add("blocks_loaded", len(loads))
+            self.stats.add("bytes_host_to_device", moved)
+
+
+def create_oasis_backend(model_runner: Any) -> OasisAttnBackend:
+    config = OasisConfig.from_env() or OasisConfig()
+    return OasisAttnBackend(model_runner, config)

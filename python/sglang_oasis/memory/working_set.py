@@ -1,0 +1,107 @@
+"""Device-resident working sets: per request slot, layer and KV head, ``num_slots`` blocks of B tokens.
+
+    k[req, layer, head, slot] : [B, head_dim]   (v alike)
+    slot_block[req, layer, head, slot]          logical block index mirrored by the slot (EMPTY if none)
+    last_selected[req, layer, head, slot]       decode step of its last selection (for LRU eviction)
+    covered[req, layer]                         full blocks the last selection was made over; tokens
+                                                from covered * B on are the active tail, read directly
+
+Request slots are SGLang's ``req_pool_indices``; a slot is reset when a new request takes it (SGLang
+bumps the slot's generation on every allocation; the owner key is that generation).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_oasis.memory.headwise_map import EMPTY, HeadwiseMap, Load
+
+
+class WorkingSetPool:
+    def __init__(
+        self,
+        max_requests: int,
+        num_layers: int,
+        num_kv_heads: int,
+        head_dim: int,
+        num_slots: int,
+        block_size: int,
+        dtype: torch.dtype,
+        device: torch.device | str,
+    ) -> None:
+        self.block_size = block_size
+        self.num_slots = num_slots
+        shape = (max_requests, num_layers, num_kv_heads, num_slots, block_size, head_dim)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        table_shape = (max_requests, num_layers, num_kv_heads, num_slots)
+        self.slot_block = torch.full(table_shape, EMPTY, dtype=torch.int64)
+        self.last_selected = torch.full(table_shape, EMPTY, dtype=torch.int64)
+        self.covered = torch.zeros((max_requests, num_layers), dtype=torch.int64)
+        self.owner: list[int | None] = [None] * max_requests
+        self._block_offsets = torch.arange(block_size, device=device)
+
+    @property
+    def nbytes(self) -> int:
+        return self.k.numel() * self.k.element_size() * 2
+
+    @property
+    def bytes_per_block(self) -> int:
+        """Bytes of K and V for one block of one KV head."""
+        return self.block_size * self.k.shape[-1] * self.k.element_size() * 2
+
+    def table(self, req: int, layer: int) -> HeadwiseMap:
+        return HeadwiseMap.over(self.slot_block[req, layer], self.last_selected[req, layer])
+
+    def claim(self, req: int, owner: int) -> bool:
+        """Give the slot to ``owner``; clears it if it held another. Returns True if it was cleared."""
+        if self.owner[req] == owner:
+            return False
+        self.owner[req] = owner
+        self.slot_block[req].fill_(EMPTY)
+        self.last_selected[req].fill_(EMPTY)
+        self.covered[req].zero_()
+        return True
+
+    def resident_blocks(self, reqs: list[int]) -> int:
+        """Occupied (layer, head, slot) entries of the given request slots."""
+        return int((self.slot_block[reqs] != EMPTY).sum())
+
+    def load(
+        self,
+        req: int,
+        layer: int,
+        loads: list[Load],
+        block_pages: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+    ) -> int:
+        """Copy each load's host block into its slot; returns the bytes moved.
+
+        ``block_pages[b]`` is the host page holding the request's logical block b; ``k_buffer`` and
+        ``v_buffer`` are the host tier's ``[pool_tokens, kv_heads, head_dim]`` tensors for this layer.
+        """
+        if not loads:
+            return 0
+        heads = torch.tensor([ld.head for ld in loads], dtype=torch.int64)
+        slots = torch.tensor([ld.slot for ld in loads], dtype=torch.int64)
+        blocks = torch.tensor([ld.block for ld in loads], dtype=torch.int64)
+        tokens = block_pages[blocks][:, None] * self.block_size + self._block_offsets  # [n, B]
+        self.k[req, layer, heads, slots] = k_buffer[tokens, heads[:, None]].to(self.k.dtype)
+        self.v[req, layer, heads, slots] = v_buffer[tokens, heads[:, None]].to(self.v.dtype)
+        return len(loads) * self.bytes_per_block
+
+    def gather(self, reqs: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Working sets of a batch in block order: keys, values ``[bs, heads, slots * B, dim]`` and valid.
+
+        Slots are sorted by the block they hold (empty slots last), so with every block resident the
+        tokens appear in sequence order, exactly as dense attention sees them.
+        """
+        blocks = self.slot_block[reqs, layer]  # [bs, H, S]
+        order = torch.where(blocks == EMPTY, torch.iinfo(torch.int64).max, blocks).argsort(dim=-1)
+        bs, heads, slots = blocks.shape
+        index = order[..., None, None].expand(bs, heads, slots, self.block_size, self.k.shape[-1])
+        keys = self.k[reqs, layer].gather(2, index).flatten(2, 3)
+        values = self.v[reqs, layer].gather(2, index).flatten(2, 3)
+        valid = (blocks.gather(-1, order) != EMPTY)[..., None].expand(bs, heads, slots, self.block_size)
+        return keys, values, valid.flatten(2, 3)

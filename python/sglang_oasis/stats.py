@@ -1,0 +1,90 @@
+"""sglang-oasis counters, shared between SGLang's scheduler process (which counts) and the HTTP process
+(which serves ``GET /oasis/stats`` and Prometheus metrics).
+
+The counters live in a small POSIX shared-memory block named after the server's port; the launcher
+creates it before SGLang starts (and removes it at exit), the attention backend attaches to it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from multiprocessing import resource_tracker, shared_memory
+
+import numpy as np
+
+# name -> help. Counters only grow; gauges are current values.
+COUNTERS = {
+    "requests": "requests admitted in sparse mode",
+    "decode_steps": "decode forward passes",
+    "selections": "(request, layer) block selections made",
+    "selection_changes": "blocks newly selected into a working set (the sum over selections)",
+    "blocks_loaded": "blocks copied host -> device (one block of one KV head counts once)",
+    "bytes_host_to_device": "bytes copied host -> device into working sets",
+}
+GAUGES = {
+    "host_tokens_used": "tokens of the host KV tier in use",
+    "host_tokens_capacity": "tokens the host KV tier holds",
+    "device_working_set_tokens": "tokens resident in device working sets (summed over layers and KV heads)",
+    "device_working_set_bytes": "bytes reserved for device working sets",
+    "device_summary_bytes": "bytes of block summaries in device memory",
+    "running_requests": "requests holding a working set",
+}
+FIELDS = (*COUNTERS, *GAUGES)
+
+
+def shm_name(port: int) -> str:
+    return f"sglang_oasis_stats_{port}"
+
+
+class OasisStats:
+    """Named int64 counters over a shared-memory block (or process-local memory when ``name`` is None)."""
+
+    def __init__(self, shm: shared_memory.SharedMemory | None, owner: bool) -> None:
+        self._shm = shm
+        self._owner = owner
+        buffer = shm.buf if shm is not None else bytearray(8 * len(FIELDS))
+        self._values = np.ndarray((len(FIELDS),), dtype=np.int64, buffer=buffer)
+        self._index = {name: i for i, name in enumerate(FIELDS)}
+
+    @classmethod
+    def create(cls, port: int) -> OasisStats:
+        with contextlib.suppress(FileNotFoundError):  # a stale block from a killed server on this port
+            stale = shared_memory.SharedMemory(name=shm_name(port))
+            stale.close()
+            stale.unlink()
+        shm = shared_memory.SharedMemory(name=shm_name(port), create=True, size=8 * len(FIELDS))
+        stats = cls(shm, owner=True)
+        stats._values[:] = 0
+        return stats
+
+    @classmethod
+    def attach(cls, port: int) -> OasisStats:
+        """Attach to the launcher's block; falls back to local counters if there is none (offline Engine)."""
+        try:
+            shm = shared_memory.SharedMemory(name=shm_name(port))
+        except FileNotFoundError:
+            return cls(None, owner=False)
+        # Attaching registers the block with this process's resource tracker, which would unlink it when
+        # this process exits; the launcher owns it.
+        with contextlib.suppress(Exception):
+            resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
+        return cls(shm, owner=False)
+
+    def add(self, name: str, value: int = 1) -> None:
+        self._values[self._index[name]] += value
+
+    def set(self, name: str, value: int) -> None:
+        self._values[self._index[name]] = value
+
+    def snapshot(self) -> dict[str, int]:
+        return {name: int(self._values[i]) for name, i in self._index.items()}
+
+    def close(self) -> None:
+        if self._shm is None:
+            return
+        del self._values
+        self._shm.close()
+        if self._owner:
+            with contextlib.suppress(FileNotFoundError):
+                self._shm.unlink()
+        self._shm = None

@@ -1,0 +1,85 @@
+"""Sparse mode with K covering every block gives exactly dense greedy output (fp32), under concurrency."""
+
+from __future__ import annotations
+
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+import torch
+
+from sglang_oasis.testing.server_process import ServerProcess
+
+pytestmark = pytest.mark.server
+
+# Several lengths, most not multiples of the 16-token block, sent concurrently.
+PROMPT_LENGTHS = [5, 16, 17, 100, 333, 1000]
+NEW_TOKENS = 24
+
+
+def prompts(seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def greedy(server: ServerProcess, input_ids: list[int]) -> list[int]:
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+    }
+    response = requests.post(server.url + "/generate", json=body, timeout=300)
+    assert response.status_code == 200, response.text
+    return response.json()["output_ids"]
+
+
+def concurrently(server: ServerProcess, batch: list[list[int]]) -> list[list[int]]:
+    with ThreadPoolExecutor(len(batch)) as pool:
+        return list(pool.map(lambda ids: greedy(server, ids), batch))
+
+
+def stats(server: ServerProcess) -> dict[str, int]:
+    return requests.get(server.url + "/oasis/stats", timeout=30).json()
+
+
+def test_tiny_qwen3_sparse_equals_dense(
+    tiny_qwen3_server: ServerProcess, tiny_qwen3_sparse_server: ServerProcess
+) -> None:
+    batch = prompts(seed=1)
+    assert concurrently(tiny_qwen3_sparse_server, batch) == concurrently(tiny_qwen3_server, batch)
+
+
+def test_smollm2_sparse_equals_dense(
+    smollm2_dense_server: ServerProcess, smollm2_sparse_server: ServerProcess
+) -> None:
+    batch = prompts(seed=2)
+    assert concurrently(smollm2_sparse_server, batch) == concurrently(smollm2_dense_server, batch)
+
+
+def test_stats_count_the_sparse_work(tiny_qwen3_sparse_server: ServerProcess) -> None:
+    before = stats(tiny_qwen3_sparse_server)
+    assert before["mode"] == "sparse"
+    prompt = prompts(seed=3)[4]  # 333 tokens: 20 full blocks
+    greedy(tiny_qwen3_sparse_server, prompt)
+    after = stats(tiny_qwen3_sparse_server)
+    assert after["requests"] == before["requests"] + 1
+    assert after["decode_steps"] - before["decode_steps"] == NEW_TOKENS - 1
+    loaded = after["blocks_loaded"] - before["blocks_loaded"]
+    # Prefill loads every full block of every layer and KV head (4 layers x 2 heads x 20 blocks); decode
+    # adds the blocks that fill up along the way (356 tokens: 22 full blocks at the end).
+    assert loaded == 4 * 2 * 22
+    bytes_per_block = 16 * 64 * 4 * 2  # tokens x head_dim x fp32 x (K and V)
+    assert after["bytes_host_to_device"] - before["bytes_host_to_device"] == loaded * bytes_per_block
+    assert after["host_tokens_capacity"] == 16384
+
+
+def test_gauges_return_to_zero_when_requests_end(tiny_qwen3_sparse_server: ServerProcess) -> None:
+    concurrently(tiny_qwen3_sparse_server, prompts(seed=4)[:3])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:
+        current = stats(tiny_qwen3_sparse_server)
+        if current["running_requests"] == 0 and current["device_working_set_tokens"] == 0:
+            break
+        time.sleep(0.2)
+    assert current["running_requests"] == 0
+    assert current["device_working_set_tokens"] == 0

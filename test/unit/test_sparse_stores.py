@@ -1,0 +1,64 @@
+"""The paged summary store and the working-set pool against plain references."""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_kernel_oasis import build_block_summaries
+from sglang_oasis.memory.headwise_map import Load
+from sglang_oasis.memory.summary_store import BlockSummaryStore
+from sglang_oasis.memory.working_set import WorkingSetPool
+
+B = 4
+
+
+def test_summary_store_matches_per_block_summaries_across_pages_and_appends() -> None:
+    gen = torch.Generator().manual_seed(0)
+    store = BlockSummaryStore(1, 10, 2, 3, B, torch.float32, "cpu")
+    # A request whose 11 tokens live in pages 7, 2, 5 (pool locations page*B + offset).
+    pages = [7, 2, 5]
+    locations = torch.tensor([pages[t // B] * B + t % B for t in range(11)])
+    keys = torch.randn(11, 2, 3, generator=gen)
+    store.update(0, locations[:6], keys[:6])  # prefill of 6 tokens
+    store.update(0, locations[6:7], keys[6:7])  # then decode appends, one token at a time
+    for t in range(7, 11):
+        store.update(0, locations[t : t + 1], keys[t : t + 1])
+    want_min, want_max = build_block_summaries(keys, B)
+    got_min, got_max = store.lookup(0, torch.tensor(pages))
+    assert torch.equal(got_min, want_min) and torch.equal(got_max, want_max)
+
+
+def test_recycled_page_forgets_its_previous_owner() -> None:
+    store = BlockSummaryStore(1, 4, 1, 2, B, torch.float32, "cpu")
+    store.update(0, torch.tensor([4, 5, 6, 7]), torch.full((4, 1, 2), 100.0))
+    store.update(0, torch.tensor([4]), torch.ones(1, 1, 2))  # page 1 reused from offset 0
+    kmin, kmax = store.lookup(0, torch.tensor([1]))
+    assert torch.equal(kmax, torch.ones(1, 1, 2)) and torch.equal(kmin, torch.ones(1, 1, 2))
+
+
+def test_working_set_loads_blocks_and_gathers_them_in_block_order() -> None:
+    gen = torch.Generator().manual_seed(1)
+    pool_k = torch.randn(40, 2, 3, generator=gen)  # host tier: 10 pages of B tokens
+    pool_v = torch.randn(40, 2, 3, generator=gen)
+    ws = WorkingSetPool(max_requests=2, num_layers=1, num_kv_heads=2, head_dim=3, num_slots=3,
+                        block_size=B, dtype=torch.float32, device="cpu")  # fmt: skip
+    block_pages = torch.tensor([9, 3, 6, 0])  # the request's logical blocks 0..3
+    table = ws.table(1, 0)
+    loads = table.apply_selection([{2, 0}, {3}], step=0)
+    moved = ws.load(1, 0, loads, block_pages, pool_k, pool_v)
+    assert moved == len(loads) * B * 3 * 4 * 2
+    keys, values, valid = ws.gather(torch.tensor([1]), 0)
+    assert keys.shape == (1, 2, 3 * B, 3)
+    # head 0 holds blocks 0 and 2 (pages 9 and 6), in block order, then an empty slot
+    want0 = torch.cat([pool_k[36:40, 0], pool_k[24:28, 0]])
+    assert torch.equal(keys[0, 0, : 2 * B], want0) and valid[0, 0].tolist() == [True] * 8 + [False] * 4
+    assert torch.equal(values[0, 1, :B], pool_v[0:4, 1]) and int(valid[0, 1].sum()) == B
+    assert ws.claim(1, owner=5) and not ws.claim(1, owner=5)
+    assert ws.resident_blocks([1]) == 0
+
+
+def test_load_copies_exactly_the_planned_slots() -> None:
+    pool_k = torch.arange(8 * 1 * 2, dtype=torch.float32).view(8, 1, 2)
+    ws = WorkingSetPool(1, 1, 1, 2, 2, B, torch.float32, "cpu")
+    ws.load(0, 0, [Load(0, 1, 1)], torch.tensor([0, 1]), pool_k, pool_k)
+    assert torch.equal(ws.k[0, 0, 0, 1], pool_k[4:8, 0]) and torch.equal(ws.k[0, 0, 0, 0], torch.zeros(B, 2))
