@@ -125,3 +125,15 @@ def test_sparse_decode_attention_matches_loop(num_q: int, num_kv: int, rows: int
     valid[..., 0] = True
     got = sparse_decode_attention(query, keys, values, valid, dim**-0.5)
     torch.testing.assert_close(got, dense_attention_loop(query, keys, values, valid, dim**-0.5))
+
+
+def test_batched_scores_match_one_request_at_a_time() -> None:
+    from sgl_kernel_oasis import score_blocks_batched
+
+    gen = torch.Generator().manual_seed(5)
+    query = torch.randn(3, 9, 16, generator=gen)
+    kmin = torch.randn(3, 11, 3, 16, generator=gen)
+    kmax = kmin + torch.rand(3, 11, 3, 16, generator=gen)
+    got = score_blocks_batched(query, kmin, kmax)
+    for b in range(3):
+        torch.testing.assert_close(got[b], score_blocks(query[b : b + 1], kmin[b], kmax[b])[0])

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from sgl_kernel_oasis import build_block_summaries
-from sglang_oasis.memory.headwise_map import Load
+from sglang_oasis.memory.headwise_map import HeadwiseMap, Load
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.memory.working_set import WorkingSetPool
 
@@ -62,3 +64,42 @@ def test_load_copies_exactly_the_planned_slots() -> None:
     ws = WorkingSetPool(1, 1, 1, 2, 2, B, torch.float32, "cpu")
     ws.load(0, 0, [Load(0, 1, 1)], torch.tensor([0, 1]), pool_k, pool_k)
     assert torch.equal(ws.k[0, 0, 0, 1], pool_k[4:8, 0]) and torch.equal(ws.k[0, 0, 0, 0], torch.zeros(B, 2))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=st.lists(
+        st.lists(
+            st.lists(st.sets(st.integers(0, 9), max_size=3), min_size=2, max_size=2), min_size=3, max_size=3
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_batched_selection_matches_the_per_head_reference(steps: list[list[list[set[int]]]]) -> None:
+    """apply_selections (tensor ops over a batch) plans exactly what HeadwiseMap does head by head."""
+    num_blocks, heads, slots = 10, 2, 3
+    gen = torch.Generator().manual_seed(len(steps))
+    pool_k = torch.randn(4 * 16, heads, 2, generator=gen)  # 16 host pages of B tokens
+    ws = WorkingSetPool(4, 1, heads, 2, slots, B, torch.float32, "cpu")
+    reference = {req: HeadwiseMap(heads, slots) for req in (0, 2, 3)}
+    reqs = torch.tensor([0, 2, 3])
+    pages = torch.stack([torch.randperm(16, generator=gen)[:num_blocks] for _ in range(3)])
+    for step, per_request in enumerate(steps):
+        selected = torch.zeros(3, heads, num_blocks, dtype=torch.bool)
+        for i, per_head in enumerate(per_request):
+            for h, chosen in enumerate(per_head):
+                selected[i, h, sorted(chosen)] = True
+        loads = ws.apply_selections(reqs, 0, selected, pages, step, pool_k, pool_k)
+        expected_loads = 0
+        for i, req in enumerate(reqs.tolist()):
+            expected_loads += len(reference[req].apply_selection(per_request[i], step))
+            assert torch.equal(ws.slot_block[req, 0], reference[req].slot_block)
+            assert torch.equal(ws.last_selected[req, 0], reference[req].last_selected)
+            for h in range(heads):  # every resident block's tokens are the right host page's
+                for s in range(slots):
+                    block = reference[req].block_at(h, s)
+                    if block is not None:
+                        page = int(pages[i, block])
+                        assert torch.equal(ws.k[req, 0, h, s], pool_k[page * B : (page + 1) * B, h])
+        assert loads == expected_loads

@@ -27,7 +27,7 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sgl_kernel_oasis import score_blocks, select_top_blocks, sparse_decode_attention
+from sgl_kernel_oasis import score_blocks_batched, sparse_decode_attention
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.memory.working_set import WorkingSetPool
@@ -181,34 +181,47 @@ class OasisAttnBackend(TorchNativeAttnBackend):
     # --- selection -------------------------------------------------------------------------------
 
     def _select(self, layer: RadixAttention, queries: torch.Tensor, seq_lens: list[int]) -> None:
-        """Choose each request's working set for the next step from ``queries`` ``[bs, q_heads, dim]``."""
+        """Choose each request's working set for the next step from ``queries`` ``[bs, q_heads, dim]``.
+
+        Requests with at most ``top_k + sink_blocks`` full blocks keep all of them; the others keep
+        their sink blocks plus the top-K blocks by summary score, per KV head.
+        """
         layer_id = layer.layer_id
-        pool = self.token_to_kv_pool
-        k_buffer, v_buffer = pool.get_key_buffer(layer_id), pool.get_value_buffer(layer_id)
-        req_to_token = self.req_to_token_pool.req_to_token
         block = self.block_size
-        for i, (req, seq_len) in enumerate(zip(self._reqs, seq_lens, strict=True)):
-            full_blocks = seq_len // block
-            table = self.working_sets.table(req, layer_id)
-            self.working_sets.covered[req, layer_id] = full_blocks
-            if full_blocks == 0:
-                continue
-            pages = req_to_token[req, 0 : full_blocks * block : block].to(torch.int64) // block
-            if full_blocks <= self.num_slots:
-                selected = [set(range(full_blocks))] * self.num_kv_heads
-            else:
-                kmin, kmax = self.summaries.lookup(layer_id, pages)
-                scores = score_blocks(queries[i : i + 1], kmin, kmax)
-                always = torch.zeros(full_blocks, dtype=torch.bool)
-                always[: self.config.sink_blocks] = True
-                mask = select_top_blocks(scores, self.config.top_k, always)[0]
-                selected = [set(row.nonzero().flatten().tolist()) for row in mask]
-            loads = table.apply_selection(selected, self.step)
-            moved = self.working_sets.load(req, layer_id, loads, pages, k_buffer, v_buffer)
-            self.stats.add("selections")
-            self.stats.add("selection_changes", len(loads))
-            self.stats.add("blocks_loaded", len(loads))
-            self.stats.add("bytes_host_to_device", moved)
+        reqs = torch.tensor(self._reqs, dtype=torch.int64)
+        full = torch.tensor(seq_lens, dtype=torch.int64) // block
+        self.working_sets.covered[reqs, layer_id] = full
+        num_blocks = int(full.max()) if len(seq_lens) else 0
+        if num_blocks == 0:
+            return
+        req_to_token = self.req_to_token_pool.req_to_token
+        pages = req_to_token[reqs, 0 : num_blocks * block : block].to(torch.int64) // block  # [bs, N]
+        index = torch.arange(num_blocks)
+        valid = index[None, :] < full[:, None]  # [bs, N]
+        selected = valid[:, None, :].expand(-1, self.num_kv_heads, -1).clone()
+        over = full > self.num_slots
+        if bool(over.any()):
+            kmin, kmax = self.summaries.lookup(layer_id, pages[over])
+            scores = score_blocks_batched(queries[over], kmin, kmax)  # [n, H, N]
+            sinks = (index < self.config.sink_blocks)[None, None, :]
+            scores = scores.masked_fill(~valid[over][:, None, :] | sinks, float("-inf"))
+            top = scores.topk(self.config.top_k, dim=-1).indices
+            chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True)
+            selected[over] = chosen | (sinks & valid[over][:, None, :])
+        pool = self.token_to_kv_pool
+        loads = self.working_sets.apply_selections(
+            reqs,
+            layer_id,
+            selected,
+            pages,
+            self.step,
+            pool.get_key_buffer(layer_id),
+            pool.get_value_buffer(layer_id),
+        )
+        self.stats.add("selections", len(seq_lens))
+        self.stats.add("selection_changes", loads)
+        self.stats.add("blocks_loaded", loads)
+        self.stats.add("bytes_host_to_device", loads * self.working_sets.bytes_per_block)
 
 
 def create_oasis_backend(model_runner: Any) -> OasisAttnBackend:

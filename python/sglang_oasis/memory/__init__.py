@@ -1,1 +1,2 @@
-"""Memory tiers: the host-memory block pool holding full KV, and the device working-set mapping."""
+"""Memory tiers: block summaries, the head-wise mapping and the device working sets beside SGLang's
+KV pool (which is the host tier in sparse mode)."""

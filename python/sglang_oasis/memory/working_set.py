@@ -91,6 +91,58 @@ class WorkingSetPool:
         self.v[req, layer, heads, slots] = v_buffer[tokens, heads[:, None]].to(self.v.dtype)
         return len(loads) * self.bytes_per_block
 
+    def apply_selections(
+        self,
+        reqs: torch.Tensor,
+        layer: int,
+        selected: torch.Tensor,
+        block_pages: torch.Tensor,
+        step: int,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+    ) -> int:
+        """:meth:`HeadwiseMap.apply_selection` for a whole batch in tensor ops, plus the copies.
+
+        Args:
+            reqs: ``[bs]`` request slots.
+            selected: ``[bs, kv_heads, N]`` bool, the blocks each head must hold (at most ``num_slots``).
+            block_pages: ``[bs, N]`` host page of each logical block (entries past a request's blocks
+                are ignored).
+            step: decode step, recorded as the last selection of every selected block.
+
+        Returns the number of blocks loaded. Same plan as the per-head reference: kept blocks stay in
+        their slots; missing blocks, in ascending order, go to free slots first (in slot order), then
+        to slots of unselected blocks, least recently selected first.
+        """
+        bs, heads, num_blocks = selected.shape
+        blocks = self.slot_block[reqs, layer]  # [bs, H, S]
+        last = self.last_selected[reqs, layer]
+        occupied = blocks != EMPTY
+        holds_selected = occupied & selected.gather(-1, blocks.clamp(0, num_blocks - 1))
+        resident = torch.zeros((bs, heads, num_blocks + 1), dtype=torch.bool)
+        resident.scatter_(-1, torch.where(occupied, blocks, num_blocks), True)
+        missing = selected & ~resident[..., :num_blocks]
+        # Victim order: free slots (key -1), then unselected blocks by last selection; kept slots last.
+        key = torch.where(occupied, last, -1)
+        key = torch.where(holds_selected, torch.iinfo(torch.int64).max, key)
+        victims = key.sort(dim=-1, stable=True).indices
+        missing_first = (~missing).to(torch.int8).sort(dim=-1, stable=True).indices  # ascending ids
+        ranks = min(self.num_slots, num_blocks)
+        take = torch.arange(ranks) < missing.sum(-1, keepdim=True)  # [bs, H, ranks]
+        b_idx, h_idx, r_idx = take.nonzero(as_tuple=True)
+        slots = victims[b_idx, h_idx, r_idx]
+        new = missing_first[b_idx, h_idx, r_idx]
+        blocks[b_idx, h_idx, slots] = new
+        now_selected = (blocks != EMPTY) & selected.gather(-1, blocks.clamp(0, num_blocks - 1))
+        self.slot_block[reqs, layer] = blocks
+        self.last_selected[reqs, layer] = torch.where(now_selected, step, last)
+        if new.numel():
+            req_ids = reqs[b_idx]
+            tokens = block_pages[b_idx, new][:, None] * self.block_size + self._block_offsets
+            self.k[req_ids, layer, h_idx, slots] = k_buffer[tokens, h_idx[:, None]].to(self.k.dtype)
+            self.v[req_ids, layer, h_idx, slots] = v_buffer[tokens, h_idx[:, None]].to(self.v.dtype)
+        return int(new.numel())
+
     def gather(self, reqs: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Working sets of a batch in block order: keys, values ``[bs, heads, slots * B, dim]`` and valid.
 

@@ -39,6 +39,28 @@ def score_blocks(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) ->
     return bound.sum(dim=2)
 
 
+def score_blocks_batched(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """``score_blocks`` for a batch of requests with one query row each.
+
+    Args:
+        query: ``[batch, num_q_heads, head_dim]``.
+        kmin, kmax: ``[batch, num_blocks, num_kv_heads, head_dim]`` (padding blocks score anything;
+            callers mask them).
+
+    Returns:
+        ``[batch, num_kv_heads, num_blocks]`` float32 scores.
+    """
+    assert query.dim() == 3 and kmin.dim() == 4 and kmin.shape == kmax.shape, (query.shape, kmin.shape)
+    batch, num_q_heads, head_dim = query.shape
+    _, _, num_kv_heads, kv_dim = kmin.shape
+    assert kv_dim == head_dim and num_q_heads % num_kv_heads == 0, (query.shape, kmin.shape)
+    group = num_q_heads // num_kv_heads
+    q = query.float().view(batch, num_kv_heads, group, 1, head_dim)
+    lo = kmin.float().permute(0, 2, 1, 3)[:, :, None]  # [batch, kv_heads, 1, blocks, dim]
+    hi = kmax.float().permute(0, 2, 1, 3)[:, :, None]
+    return torch.maximum(q * lo, q * hi).sum(dim=-1).sum(dim=2)
+
+
 def select_top_blocks(scores: torch.Tensor, k: int, always: torch.Tensor | None = None) -> torch.Tensor:
     """The ``k`` best blocks per (row, KV head), plus blocks that must always be resident.
 

