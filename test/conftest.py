@@ -66,8 +66,12 @@ def tiny_qwen3_server(
 def tiny_qwen3_sparse_server(
     tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    """Sparse on the tiny Qwen3 with K = 64 blocks: covers every block of prompts up to 1024 tokens."""
-    args = ["--model-path", str(tiny_qwen3_dir), "--oasis-top-k", "64", *FP32, *SPARSE_SMALL]
+    """Sparse on the tiny Qwen3 with K = 64 blocks (covers every block of prompts up to 1024 tokens), a
+    6144-token host tier (smaller than the model's 8192-token context) and Prometheus metrics."""
+    args = [
+        "--model-path", str(tiny_qwen3_dir), "--oasis-top-k", "64", *FP32, "--enable-metrics",
+        "--oasis-host-kv-tokens", "6144", "--oasis-device-kv-tokens", "16384",
+    ]  # fmt: skip
     yield from _serve(args, "tiny-qwen3-sparse", tmp_path_factory)
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 from multiprocessing import resource_tracker, shared_memory
+from typing import Any
 
 import numpy as np
 
@@ -45,6 +46,7 @@ class OasisStats:
         buffer = shm.buf if shm is not None else bytearray(8 * len(FIELDS))
         self._values = np.ndarray((len(FIELDS),), dtype=np.int64, buffer=buffer)
         self._index = {name: i for i, name in enumerate(FIELDS)}
+        self._gauges: dict[str, Any] | None = None
 
     @classmethod
     def create(cls, port: int) -> OasisStats:
@@ -78,6 +80,22 @@ class OasisStats:
 
     def snapshot(self) -> dict[str, int]:
         return {name: int(self._values[i]) for name, i in self._index.items()}
+
+    def publish_prometheus(self) -> None:
+        """Copy the current values into Prometheus gauges ``sglang_oasis:<name>`` (with --enable-metrics).
+
+        Called from SGLang's scheduler process, where SGLang has set up prometheus_client's
+        multiprocess directory; its ``/metrics`` endpoint then serves them beside SGLang's own.
+        """
+        if self._gauges is None:
+            from prometheus_client import Gauge
+
+            self._gauges = {
+                name: Gauge(f"sglang_oasis:{name}", help_text, multiprocess_mode="mostrecent")
+                for name, help_text in {**COUNTERS, **GAUGES}.items()
+            }
+        for name, value in self.snapshot().items():
+            self._gauges[name].set(value)
 
     def close(self) -> None:
         if self._shm is None:

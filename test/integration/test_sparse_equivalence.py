@@ -70,7 +70,7 @@ def test_stats_count_the_sparse_work(tiny_qwen3_sparse_server: ServerProcess) ->
     assert loaded == 4 * 2 * 22
     bytes_per_block = 16 * 64 * 4 * 2  # tokens x head_dim x fp32 x (K and V)
     assert after["bytes_host_to_device"] - before["bytes_host_to_device"] == loaded * bytes_per_block
-    assert after["host_tokens_capacity"] == 16384
+    assert after["host_tokens_capacity"] == 6144
 
 
 def test_gauges_return_to_zero_when_requests_end(tiny_qwen3_sparse_server: ServerProcess) -> None:
@@ -83,3 +83,31 @@ def test_gauges_return_to_zero_when_requests_end(tiny_qwen3_sparse_server: Serve
         time.sleep(0.2)
     assert current["running_requests"] == 0
     assert current["device_working_set_tokens"] == 0
+
+
+def test_counters_are_exported_to_prometheus(tiny_qwen3_sparse_server: ServerProcess) -> None:
+    greedy(tiny_qwen3_sparse_server, prompts(seed=5)[1])
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline:  # the scheduler publishes every 0.5 s
+        metrics = requests.get(tiny_qwen3_sparse_server.url + "/metrics", timeout=30).text
+        exported = {
+            line.split("{")[0].split(" ")[0]: float(line.rsplit(" ", 1)[1])
+            for line in metrics.splitlines()
+            if line.startswith("sglang_oasis:")
+        }
+        if exported.get("sglang_oasis:requests", 0) >= 1:
+            break
+        time.sleep(0.3)
+    current = stats(tiny_qwen3_sparse_server)
+    assert exported["sglang_oasis:requests"] >= 1
+    assert exported["sglang_oasis:host_tokens_capacity"] == current["host_tokens_capacity"]
+    assert exported["sglang_oasis:blocks_loaded"] > 0
+
+
+def test_request_larger_than_the_host_tier_fails_alone(tiny_qwen3_sparse_server: ServerProcess) -> None:
+    too_long = torch.randint(3, 49152, (7000,), generator=torch.Generator().manual_seed(6)).tolist()
+    body = {"input_ids": too_long, "sampling_params": {"max_new_tokens": 4, "temperature": 0}}
+    response = requests.post(tiny_qwen3_sparse_server.url + "/generate", json=body, timeout=300)
+    assert response.status_code == 400
+    assert "exceeds the maximum allowed length" in response.text
+    assert len(greedy(tiny_qwen3_sparse_server, prompts(seed=7)[2])) == NEW_TOKENS  # still serving

@@ -69,6 +69,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         self.stats.set("device_working_set_bytes", self.working_sets.nbytes)
         self.stats.set("device_summary_bytes", self.summaries.nbytes)
         self.allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
+        self.export_metrics = bool(getattr(model_runner.server_args, "enable_metrics", False))
         self.step = 0
         self._reqs: list[int] = []
         # Gauges change when requests finish, which no forward pass sees while the server is idle.
@@ -113,6 +114,8 @@ class OasisAttnBackend(TorchNativeAttnBackend):
                 if self.allocator is not None:
                     used = self.token_to_kv_pool.size - self.allocator.available_size()
                     self.stats.set("host_tokens_used", int(used))
+                if self.export_metrics:
+                    self.stats.publish_prometheus()
             except Exception:  # a gauge is not worth a crash; read again next period
                 logger.debug("oasis gauge refresh failed", exc_info=True)
             time.sleep(period_s)
