@@ -23,7 +23,7 @@ pip_quiet() {  # pip with its output in a log, shown only when it fails
 }
 
 if [ ! -f "$venv/.complete" ]; then
-  log "creating $venv (first time on this machine: ~5 minutes, ~11 GB)"
+  log "creating $venv (first time on this machine: ~6 minutes, ~11 GB)"
   rm -rf "$venv"
   mkdir -p "$cache"
   "$py" -m venv "$venv"

@@ -139,12 +139,18 @@ def print_help() -> None:
 def prepare(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
     """Everything before SGLang parses its arguments: oasis config, platform, defaults, model path."""
     config, sglang_argv = split_argv(argv)
+    on_cpu = wants_cpu(sglang_argv)
     if config.mode == "sparse":
         try:
+            if not on_cpu:
+                raise LaunchError(
+                    "--oasis-mode sparse runs on SGLang's CPU engine only so far (the CUDA host tier and "
+                    "kernels are open work): pass --oasis-mode dense on a GPU"
+                )
             sglang_argv += sparse_mode_args(sglang_argv, config)
         except LaunchError as error:
             build_oasis_parser().error(str(error))
-    if wants_cpu(sglang_argv):
+    if on_cpu:
         # Both must be in the environment before SGLang is imported: its modules read them at import
         # time, and the server subprocesses (spawned) inherit them.
         os.environ[CPU_ENGINE_ENV] = "1"

@@ -86,6 +86,7 @@ def test_cpu_defaults_only_fill_what_is_missing() -> None:
         (["--attention-backend", "triton"], "--attention-backend triton"),
         (["--page-size", "32"], "--page-size 32"),
         (["--max-total-tokens", "100", "--oasis-host-kv-tokens", "200"], "--oasis-host-kv-tokens"),
+        (["--device", "cuda"], "--oasis-mode sparse runs on SGLang's CPU engine only"),
     ],
 )
 def test_bad_oasis_option_stops_startup_naming_it(argv: list[str], needle: str) -> None:

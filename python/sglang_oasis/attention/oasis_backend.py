@@ -163,15 +163,13 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         """Working set (in block order) followed by the active tail, per request and KV head."""
         reqs = torch.tensor(self._reqs, dtype=torch.int64)
         ws_keys, ws_values, ws_valid = self.working_sets.gather(reqs, layer_id)
-        covered = self.working_sets.covered[reqs, layer_id].tolist()
-        starts = [c * self.block_size for c in covered]
-        tail_len = max(end - start for start, end in zip(starts, seq_lens, strict=True))
+        ends = torch.tensor(seq_lens, dtype=torch.int64)
+        starts = self.working_sets.covered[reqs, layer_id] * self.block_size
+        positions = starts[:, None] + torch.arange(int((ends - starts).max()))  # [bs, tail]
+        tail_valid = positions < ends[:, None]
         req_to_token = self.req_to_token_pool.req_to_token
-        locations = torch.zeros((len(seq_lens), tail_len), dtype=torch.int64)
-        tail_valid = torch.zeros((len(seq_lens), tail_len), dtype=torch.bool)
-        for i, (req, start, end) in enumerate(zip(self._reqs, starts, seq_lens, strict=True)):
-            locations[i, : end - start] = req_to_token[req, start:end]
-            tail_valid[i, : end - start] = True
+        positions = positions.clamp(max=req_to_token.shape[1] - 1)
+        locations = torch.where(tail_valid, req_to_token[reqs[:, None], positions].to(torch.int64), 0)
         pool = self.token_to_kv_pool
         tail_keys = pool.get_key_buffer(layer_id)[locations].transpose(1, 2)  # [bs, H, tail, D]
         tail_values = pool.get_value_buffer(layer_id)[locations].transpose(1, 2)
