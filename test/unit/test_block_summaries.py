@@ -137,3 +137,14 @@ def test_batched_scores_match_one_request_at_a_time() -> None:
     got = score_blocks_batched(query, kmin, kmax)
     for b in range(3):
         torch.testing.assert_close(got[b], score_blocks(query[b : b + 1], kmin[b], kmax[b])[0])
+
+
+def test_top_k_respects_padding_and_short_rows() -> None:
+    scores = torch.tensor(
+        [[[5.0, 1.0, 9.0, 7.0, 8.0]], [[3.0, 2.0, 1.0, 99.0, 99.0]]]
+    )  # [2 requests, 1 head, 5]
+    valid = torch.tensor([[True] * 5, [True, True, True, False, False]])[:, None, :]
+    sinks = torch.tensor([True, False, False, False, False])
+    selected = select_top_blocks(scores, 2, sinks, valid)
+    assert selected[0, 0].tolist() == [True, False, True, False, True]  # sink + 9 and 8
+    assert selected[1, 0].tolist() == [True, True, True, False, False]  # padding never wins

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sgl_kernel_oasis import build_block_summaries
-from sglang_oasis.memory.headwise_map import HeadwiseMap, Load
+from sglang_oasis.memory.headwise_map import HeadwiseMap
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.memory.working_set import WorkingSetPool
 
@@ -44,26 +44,19 @@ def test_working_set_loads_blocks_and_gathers_them_in_block_order() -> None:
     pool_v = torch.randn(40, 2, 3, generator=gen)
     ws = WorkingSetPool(max_requests=2, num_layers=1, num_kv_heads=2, head_dim=3, num_slots=3,
                         block_size=B, dtype=torch.float32, device="cpu")  # fmt: skip
-    block_pages = torch.tensor([9, 3, 6, 0])  # the request's logical blocks 0..3
-    table = ws.table(1, 0)
-    loads = table.apply_selection([{2, 0}, {3}], step=0)
-    moved = ws.load(1, 0, loads, block_pages, pool_k, pool_v)
-    assert moved == len(loads) * B * 3 * 4 * 2
+    block_pages = torch.tensor([[9, 3, 6, 0]])  # the request's logical blocks 0..3
+    selected = torch.tensor([[[True, False, True, False], [False, False, False, True]]])
+    loads = ws.apply_selections(torch.tensor([1]), 0, selected, block_pages, 0, pool_k, pool_v)
+    assert loads == 3
     keys, values, valid = ws.gather(torch.tensor([1]), 0)
     assert keys.shape == (1, 2, 3 * B, 3)
     # head 0 holds blocks 0 and 2 (pages 9 and 6), in block order, then an empty slot
     want0 = torch.cat([pool_k[36:40, 0], pool_k[24:28, 0]])
     assert torch.equal(keys[0, 0, : 2 * B], want0) and valid[0, 0].tolist() == [True] * 8 + [False] * 4
     assert torch.equal(values[0, 1, :B], pool_v[0:4, 1]) and int(valid[0, 1].sum()) == B
+    assert ws.resident_blocks([1]) == 3 and ws.resident_blocks([0]) == 0
     assert ws.claim(1, owner=5) and not ws.claim(1, owner=5)
     assert ws.resident_blocks([1]) == 0
-
-
-def test_load_copies_exactly_the_planned_slots() -> None:
-    pool_k = torch.arange(8 * 1 * 2, dtype=torch.float32).view(8, 1, 2)
-    ws = WorkingSetPool(1, 1, 1, 2, 2, B, torch.float32, "cpu")
-    ws.load(0, 0, [Load(0, 1, 1)], torch.tensor([0, 1]), pool_k, pool_k)
-    assert torch.equal(ws.k[0, 0, 0, 1], pool_k[4:8, 0]) and torch.equal(ws.k[0, 0, 0, 0], torch.zeros(B, 2))
 
 
 @settings(max_examples=60, deadline=None)

@@ -27,7 +27,7 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sgl_kernel_oasis import score_blocks_batched, sparse_decode_attention
+from sgl_kernel_oasis import score_blocks_batched, select_top_blocks, sparse_decode_attention
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.memory.working_set import WorkingSetPool
@@ -205,10 +205,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             kmin, kmax = self.summaries.lookup(layer_id, pages[over])
             scores = score_blocks_batched(queries[over], kmin, kmax)  # [n, H, N]
             sinks = (index < self.config.sink_blocks)[None, None, :]
-            scores = scores.masked_fill(~valid[over][:, None, :] | sinks, float("-inf"))
-            top = scores.topk(self.config.top_k, dim=-1).indices
-            chosen = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True)
-            selected[over] = chosen | (sinks & valid[over][:, None, :])
+            selected[over] = select_top_blocks(scores, self.config.top_k, sinks, valid[over][:, None, :])
         pool = self.token_to_kv_pool
         loads = self.working_sets.apply_selections(
             reqs,

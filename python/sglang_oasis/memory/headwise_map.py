@@ -1,5 +1,8 @@
 """The head-wise mapping of one (request, layer): which host block each device slot mirrors, per KV head.
 
+This is the readable per-head reference of the plan; serving runs the batched tensor version,
+``WorkingSetPool.apply_selections``, which is tested to make exactly the same plan.
+
 Each KV head has its own ``num_slots`` device slots (its working set: K selected blocks plus the active
 block and any sinks), so heads can hold different blocks. For every slot the table keeps the host block
 it holds (or nothing) and the decode step at which that block was last selected, for least-recently-
@@ -40,21 +43,6 @@ class HeadwiseMap:
         self.num_slots = num_slots
         self.slot_block = torch.full((num_kv_heads, num_slots), EMPTY, dtype=torch.int64)
         self.last_selected = torch.full((num_kv_heads, num_slots), EMPTY, dtype=torch.int64)
-
-    @classmethod
-    def over(cls, slot_block: torch.Tensor, last_selected: torch.Tensor) -> HeadwiseMap:
-        """A map whose table lives in caller-owned ``[num_kv_heads, num_slots]`` int64 views.
-
-        The working-set pool keeps one tensor for all requests and layers (so attention can gather in
-        one batched op) and hands out these views.
-        """
-        assert slot_block.shape == last_selected.shape and slot_block.dim() == 2
-        assert slot_block.dtype == last_selected.dtype == torch.int64
-        table = cls.__new__(cls)
-        table.num_kv_heads, table.num_slots = slot_block.shape
-        table.slot_block = slot_block
-        table.last_selected = last_selected
-        return table
 
     def block_at(self, head: int, slot: int) -> int | None:
         block = int(self.slot_block[head, slot])

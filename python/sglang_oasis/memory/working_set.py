@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from sglang_oasis.memory.headwise_map import EMPTY, HeadwiseMap, Load
+from sglang_oasis.memory.headwise_map import EMPTY
 
 
 class WorkingSetPool:
@@ -50,9 +50,6 @@ class WorkingSetPool:
         """Bytes of K and V for one block of one KV head."""
         return self.block_size * self.k.shape[-1] * self.k.element_size() * 2
 
-    def table(self, req: int, layer: int) -> HeadwiseMap:
-        return HeadwiseMap.over(self.slot_block[req, layer], self.last_selected[req, layer])
-
     def claim(self, req: int, owner: int) -> bool:
         """Give the slot to ``owner``; clears it if it held another. Returns True if it was cleared."""
         if self.owner[req] == owner:
@@ -67,30 +64,6 @@ class WorkingSetPool:
         """Occupied (layer, head, slot) entries of the given request slots."""
         return int((self.slot_block[reqs] != EMPTY).sum())
 
-    def load(
-        self,
-        req: int,
-        layer: int,
-        loads: list[Load],
-        block_pages: torch.Tensor,
-        k_buffer: torch.Tensor,
-        v_buffer: torch.Tensor,
-    ) -> int:
-        """Copy each load's host block into its slot; returns the bytes moved.
-
-        ``block_pages[b]`` is the host page holding the request's logical block b; ``k_buffer`` and
-        ``v_buffer`` are the host tier's ``[pool_tokens, kv_heads, head_dim]`` tensors for this layer.
-        """
-        if not loads:
-            return 0
-        heads = torch.tensor([ld.head for ld in loads], dtype=torch.int64)
-        slots = torch.tensor([ld.slot for ld in loads], dtype=torch.int64)
-        blocks = torch.tensor([ld.block for ld in loads], dtype=torch.int64)
-        tokens = block_pages[blocks][:, None] * self.block_size + self._block_offsets  # [n, B]
-        self.k[req, layer, heads, slots] = k_buffer[tokens, heads[:, None]].to(self.k.dtype)
-        self.v[req, layer, heads, slots] = v_buffer[tokens, heads[:, None]].to(self.v.dtype)
-        return len(loads) * self.bytes_per_block
-
     def apply_selections(
         self,
         reqs: torch.Tensor,
@@ -101,7 +74,10 @@ class WorkingSetPool:
         k_buffer: torch.Tensor,
         v_buffer: torch.Tensor,
     ) -> int:
-        """:meth:`HeadwiseMap.apply_selection` for a whole batch in tensor ops, plus the copies.
+        """Make every selected block resident, for a whole batch in tensor ops, and copy it in.
+
+        ``HeadwiseMap.apply_selection`` is the readable per-head reference this must agree with
+        (``test/unit/test_sparse_stores.py`` checks it on random selections).
 
         Args:
             reqs: ``[bs]`` request slots.

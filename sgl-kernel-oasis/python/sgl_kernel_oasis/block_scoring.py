@@ -61,29 +61,35 @@ def score_blocks_batched(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Te
     return torch.maximum(q * lo, q * hi).sum(dim=-1).sum(dim=2)
 
 
-def select_top_blocks(scores: torch.Tensor, k: int, always: torch.Tensor | None = None) -> torch.Tensor:
+def select_top_blocks(
+    scores: torch.Tensor, k: int, always: torch.Tensor | None = None, valid: torch.Tensor | None = None
+) -> torch.Tensor:
     """The ``k`` best blocks per (row, KV head), plus blocks that must always be resident.
 
     Args:
-        scores: ``[rows, num_kv_heads, num_blocks]``.
-        k: blocks to select by score (clipped to the number of blocks).
-        always: optional ``[num_blocks]`` bool mask of blocks forced in (sinks, the active block);
-            they do not count against ``k``.
+        scores: ``[..., num_blocks]``.
+        k: blocks to select by score.
+        always: optional bool mask broadcastable to ``scores`` of blocks forced in (sink blocks); they
+            do not count against ``k``.
+        valid: optional bool mask broadcastable to ``scores``; invalid blocks (padding past a
+            request's end) are never selected, even when forced.
+
+    A row with fewer than ``k`` valid, unforced blocks gets all of them.
 
     Returns:
-        ``[rows, num_kv_heads, num_blocks]`` bool mask of selected blocks. Ties are broken arbitrarily;
-        callers must not depend on which of two equal-score blocks wins.
+        bool mask shaped like ``scores``. Ties are broken arbitrarily; callers must not depend on which
+        of two equal-score blocks wins.
     """
-    assert scores.dim() == 3
-    num_blocks = scores.shape[-1]
-    selected = torch.zeros_like(scores, dtype=torch.bool)
+    excluded = torch.zeros_like(scores, dtype=torch.bool)
     if always is not None:
-        assert always.shape == (num_blocks,), (always.shape, num_blocks)
-        scores = scores.masked_fill(always, float("-inf"))
-        selected |= always
-    candidates = num_blocks - (int(always.sum()) if always is not None else 0)
-    take = min(k, candidates)
-    if take > 0:
-        top = scores.topk(take, dim=-1).indices
-        selected.scatter_(-1, top, True)
+        excluded = excluded | always
+    if valid is not None:
+        excluded = excluded | ~valid
+    take = min(k, scores.shape[-1])
+    top = scores.masked_fill(excluded, float("-inf")).topk(take, dim=-1).indices
+    selected = torch.zeros_like(scores, dtype=torch.bool).scatter_(-1, top, True)
+    if always is not None:
+        selected = selected | always
+    if valid is not None:
+        selected = selected & valid
     return selected
