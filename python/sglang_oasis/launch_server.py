@@ -171,6 +171,15 @@ def main(argv: Sequence[str] | None = None) -> None:
     if "-h" in argv or "--help" in argv:
         print_help()
         return
+    from sglang_oasis.disaggregation.mooncake_builds import (
+        ConflictingMooncakeBuilds,
+        check_single_mooncake_build,
+    )
+
+    try:
+        check_single_mooncake_build()
+    except ConflictingMooncakeBuilds as error:
+        sys.exit(f"{PROG}: error: {error}")
     _config, sglang_argv = prepare(argv)
 
     from sglang.launch_server import run_server
