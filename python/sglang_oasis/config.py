@@ -18,6 +18,8 @@ from typing import Any
 
 ENV_VAR = "SGLANG_OASIS_CONFIG"
 MODES = ("sparse", "dense")
+LOOKAHEADS = ("previous", "eagle3", "ngram")
+DRAFT_POLICIES = ("reject", "verify")
 
 
 class OasisConfigError(ValueError):
@@ -74,6 +76,26 @@ class OasisConfig:
             "to budget // ((top-k + sink blocks) * block size) unless that is given.",
         },
     )
+    lookahead: str = field(
+        default="previous",
+        metadata={
+            "help": "Query that selects each step's blocks for the next step (sparse mode). 'previous': "
+            "the step's own query. 'eagle3': the query of an EAGLE-3 draft token, attended in the same "
+            "call as the real token (SGLang's EAGLE3 worker with one draft step; the draft model is "
+            "--speculative-draft-model-path, or the head shipped for the default model). 'ngram': the "
+            "same with SGLang's NGRAM drafter (no draft model).",
+            "choices": LOOKAHEADS,
+        },
+    )
+    draft_policy: str = field(
+        default="reject",
+        metadata={
+            "help": "What happens to the draft token of --oasis-lookahead eagle3/ngram. 'reject': it only "
+            "predicts blocks and is never accepted (one token per step, as in the OasisKV paper). "
+            "'verify': normal speculative acceptance, so accepted drafts are extra tokens per step.",
+            "choices": DRAFT_POLICIES,
+        },
+    )
     cpu_defaults: bool = field(
         default=True,
         metadata={
@@ -89,8 +111,11 @@ class OasisConfig:
     )
 
     def __post_init__(self) -> None:
-        if self.mode not in MODES:
-            raise OasisConfigError(f"{_option('mode')}: {self.mode!r} is not one of {', '.join(MODES)}")
+        for name, choices in (("mode", MODES), ("lookahead", LOOKAHEADS), ("draft_policy", DRAFT_POLICIES)):
+            if getattr(self, name) not in choices:
+                raise OasisConfigError(
+                    f"{_option(name)}: {getattr(self, name)!r} is not one of {', '.join(choices)}"
+                )
         for name in ("block_size", "top_k", "device_kv_tokens", "cpu_max_total_tokens"):
             if getattr(self, name) <= 0:
                 raise OasisConfigError(f"{_option(name)}: must be positive, got {getattr(self, name)}")

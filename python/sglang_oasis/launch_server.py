@@ -105,10 +105,49 @@ def sparse_mode_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[st
         extra += ["--max-total-tokens", str(config.host_kv_tokens)]
     if not given(sglang_argv, "--max-running-requests"):
         extra += ["--max-running-requests", str(max(1, config.device_kv_tokens // config.working_set_tokens))]
+    extra += lookahead_args(sglang_argv, config)
     for phase in ("decode", "prefill"):  # the backend runs eagerly
         if not given(sglang_argv, f"--cuda-graph-backend-{phase}"):
             extra += [f"--cuda-graph-backend-{phase}", "disabled"]
     return extra
+
+
+def lookahead_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[str]:
+    """SGLang's speculative worker set up as the lookahead source: one draft step, top-k 1, two verify
+    tokens (the real token and the draft token, attended in one call by the oasis backend)."""
+    if given(sglang_argv, "--speculative-algorithm"):
+        raise LaunchError(
+            "--speculative-algorithm: in sparse mode the draft source is chosen with --oasis-lookahead "
+            "(eagle3 or ngram) and --oasis-draft-policy"
+        )
+    if config.lookahead == "previous":
+        if given(sglang_argv, "--speculative-draft-model-path"):
+            raise LaunchError("--speculative-draft-model-path needs --oasis-lookahead eagle3")
+        return []
+    shape = ["--speculative-num-draft-tokens", "2"]
+    if config.lookahead == "ngram":
+        return ["--speculative-algorithm", "NGRAM", "--speculative-ngram-max-bfs-breadth", "1", *shape]
+    extra = [
+        "--speculative-algorithm",
+        "EAGLE3",
+        "--speculative-num-steps",
+        "1",
+        "--speculative-eagle-topk",
+        "1",
+    ]
+    if not given(sglang_argv, "--speculative-draft-model-path"):
+        if given(sglang_argv, "--model-path"):
+            raise LaunchError(
+                "--oasis-lookahead eagle3 needs --speculative-draft-model-path (an EAGLE-3 head for "
+                "--model-path); the shipped head fits only the default model"
+            )
+        from sglang_oasis.models.default_model import DefaultModelUnavailable, default_draft_dir
+
+        try:
+            extra += ["--speculative-draft-model-path", str(default_draft_dir())]
+        except DefaultModelUnavailable as error:
+            raise LaunchError(f"--oasis-lookahead eagle3: {error}") from None
+    return [*extra, *shape]
 
 
 def split_argv(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:

@@ -33,4 +33,9 @@ def load() -> None:
     # environments where site .pth files are skipped (python -S).
     cpu = install_if_cpu_engine()
     register_attention_backend()
-    logger.info("sglang-oasis plugin loaded (cpu stand-in: %s, config: %s)", cpu, OasisConfig.from_env())
+    config = OasisConfig.from_env()
+    if config is not None:
+        from sglang_oasis import sglang_hooks
+
+        sglang_hooks.register(config)
+    logger.info("sglang-oasis plugin loaded (cpu stand-in: %s, config: %s)", cpu, config)

@@ -105,8 +105,9 @@ def dense_attention_loop(query, keys, values, valid, scale):
         for r in range(rows):
             for qh in range(num_q):
                 kv = qh // (num_q // num_kv)
-                k = keys[b, kv][valid[b, kv]]
-                v = values[b, kv][valid[b, kv]]
+                row_valid = valid[b, kv] if valid.dim() == 3 else valid[b, kv, r]
+                k = keys[b, kv][row_valid]
+                v = values[b, kv][row_valid]
                 p = torch.softmax((k @ query[b, r, qh]) * scale, dim=0)
                 out[b, r, qh] = p @ v
     return out
@@ -125,6 +126,29 @@ def test_sparse_decode_attention_matches_loop(num_q: int, num_kv: int, rows: int
     valid[..., 0] = True
     got = sparse_decode_attention(query, keys, values, valid, dim**-0.5)
     torch.testing.assert_close(got, dense_attention_loop(query, keys, values, valid, dim**-0.5))
+
+
+@pytest.mark.parametrize(("num_q", "num_kv"), [(9, 3), (7, 7), (6, 1)])
+def test_per_row_masks_match_loop_and_two_separate_calls(num_q: int, num_kv: int) -> None:
+    """A real row and a draft row stacked in one call: the draft row also sees the real row's token
+    (the last key), the real row does not see the draft's. Same as two one-row calls."""
+    from sgl_kernel_oasis import sparse_decode_attention
+
+    gen = torch.Generator().manual_seed(num_q + num_kv)
+    batch, tokens, dim = 3, 29, 8
+    query = torch.randn(batch, 2, num_q, dim, generator=gen)
+    keys = torch.randn(batch, num_kv, tokens + 2, dim, generator=gen)
+    values = torch.randn(batch, num_kv, tokens + 2, dim, generator=gen)
+    shared = torch.rand(batch, num_kv, tokens, generator=gen) > 0.3
+    valid = torch.zeros(batch, num_kv, 2, tokens + 2, dtype=torch.bool)
+    valid[:, :, :, :tokens] = shared[:, :, None, :]
+    valid[:, :, 0, tokens] = True  # real row: itself
+    valid[:, :, 1, tokens:] = True  # draft row: the real token and itself
+    got = sparse_decode_attention(query, keys, values, valid, dim**-0.5)
+    torch.testing.assert_close(got, dense_attention_loop(query, keys, values, valid, dim**-0.5))
+    for row in range(2):
+        alone = sparse_decode_attention(query[:, row : row + 1], keys, values, valid[:, :, row], dim**-0.5)
+        torch.testing.assert_close(got[:, row], alone[:, 0])
 
 
 def test_batched_scores_match_one_request_at_a_time() -> None:

@@ -87,6 +87,11 @@ def test_cpu_defaults_only_fill_what_is_missing() -> None:
         (["--page-size", "32"], "--page-size 32"),
         (["--max-total-tokens", "100", "--oasis-host-kv-tokens", "200"], "--oasis-host-kv-tokens"),
         (["--device", "cuda"], "--oasis-mode sparse runs on SGLang's CPU engine only"),
+        (["--oasis-lookahead", "medusa"], "--oasis-lookahead"),
+        (["--oasis-draft-policy", "maybe"], "--oasis-draft-policy"),
+        (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm"),
+        (["--speculative-draft-model-path", "/x"], "--speculative-draft-model-path needs --oasis-lookahead"),
+        (["--oasis-lookahead", "eagle3", "--model-path", "/x"], "needs --speculative-draft-model-path"),
     ],
 )
 def test_bad_oasis_option_stops_startup_naming_it(argv: list[str], needle: str) -> None:
@@ -112,6 +117,30 @@ def test_sparse_mode_adds_backend_pages_and_request_cap() -> None:
     assert option_value(added, "--cuda-graph-backend-decode") == "disabled"
     explicit = sparse_mode_args(["--max-running-requests", "3", "--page-size", "16"], config)
     assert not given(explicit, "--page-size") and not given(explicit, "--max-running-requests")
+
+
+def test_lookahead_sets_up_one_step_speculation() -> None:
+    """Two verify rows per request (the real token and one draft), top-k 1, from the chosen drafter."""
+    from sglang_oasis.launch_server import lookahead_args
+
+    assert lookahead_args([], OasisConfig()) == []
+    ngram = lookahead_args([], OasisConfig(lookahead="ngram"))
+    assert option_value(ngram, "--speculative-algorithm") == "NGRAM"
+    assert option_value(ngram, "--speculative-num-draft-tokens") == "2"
+    assert option_value(ngram, "--speculative-ngram-max-bfs-breadth") == "1"
+    eagle = lookahead_args(
+        ["--model-path", "/m", "--speculative-draft-model-path", "/d"], OasisConfig(lookahead="eagle3")
+    )
+    assert option_value(eagle, "--speculative-algorithm") == "EAGLE3"
+    assert [
+        option_value(eagle, f"--speculative-{name}")
+        for name in ("num-steps", "eagle-topk", "num-draft-tokens")
+    ] == [
+        "1",
+        "1",
+        "2",
+    ]
+    assert not given(eagle, "--speculative-draft-model-path")  # the user's own stays
 
 
 def test_dense_layers_parse_and_normalise() -> None:

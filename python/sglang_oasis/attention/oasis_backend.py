@@ -64,6 +64,9 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             pool.dtype, self.device,
         )  # fmt: skip
         self.dense_layers = frozenset(config.dense_layers)
+        # Per request slot and layer: positions whose keys are in the summaries (speculative verify
+        # commits drafts only after the forward pass that wrote them).
+        self.summarised = torch.zeros((max_requests, num_layers), dtype=torch.int64)
         self.stats = OasisStats.attach(model_runner.server_args.port)
         self.stats.set("host_tokens_capacity", int(pool.size))
         self.stats.set("device_working_set_bytes", self.working_sets.nbytes)
@@ -88,12 +91,12 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         super().init_forward_metadata(forward_batch)
         mode = forward_batch.forward_mode
         self._reqs = forward_batch.req_pool_indices.tolist()
-        if mode.is_extend():
+        if mode.is_extend() and not mode.is_target_verify():
             generations = self.req_to_token_pool.req_generation[self._reqs].tolist()
             for req, generation in zip(self._reqs, generations, strict=True):
                 if self.working_sets.claim(req, int(generation)):
                     self.stats.add("requests")
-        elif mode.is_decode():
+        elif mode.is_decode() or mode.is_target_verify():
             self.step += 1
             self.stats.add("decode_steps")
 
@@ -123,12 +126,15 @@ class OasisAttnBackend(TorchNativeAttnBackend):
     # --- attention -------------------------------------------------------------------------------
 
     def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):
+        if forward_batch.forward_mode.is_target_verify():
+            return self.forward_verify(q, k, v, layer, forward_batch, save_kv_cache)
         out = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         if layer.is_cross_attention:
             return out
         layer_id = layer.layer_id
         if k is not None and save_kv_cache:
             self._summarise(layer, forward_batch, k)
+        self.summarised[torch.tensor(self._reqs, dtype=torch.int64), layer_id] = forward_batch.seq_lens.cpu()
         if layer_id in self.dense_layers:
             return out
         q_rows = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
@@ -147,12 +153,113 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         if save_kv_cache and k is not None and v is not None:
             pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
             self._summarise(layer, forward_batch, k)
+            self.summarised[torch.tensor(self._reqs, dtype=torch.int64), layer_id] = (
+                forward_batch.seq_lens.cpu()
+            )
         q_rows = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         seq_lens = forward_batch.seq_lens.tolist()
         keys, values, valid = self._decode_token_sets(layer_id, seq_lens)
         out = sparse_decode_attention(q_rows[:, None], keys, values, valid, layer.scaling)[:, 0]
         self._select(layer, q_rows, seq_lens)
         return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
+
+    def forward_verify(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):
+        """TARGET_VERIFY with ``rows`` query rows per request: row 0 is the real token (the last verified
+        one, at position ``seq_len``), rows 1.. the draft tokens after it::
+
+            keys per request and KV head: | working set | active tail (< seq_len) | row 0 | row 1 | ...
+            row r sees:                   |     all     |          all            | rows 0..r (tree mask)
+
+        Row 0 is committed whatever the verification decides, so its key joins the summaries now; drafts
+        join later, once accepted (``_catch_up_summaries``). The last draft row's query selects the
+        blocks for the next step: the lookahead.
+        """
+        layer_id = layer.layer_id
+        reqs = self._reqs
+        batch = len(reqs)
+        rows = q.shape[0] // batch
+        heads, dim = layer.tp_q_head_num, layer.qk_head_dim
+        if save_kv_cache and k is not None and v is not None:
+            self.token_to_kv_pool.set_kv_buffer(
+                layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
+            )
+        seq_lens = forward_batch.seq_lens.cpu().to(torch.int64)
+        self._catch_up_summaries(layer_id, seq_lens)
+        draft_locs = forward_batch.out_cache_loc.view(batch, rows).to(torch.int64)
+        self.summaries.update(
+            layer_id, draft_locs[:, 0], self.token_to_kv_pool.get_key_buffer(layer_id)[draft_locs[:, 0]]
+        )
+        self.summarised[torch.tensor(reqs, dtype=torch.int64), layer_id] = seq_lens + 1
+        if layer_id in self.dense_layers:
+            keys, values, valid = self._dense_token_sets(layer_id, seq_lens)
+        else:
+            keys, values, valid = self._decode_token_sets(layer_id, seq_lens.tolist())
+        kv_heads = keys.shape[1]
+        pool = self.token_to_kv_pool
+        draft_keys = (
+            pool.get_key_buffer(layer_id)[draft_locs].transpose(1, 2).to(keys.dtype)
+        )  # [bs, H, rows, D]
+        draft_values = pool.get_value_buffer(layer_id)[draft_locs].transpose(1, 2).to(values.dtype)
+        keys = torch.cat([keys, draft_keys], dim=2)
+        values = torch.cat([values, draft_values], dim=2)
+        tree = self._tree_mask(forward_batch, batch, rows)  # [bs, rows, rows]
+        valid = torch.cat(
+            [
+                valid[:, :, None, :].expand(-1, -1, rows, -1),
+                tree[:, None, :, :].expand(-1, kv_heads, -1, -1),
+            ],
+            dim=3,
+        )
+        q_rows = q.reshape(batch, rows, heads, dim)
+        out = sparse_decode_attention(q_rows, keys, values, valid, layer.scaling)
+        if layer_id not in self.dense_layers:
+            self._select(layer, q_rows[:, -1], (seq_lens + 1).tolist())
+        return out.reshape(-1, heads * layer.v_head_dim)
+
+    @staticmethod
+    def _tree_mask(forward_batch: ForwardBatch, batch: int, rows: int) -> torch.Tensor:
+        """``[batch, rows, rows]``: which verify rows each row attends (a chain unless the drafter sent a
+        qlen-only tree mask)."""
+        spec_info = getattr(forward_batch, "spec_info", None)
+        mask = getattr(spec_info, "custom_mask", None)
+        if mask is not None and mask.numel() == batch * rows * rows:
+            return mask.view(batch, rows, rows).to(torch.bool).cpu()
+        if mask is not None:
+            raise NotImplementedError(
+                f"oasis verify attention reads a qlen-only tree mask; got {mask.numel()} entries for "
+                f"{batch} requests x {rows} rows"
+            )
+        return torch.tril(torch.ones(rows, rows, dtype=torch.bool)).expand(batch, -1, -1)
+
+    def _dense_token_sets(self, layer_id: int, seq_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """Every committed token of each request (for dense layers), padded to the longest."""
+        reqs = torch.tensor(self._reqs, dtype=torch.int64)
+        positions = torch.arange(max(1, int(seq_lens.max())))[None, :].expand(len(self._reqs), -1)
+        valid = positions < seq_lens[:, None]
+        locations = torch.where(
+            valid, self.req_to_token_pool.req_to_token[reqs[:, None], positions], 0
+        ).long()
+        pool = self.token_to_kv_pool
+        keys = pool.get_key_buffer(layer_id)[locations].transpose(1, 2)
+        values = pool.get_value_buffer(layer_id)[locations].transpose(1, 2)
+        return keys, values, valid[:, None, :].expand(-1, keys.shape[1], -1)
+
+    def _catch_up_summaries(self, layer_id: int, seq_lens: torch.Tensor) -> None:
+        """Fold in the keys committed since the last summary update (accepted drafts), read back from the
+        pool: positions ``[summarised, seq_len)`` of each request."""
+        reqs = torch.tensor(self._reqs, dtype=torch.int64)
+        starts = self.summarised[reqs, layer_id]
+        lengths = (seq_lens - starts).clamp(min=0)
+        if int(lengths.sum()) == 0:
+            return
+        rows = torch.repeat_interleave(reqs, lengths)
+        first = torch.cumsum(lengths, 0) - lengths
+        cols = torch.repeat_interleave(starts, lengths) + (
+            torch.arange(int(lengths.sum())) - torch.repeat_interleave(first, lengths)
+        )
+        locations = self.req_to_token_pool.req_to_token[rows, cols].to(torch.int64)
+        keys = self.token_to_kv_pool.get_key_buffer(layer_id)[locations]
+        self.summaries.update(layer_id, locations, keys)
 
     def _summarise(self, layer: RadixAttention, forward_batch: ForwardBatch, k: torch.Tensor) -> None:
         self.summaries.update(
@@ -222,6 +329,14 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         self.stats.add("bytes_host_to_device", loads * self.working_sets.bytes_per_block)
 
 
-def create_oasis_backend(model_runner: Any) -> OasisAttnBackend:
+def create_oasis_backend(model_runner: Any) -> TorchNativeAttnBackend:
+    """The target model gets the sparse backend; a draft model (EAGLE-3 lookahead) attends densely over
+    its own small KV cache."""
+    if getattr(model_runner, "is_draft_worker", False):
+        return DraftAttnBackend(model_runner)
     config = OasisConfig.from_env() or OasisConfig()
     return OasisAttnBackend(model_runner, config)
+
+
+class DraftAttnBackend(TorchNativeAttnBackend):
+    """Dense attention for the draft model of ``--oasis-lookahead eagle3`` (one layer, its own KV)."""

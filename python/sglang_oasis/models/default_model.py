@@ -50,6 +50,16 @@ def model_dir(num_layers: int | None = None) -> Path:
     return cache_root() / "models" / f"{MODEL_NAME}{suffix}-v{CONVERSION_VERSION}"
 
 
+DRAFT_DIR = Path(__file__).parent / "drafts" / "smollm2-135m-instruct-eagle3"
+
+
+def default_draft_dir() -> Path:
+    """The EAGLE-3 head shipped for the default model (trained by ``scripts/train_eagle3.py``)."""
+    if not (DRAFT_DIR / "config.json").is_file():
+        raise DefaultModelUnavailable(f"the default EAGLE-3 head is missing from {DRAFT_DIR}")
+    return DRAFT_DIR
+
+
 @contextlib.contextmanager
 def _exclusive(lock_path: Path) -> Iterator[None]:
     """Serialise preparation between processes (tests and servers may ask at the same time)."""

@@ -79,3 +79,74 @@ def build_tiny_model(spec: TinyModelSpec, out_root: Path) -> Path:
     staging.rename(target)
     (target / ".complete").touch()
     return target
+
+
+def build_tiny_eagle3_head(spec: TinyModelSpec, out_root: Path, draft_vocab_size: int = 4096) -> Path:
+    """A random EAGLE-3 draft head for the tiny model of ``spec``, in the layout SGLang's
+    ``LlamaForCausalLMEagle3`` loads: one ``midlayer`` over [embedding, fc(3 target hidden states)], a
+    draft vocabulary of the first ``draft_vocab_size`` token ids (``d2t`` offsets all zero), no embedding
+    (SGLang shares the target's). Its drafts are poor; tests use it for the mechanics, not acceptance."""
+    import json
+
+    import torch
+    from safetensors.torch import save_file
+
+    target = out_root / f"{spec.name}-eagle3"
+    if (target / ".complete").exists():
+        return target
+    vocab_size, hidden, inter = 49152, spec.hidden_size, spec.intermediate_size
+    q, kv, dim = spec.num_heads * spec.head_dim, spec.num_kv_heads * spec.head_dim, spec.head_dim
+    gen = torch.Generator().manual_seed(spec.seed + 1)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, generator=gen) * (shape[-1] ** -0.5)
+
+    weights = {
+        "fc.weight": rand(hidden, 3 * hidden),
+        "midlayer.input_layernorm.weight": torch.ones(hidden),
+        "midlayer.hidden_norm.weight": torch.ones(hidden),
+        "midlayer.post_attention_layernorm.weight": torch.ones(hidden),
+        "midlayer.self_attn.q_proj.weight": rand(q, 2 * hidden),
+        "midlayer.self_attn.k_proj.weight": rand(kv, 2 * hidden),
+        "midlayer.self_attn.v_proj.weight": rand(kv, 2 * hidden),
+        "midlayer.self_attn.o_proj.weight": rand(hidden, q),
+        "midlayer.mlp.gate_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.up_proj.weight": rand(inter, hidden),
+        "midlayer.mlp.down_proj.weight": rand(hidden, inter),
+        "norm.weight": torch.ones(hidden),
+        "lm_head.weight": rand(draft_vocab_size, hidden),
+        "d2t": torch.zeros(draft_vocab_size, dtype=torch.int64),
+        "t2d": torch.arange(vocab_size) < draft_vocab_size,
+    }
+    config = {
+        "architectures": ["LlamaForCausalLMEagle3"],
+        "model_type": "llama",
+        "hidden_size": hidden,
+        "intermediate_size": inter,
+        "num_hidden_layers": 1,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": dim,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "vocab_size": vocab_size,
+        "draft_vocab_size": draft_vocab_size,
+        "tie_word_embeddings": False,
+        "torch_dtype": "float32",
+        "eagle_config": {
+            "eagle_aux_hidden_state_layer_ids": [0, 1, spec.num_layers - 2]
+        },  # distinct for >= 4 layers
+    }
+    staging = target.with_name(target.name + ".partial")
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    save_file(
+        {name: tensor.contiguous() for name, tensor in weights.items()}, str(staging / "model.safetensors")
+    )
+    (staging / "config.json").write_text(json.dumps(config, indent=2))
+    shutil.rmtree(target, ignore_errors=True)
+    staging.rename(target)
+    (target / ".complete").touch()
+    return target

@@ -26,7 +26,9 @@ def sparse_decode_attention(
     Args:
         query: ``[batch, rows, num_q_heads, head_dim]`` (rows: 1 for plain decode, 2 with a draft row).
         keys, values: ``[batch, num_kv_heads, tokens, head_dim]``.
-        valid: ``[batch, num_kv_heads, tokens]`` bool; every (batch, head) needs at least one valid token.
+        valid: ``[batch, num_kv_heads, tokens]`` bool, shared by the rows, or ``[batch, num_kv_heads,
+            rows, tokens]`` per row (a draft row sees the real row's token, not the reverse); every
+            row needs at least one valid token.
         scale: softmax scale (usually head_dim ** -0.5).
 
     Returns:
@@ -35,16 +37,15 @@ def sparse_decode_attention(
     assert query.dim() == 4 and keys.dim() == 4, (query.shape, keys.shape)
     batch, rows, num_q_heads, head_dim = query.shape
     _, num_kv_heads, tokens, _ = keys.shape
-    assert values.shape == keys.shape and valid.shape == (batch, num_kv_heads, tokens), (
-        values.shape,
-        valid.shape,
-    )
+    assert values.shape == keys.shape, (values.shape, keys.shape)
+    assert valid.shape in ((batch, num_kv_heads, tokens), (batch, num_kv_heads, rows, tokens)), valid.shape
     assert num_q_heads % num_kv_heads == 0
     group = num_q_heads // num_kv_heads
     # [batch, kv_heads, rows * group, head_dim]: a KV head's query rows side by side.
     q = query.view(batch, rows, num_kv_heads, group, head_dim).permute(0, 2, 1, 3, 4)
     q = q.reshape(batch, num_kv_heads, rows * group, head_dim)
-    mask = valid[:, :, None, :]
+    # A shared mask broadcasts over the rows; per-row masks repeat for each row's group of query heads.
+    mask = valid[:, :, None, :] if valid.dim() == 3 else valid.repeat_interleave(group, dim=2)
     out = torch.nn.functional.scaled_dot_product_attention(
         q, keys.to(q.dtype), values.to(q.dtype), attn_mask=mask, scale=scale
     )

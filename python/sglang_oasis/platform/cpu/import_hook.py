@@ -4,9 +4,8 @@ Installed at interpreter start-up (``sglang_oasis/_startup.py``) and again by th
 is in place in every server process. Stays import-light: torch is only imported when SGLang itself
 imports ``sgl_kernel``.
 
-Names that the stand-in implements resolve to the implementation; any other name still imports (SGLang
-imports dozens of CUDA-only names at start-up that the CPU path never calls) but raises a clear
-``NotImplementedError`` naming the kernel if it is ever called.
+Names that the stand-in implements resolve to the implementation; any other name behaves as absent
+(an ImportError / AttributeError), so SGLang's own fallbacks for missing kernels take over.
 """
 
 from __future__ import annotations
@@ -30,24 +29,8 @@ def cpu_engine_requested() -> bool:
     return os.environ.get(CPU_ENGINE_ENV, "0") == "1"
 
 
-class MissingKernel:
-    """Placeholder for an ``sgl_kernel`` name with no CPU stand-in: importable, fails when called."""
-
-    def __init__(self, qualname: str) -> None:
-        self.qualname = qualname
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        raise NotImplementedError(
-            f"{self.qualname} is a CUDA kernel with no CPU stand-in in sglang-oasis; this SGLang code "
-            "path is not supported with SGLANG_USE_CPU_ENGINE=1"
-        )
-
-    def __repr__(self) -> str:
-        return f"<missing sgl_kernel op {self.qualname}>"
-
-
 class StandinModule(types.ModuleType):
-    """``sgl_kernel`` or one of its submodules: implemented names first, placeholders otherwise."""
+    """``sgl_kernel`` or one of its submodules: the implemented names; every other name is absent."""
 
     def __getattr__(self, name: str) -> Any:
         if name.startswith("__") and name.endswith("__"):
@@ -55,8 +38,6 @@ class StandinModule(types.ModuleType):
         ops = importlib.import_module(_IMPLEMENTATION)
         if name in ops.__all__:
             return getattr(ops, name)
-        if name in ops.IMPORT_ONLY:
-            return MissingKernel(f"{self.__name__}.{name}")
         # Anything else behaves as absent, so SGLang's own ImportError fallbacks take over.
         if os.environ.get("SGLANG_OASIS_TRACE_STANDIN"):
             print(f"[sglang-oasis] sgl_kernel stand-in: no {self.__name__}.{name}", file=sys.stderr)

@@ -1,0 +1,83 @@
+"""Every change sglang-oasis makes to SGLang's own functions, in one place, through SGLang's HookRegistry.
+
+Each hook names its target by dotted path; ``test/unit/test_sglang_hooks.py`` resolves every target
+and checks its signature, so an SGLang upgrade that moves or reshapes one fails loudly there.
+
+1. ``DraftBackendFactory.create_draft_extend_backend``: its backend table is a literal dict of SGLang's
+   own backends with no registry, so with ``--attention-backend oasis`` the EAGLE-3 draft model would
+   be refused ("EAGLE is not supported in attention backend oasis"). The hook answers for ``oasis``
+   with the dense draft backend; every other backend goes through unchanged.
+2. ``verify_tree_greedy_func``: ``--oasis-draft-policy reject`` must never accept a draft token (the
+   draft only predicts blocks). Verification runs as usual on candidates whose draft tokens are
+   replaced by an id no target prediction equals, so SGLang's own bookkeeping sees "nothing accepted"
+   and emits the target's token for the real row, exactly as without speculation.
+3. ``allocation.get_last_loc``: SGLang picks its Triton kernel for every attention backend except
+   torch_native/ascend (a literal list), and Triton has no CPU driver. Speculative decoding with pages
+   larger than one token calls it; on CPU tensors the hook uses SGLang's own torch version.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+from sglang_oasis.config import OasisConfig
+
+DRAFT_EXTEND_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend"
+VERIFY_GREEDY_TARGET = "sglang.kernels.ops.speculative.spec_tree.verify_tree_greedy_func"
+LAST_LOC_TARGET = "sglang.srt.mem_cache.allocation.get_last_loc"
+BACKEND_NAME = "oasis"
+REJECTED_DRAFT = -1  # no token id: never equal to the target's prediction
+
+
+def draft_extend_backend(original: Callable[..., Any], factory: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook: the draft model's extend backend when the configured backend is oasis."""
+    from sglang.srt.runtime_context import attention_backends
+
+    prefill_backend, _decode_backend = attention_backends()
+    if (factory.draft_attn_backend or prefill_backend) != BACKEND_NAME:
+        return original(factory, *args, **kwargs)
+    from sglang_oasis.attention.oasis_backend import DraftAttnBackend
+
+    backend = DraftAttnBackend(factory.draft_model_runner)
+    backend.prefill_attention_backend_str = BACKEND_NAME
+    backend.decode_attention_backend_str = BACKEND_NAME
+    return backend
+
+
+def reject_drafts(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook for ``--oasis-draft-policy reject``: verify against candidates with no draft tokens."""
+    position = 3  # (predicts, accept_index, accept_token_num, candidates, ...)
+    if len(args) > position:
+        args = (*args[:position], _without_drafts(args[position]), *args[position + 1 :])
+    else:
+        kwargs["candidates"] = _without_drafts(kwargs["candidates"])
+    return original(*args, **kwargs)
+
+
+def _without_drafts(candidates: Any) -> Any:
+    """``[batch, n]`` verify tokens: column 0 (the real token) kept, every draft replaced."""
+    kept = candidates.clone()
+    kept[:, 1:] = REJECTED_DRAFT
+    return kept
+
+
+def last_loc_on_cpu(original: Callable[..., Any], req_to_token: Any, *args: Any, **kwargs: Any) -> Any:
+    """AROUND hook: SGLang's torch ``get_last_loc`` for CPU tensors, its own dispatch otherwise."""
+    if req_to_token.device.type != "cpu":
+        return original(req_to_token, *args, **kwargs)
+    from sglang.srt.mem_cache.allocation import get_last_loc_torch
+
+    return get_last_loc_torch(req_to_token, *args, **kwargs)
+
+
+def register(config: OasisConfig) -> None:
+    """Register the hooks this configuration needs (SGLang applies them after all plugins load)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    if config.mode != "sparse":
+        return
+    HookRegistry.register(DRAFT_EXTEND_TARGET, draft_extend_backend, HookType.AROUND)
+    HookRegistry.register(LAST_LOC_TARGET, last_loc_on_cpu, HookType.AROUND)
+    if config.lookahead != "previous" and config.draft_policy == "reject":
+        HookRegistry.register(VERIFY_GREEDY_TARGET, reject_drafts, HookType.AROUND)

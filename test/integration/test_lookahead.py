@@ -1,0 +1,126 @@
+"""Lookahead from draft tokens on real servers (tiny random Qwen3, fp32, K covering every block).
+
+The speculative worker runs the target in TARGET_VERIFY with two rows per request (the real token and
+one draft); the oasis backend attends both over the same working set and selects the next step's blocks
+with the draft row. With K covering every block the output must equal dense token for token whatever
+the drafts are:
+
+- eagle3 + reject: a random EAGLE-3 head; no draft is ever accepted (one verify step per token);
+- ngram + verify: SGLang's NGRAM drafter with normal acceptance; some drafts are accepted (more than one
+  token per verify step), which exercises committing accepted drafts into the summaries.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import requests
+import torch
+
+from sglang_oasis.models.tiny_models import TinyModelSpec, build_tiny_eagle3_head
+from sglang_oasis.testing.server_process import ServerProcess
+
+pytestmark = pytest.mark.server
+
+PROMPT_LENGTHS = [5, 17, 100, 333, 1000]
+NEW_TOKENS = 40
+SPARSE = [
+    "--oasis-top-k",
+    "64",
+    "--dtype",
+    "float32",
+    "--oasis-host-kv-tokens",
+    "8192",
+    "--oasis-device-kv-tokens",
+    "8192",
+]
+
+
+def _module_server(args: list[str], name: str, factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    server = ServerProcess(args, log_path=factory.mktemp("logs") / f"{name}.log").start()
+    try:
+        yield server
+    finally:
+        server.stop()
+
+
+@pytest.fixture(scope="module")
+def eagle3_reject_server(
+    tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    head = build_tiny_eagle3_head(TinyModelSpec(arch="qwen3"), tiny_qwen3_dir.parent)
+    args = [
+        "--model-path",
+        str(tiny_qwen3_dir),
+        "--oasis-lookahead",
+        "eagle3",
+        "--speculative-draft-model-path",
+        str(head),
+        *SPARSE,
+    ]
+    yield from _module_server(args, "tiny-eagle3-reject", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def ngram_verify_server(
+    tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    args = [
+        "--model-path",
+        str(tiny_qwen3_dir),
+        "--oasis-lookahead",
+        "ngram",
+        "--oasis-draft-policy",
+        "verify",
+        *SPARSE,
+    ]
+    yield from _module_server(args, "tiny-ngram-verify", tmp_path_factory)
+
+
+def prompts() -> list[list[int]]:
+    gen = torch.Generator().manual_seed(4)
+    return [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
+
+
+def generate(server: ServerProcess, input_ids: list[int]) -> dict:
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+    }
+    response = requests.post(server.url + "/generate", json=body, timeout=600)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def concurrently(server: ServerProcess, batch: list[list[int]]) -> list[dict]:
+    with ThreadPoolExecutor(len(batch)) as pool:
+        return list(pool.map(lambda ids: generate(server, ids), batch))
+
+
+def test_eagle3_reject_equals_dense_one_token_per_step(
+    eagle3_reject_server: ServerProcess, tiny_qwen3_server: ServerProcess
+) -> None:
+    batch = prompts()
+    before = requests.get(eagle3_reject_server.url + "/oasis/stats", timeout=30).json()
+    sparse = concurrently(eagle3_reject_server, batch)
+    dense = concurrently(tiny_qwen3_server, batch)
+    assert [r["output_ids"] for r in sparse] == [r["output_ids"] for r in dense]
+    for result in sparse:
+        # Every token after the prefill's came from its own verify step: no draft accepted.
+        assert result["meta_info"]["spec_verify_ct"] == NEW_TOKENS - 1, result["meta_info"]
+    after = requests.get(eagle3_reject_server.url + "/oasis/stats", timeout=30).json()
+    assert after["decode_steps"] - before["decode_steps"] >= NEW_TOKENS - 1
+
+
+def test_ngram_verify_equals_dense_and_accepts_drafts(
+    ngram_verify_server: ServerProcess, tiny_qwen3_server: ServerProcess
+) -> None:
+    batch = prompts()
+    sparse = concurrently(ngram_verify_server, batch)
+    dense = concurrently(tiny_qwen3_server, batch)
+    assert [r["output_ids"] for r in sparse] == [r["output_ids"] for r in dense]
+    steps = sum(r["meta_info"]["spec_verify_ct"] for r in sparse)
+    assert steps < len(batch) * (NEW_TOKENS - 1), "no NGRAM draft was ever accepted"

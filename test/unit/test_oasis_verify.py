@@ -1,0 +1,126 @@
+"""The oasis backend's TARGET_VERIFY path on a constructed case, with small stand-in pools (pure logic:
+the real-server equivalence tests are in test/integration/test_lookahead.py).
+
+One request, one KV head, head_dim 2, blocks of 4 tokens, K = 1. Block b's keys all point along one
+direction, so a query selects the block it points at. The real row's query points at block 0 and the
+draft row's query at block 2: after the verify step the working set must hold block 2.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import torch
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+
+from sglang_oasis.attention.oasis_backend import OasisAttnBackend
+from sglang_oasis.config import OasisConfig
+
+BLOCK, DIM = 4, 2
+DIRECTIONS = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0], [0.0, -1.0]])  # block b -> direction b
+
+
+class TinyKVPool:
+    """The slice of SGLang's MHATokenToKVPool the backend uses: one layer, one KV head."""
+
+    def __init__(self, size: int) -> None:
+        self.size, self.page_size, self.layer_num, self.head_num, self.head_dim = size, BLOCK, 1, 1, DIM
+        self.dtype = torch.float32
+        self.k = torch.zeros(size + 2 * BLOCK, 1, DIM)
+        self.v = torch.zeros(size + 2 * BLOCK, 1, DIM)
+
+    def get_key_buffer(self, layer: int) -> torch.Tensor:
+        return self.k
+
+    def get_value_buffer(self, layer: int) -> torch.Tensor:
+        return self.v
+
+    def set_kv_buffer(self, layer, loc, k, v) -> None:  # SGLang's signature; loc is a KVWriteLoc
+        locations = loc.loc  # a KVWriteLoc
+        self.k[locations] = k.view(-1, 1, DIM)
+        self.v[locations] = v.view(-1, 1, DIM)
+
+
+def _backend(pool: TinyKVPool) -> OasisAttnBackend:
+    req_to_token = torch.zeros(2, 64, dtype=torch.int32)
+    runner = SimpleNamespace(
+        device="cpu",
+        req_to_token_pool=SimpleNamespace(
+            req_to_token=req_to_token, req_generation=torch.zeros(2, dtype=torch.int64), free_slots=[1]
+        ),
+        token_to_kv_pool=pool,
+        server_args=SimpleNamespace(port=1, enable_metrics=False),
+    )
+    return OasisAttnBackend(runner, OasisConfig(block_size=BLOCK, top_k=1))
+
+
+def test_draft_row_query_selects_the_next_working_set() -> None:
+    pool = TinyKVPool(64)
+    backend = _backend(pool)
+    seq_len = 4 * BLOCK + 1  # four full blocks and one tail token
+    backend.req_to_token_pool.req_to_token[0, : seq_len + 2] = torch.arange(seq_len + 2, dtype=torch.int32)
+    for block in range(4):
+        pool.k[block * BLOCK : (block + 1) * BLOCK, 0] = (
+            DIRECTIONS[block] * torch.linspace(1, 2, BLOCK)[:, None]
+        )
+    pool.v[:seq_len, 0] = torch.randn(seq_len, DIM)
+    layer = SimpleNamespace(
+        layer_id=0, tp_q_head_num=1, qk_head_dim=DIM, v_head_dim=DIM, scaling=1.0, is_cross_attention=False
+    )
+    batch = SimpleNamespace(
+        forward_mode=ForwardMode.TARGET_VERIFY,
+        req_pool_indices=torch.tensor([0]),
+        seq_lens=torch.tensor([seq_len]),
+        out_cache_loc=torch.tensor([seq_len, seq_len + 1]),
+        spec_info=None,
+    )
+    backend._reqs = [0]
+    backend.working_sets.claim(0, 0)
+    backend._catch_up_summaries(0, torch.tensor([seq_len]))  # the prefill's summaries
+    # Rows: the real token's query points at block 0, the draft token's at block 2.
+    q = torch.stack([DIRECTIONS[0], DIRECTIONS[2]]) * 10
+    k = torch.randn(2, DIM)
+    v = torch.randn(2, DIM)
+    out = backend.forward_verify(q, k, v, layer, batch)
+    assert out.shape == (2, DIM)
+    held = backend.working_sets.slot_block[0, 0, 0].tolist()
+    assert held == [2], f"the draft row should select block 2, the working set holds {held}"
+    # The real row's key (position seq_len) is in the summaries, the draft's (seq_len + 1) is not yet.
+    assert int(backend.summarised[0, 0]) == seq_len + 1
+
+
+def test_verify_rows_attend_causally_over_the_whole_context_when_k_covers_it() -> None:
+    """K covering every block: each row's output equals dense causal attention over the context plus
+    the verify rows up to itself."""
+    pool = TinyKVPool(64)
+    backend = _backend(pool)
+    backend.config = OasisConfig(block_size=BLOCK, top_k=8)
+    backend.num_slots = 8
+    backend.working_sets = type(backend.working_sets)(2, 1, 1, DIM, 8, BLOCK, torch.float32, "cpu")
+    seq_len = 3 * BLOCK + 2
+    backend.req_to_token_pool.req_to_token[0, : seq_len + 2] = torch.arange(seq_len + 2, dtype=torch.int32)
+    gen = torch.Generator().manual_seed(0)
+    pool.k[:seq_len, 0] = torch.randn(seq_len, DIM, generator=gen)
+    pool.v[:seq_len, 0] = torch.randn(seq_len, DIM, generator=gen)
+    layer = SimpleNamespace(
+        layer_id=0, tp_q_head_num=1, qk_head_dim=DIM, v_head_dim=DIM, scaling=0.7, is_cross_attention=False
+    )
+    batch = SimpleNamespace(
+        forward_mode=ForwardMode.TARGET_VERIFY,
+        req_pool_indices=torch.tensor([0]),
+        seq_lens=torch.tensor([seq_len]),
+        out_cache_loc=torch.tensor([seq_len, seq_len + 1]),
+        spec_info=None,
+    )
+    backend._reqs = [0]
+    backend.working_sets.claim(0, 0)
+    backend._catch_up_summaries(0, torch.tensor([seq_len]))
+    backend._select(layer, torch.randn(1, 1, DIM, generator=gen), [seq_len])  # the prefill's selection
+    q, k, v = (torch.randn(2, DIM, generator=gen) for _ in range(3))
+    out = backend.forward_verify(q, k, v, layer, batch)
+    keys = torch.cat([pool.k[:seq_len, 0], k])
+    values = torch.cat([pool.v[:seq_len, 0], v])
+    for row in range(2):
+        visible = seq_len + row + 1
+        weights = torch.softmax(keys[:visible] @ q[row] * 0.7, dim=0)
+        torch.testing.assert_close(out[row], weights @ values[:visible])

@@ -1,0 +1,60 @@
+"""The SGLang hooks (``sglang_oasis.sglang_hooks``): each target still exists with the parameters the
+hook relies on (an SGLang upgrade that moves one fails here), and each hook does what it claims.
+
+Run in a subprocess on SGLang's CPU engine: the speculative modules import ``sgl_kernel`` at import time.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+
+CHECK = textwrap.dedent(
+    """
+    import inspect, pkgutil
+    import torch
+    from sglang_oasis import sglang_hooks as hooks
+
+    expected = {
+        hooks.DRAFT_EXTEND_TARGET: ["self"],
+        hooks.VERIFY_GREEDY_TARGET: ["predicts", "accept_index", "accept_token_num", "candidates",
+                                     "retrieve_index", "retrieve_next_token", "retrieve_next_sibling",
+                                     "target_predict"],
+        hooks.LAST_LOC_TARGET: ["req_to_token", "req_pool_indices_tensor", "prefix_lens_tensor"],
+    }
+    for target, params in expected.items():
+        found = list(inspect.signature(pkgutil.resolve_name(target)).parameters)
+        assert found[: len(params)] == params, (target, found)
+    from sglang.srt.speculative.draft_utils import DraftBackendFactory
+    assert "attention_backends" in inspect.getsource(DraftBackendFactory._create_backend)
+
+    # reject: the draft token equals the target's prediction, yet nothing is accepted.
+    from sglang.kernels.ops.speculative.spec_tree import verify_tree_greedy_func
+    def run(verify):
+        predicts = torch.full((2,), -5, dtype=torch.int64)
+        accept_index = torch.full((1, 2), -1, dtype=torch.int64)
+        accept_num = torch.zeros(1, dtype=torch.int64)
+        verify(predicts, accept_index, accept_num, torch.tensor([[7, 42]]), torch.tensor([[0, 1]]),
+               torch.tensor([[1, -1]]), torch.tensor([[-1, -1]]), torch.tensor([[42, 9]]))
+        return predicts.tolist(), accept_index.tolist(), accept_num.tolist()
+    assert run(verify_tree_greedy_func) == ([42, 9], [[0, 1]], [1]), run(verify_tree_greedy_func)
+    rejecting = lambda *a, **k: hooks.reject_drafts(verify_tree_greedy_func, *a, **k)
+    assert run(rejecting) == ([42, -5], [[0, -1]], [0]), run(rejecting)
+
+    # last loc: SGLang's torch version on CPU tensors.
+    req_to_token = torch.arange(40, dtype=torch.int32).view(4, 10)
+    got = hooks.last_loc_on_cpu(None, req_to_token, torch.tensor([2, 0]), torch.tensor([3, 0]))
+    assert got.tolist() == [22, -1], got
+    print("hooks-ok")
+    """
+)
+
+
+def test_hook_targets_exist_and_hooks_behave() -> None:
+    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+    result = subprocess.run(
+        [sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert "hooks-ok" in result.stdout, result.stderr[-3000:]
