@@ -7,7 +7,8 @@ the drafts are:
 
 - eagle3 + reject: a random EAGLE-3 head; no draft is ever accepted (one verify step per token);
 - ngram + verify: SGLang's NGRAM drafter with normal acceptance; some drafts are accepted (more than one
-  token per verify step), which exercises committing accepted drafts into the summaries.
+  token per verify step), which exercises committing accepted drafts into the summaries; layer 1 is
+  listed in --oasis-dense-layers and two sink blocks are kept, so those paths are served too.
 """
 
 from __future__ import annotations

@@ -132,11 +132,11 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         if layer.is_cross_attention:
             return out
         layer_id = layer.layer_id
+        if layer_id in self.dense_layers:  # never selects, so never needs summaries
+            return out
         if k is not None and save_kv_cache:
             self._summarise(layer, forward_batch, k)
         self.summarised[torch.tensor(self._reqs, dtype=torch.int64), layer_id] = forward_batch.seq_lens.cpu()
-        if layer_id in self.dense_layers:
-            return out
         q_rows = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         last = torch.cumsum(forward_batch.extend_seq_lens, 0) - 1  # last new token of each request
         self._select(layer, q_rows[last], forward_batch.seq_lens.tolist())
@@ -145,10 +145,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
     def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):
         layer_id = layer.layer_id
         if layer.is_cross_attention or layer_id in self.dense_layers:
-            out = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
-            if k is not None and save_kv_cache and not layer.is_cross_attention:
-                self._summarise(layer, forward_batch, k)
-            return out
+            return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         pool = self.token_to_kv_pool
         if save_kv_cache and k is not None and v is not None:
             pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
@@ -184,15 +181,17 @@ class OasisAttnBackend(TorchNativeAttnBackend):
                 layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v
             )
         seq_lens = forward_batch.seq_lens.cpu().to(torch.int64)
-        self._catch_up_summaries(layer_id, seq_lens)
         draft_locs = forward_batch.out_cache_loc.view(batch, rows).to(torch.int64)
-        self.summaries.update(
-            layer_id, draft_locs[:, 0], self.token_to_kv_pool.get_key_buffer(layer_id)[draft_locs[:, 0]]
-        )
-        self.summarised[torch.tensor(reqs, dtype=torch.int64), layer_id] = seq_lens + 1
-        if layer_id in self.dense_layers:
+        dense = layer_id in self.dense_layers
+        if dense:
             keys, values, valid = self._dense_token_sets(layer_id, seq_lens)
         else:
+            self._catch_up_summaries(layer_id, seq_lens)
+            real_locs = draft_locs[:, 0]
+            self.summaries.update(
+                layer_id, real_locs, self.token_to_kv_pool.get_key_buffer(layer_id)[real_locs]
+            )
+            self.summarised[torch.tensor(reqs, dtype=torch.int64), layer_id] = seq_lens + 1
             keys, values, valid = self._decode_token_sets(layer_id, seq_lens.tolist())
         kv_heads = keys.shape[1]
         pool = self.token_to_kv_pool
@@ -212,7 +211,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         )
         q_rows = q.reshape(batch, rows, heads, dim)
         out = sparse_decode_attention(q_rows, keys, values, valid, layer.scaling)
-        if layer_id not in self.dense_layers:
+        if not dense:
             self._select(layer, q_rows[:, -1], (seq_lens + 1).tolist())
         return out.reshape(-1, heads * layer.v_head_dim)
 
