@@ -54,6 +54,15 @@ def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
 
 
 @pytest.fixture(scope="session")
+def default_dense_server(
+    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """Dense SGLang on the default model (all 30 layers): the baseline of passkey and lookahead tests."""
+    args = ["--model-path", str(default_model_dir), "--oasis-mode", "dense", "--max-total-tokens", "32768"]
+    yield from _serve(args, "default-dense", tmp_path_factory)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen3_server(
     tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:

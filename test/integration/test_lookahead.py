@@ -125,3 +125,55 @@ def test_ngram_verify_equals_dense_and_accepts_drafts(
     assert [r["output_ids"] for r in sparse] == [r["output_ids"] for r in dense]
     steps = sum(r["meta_info"]["spec_verify_ct"] for r in sparse)
     assert steps < len(batch) * (NEW_TOKENS - 1), "no NGRAM draft was ever accepted"
+
+
+# --- the shipped EAGLE-3 head on the default model (SmolLM2-135M-Instruct, all 30 layers) -------------
+
+CHAT_PROMPTS = [
+    "What is the capital of France?",
+    "Give me three tips for staying focused while studying.",
+    "Explain what a hash table is in two sentences.",
+    "Write a short poem about the sea.",
+    "How do I boil an egg?",
+    "What are the benefits of regular exercise?",
+    "Summarise the plot of Romeo and Juliet.",
+    "Why is the sky blue?",
+]
+
+
+@pytest.fixture(scope="module")
+def eagle3_verify_default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The README's default server with the shipped head and normal acceptance (K=128 covers these chats)."""
+    args = ["--oasis-lookahead", "eagle3", "--oasis-draft-policy", "verify"]
+    yield from _module_server(args, "default-eagle3-verify", tmp_path_factory)
+
+
+def generate_chat(server: ServerProcess, text: str) -> dict:
+    body = {"text": text, "sampling_params": {"max_new_tokens": 64, "temperature": 0}}
+    response = requests.post(server.url + "/generate", json=body, timeout=600)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_shipped_eagle3_head_accepts_drafts_and_matches_dense(
+    eagle3_verify_default_server: ServerProcess, default_dense_server: ServerProcess, default_model_dir: Path
+) -> None:
+    """Greedy answers to chat prompts equal dense SGLang's (K covers every block), and the shipped head's
+    drafts are accepted often: SGLang's acceptance (completion tokens per verify step) above 1.3."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
+    verify_steps = tokens = 0
+    for prompt in CHAT_PROMPTS:
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
+        )
+        speculative = generate_chat(eagle3_verify_default_server, text)
+        assert speculative["text"] == generate_chat(default_dense_server, text)["text"]
+        verify_steps += speculative["meta_info"]["spec_verify_ct"]
+        tokens += speculative["meta_info"]["completion_tokens"]
+    acceptance = tokens / verify_steps
+    print(
+        f"shipped EAGLE-3 head: {acceptance:.3f} tokens per verify step on {len(CHAT_PROMPTS)} chat prompts"
+    )
+    assert acceptance > 1.3

@@ -24,16 +24,14 @@ from sglang_oasis.testing.server_process import ServerProcess
 pytestmark = pytest.mark.server
 
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
-POOL = ["--max-total-tokens", "32768"]
 
 
 @pytest.fixture(scope="module")
 def passkey_servers(
-    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    default_model_dir: Path, default_dense_server: ServerProcess, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[dict[str, ServerProcess]]:
     logs = tmp_path_factory.mktemp("logs")
     model = ["--model-path", str(default_model_dir)]
-    dense = ServerProcess([*model, "--oasis-mode", "dense", *POOL], log_path=logs / "passkey-dense.log")
     sparse = ServerProcess(
         [
             *model,
@@ -47,9 +45,8 @@ def passkey_servers(
         log_path=logs / "passkey-sparse.log",
     )
     try:
-        yield {"dense": dense.start(), "sparse": sparse.start()}
+        yield {"dense": default_dense_server, "sparse": sparse.start()}
     finally:
-        dense.stop()
         sparse.stop()
 
 
