@@ -40,11 +40,8 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def _serve(args: list[str], name: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = ServerProcess(args, log_path=tmp_path_factory.mktemp("logs") / f"{name}.log").start()
-    try:
+    with ServerProcess(args, log_path=tmp_path_factory.mktemp("logs") / f"{name}.log") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="session")

@@ -42,11 +42,8 @@ SPARSE = [
 
 
 def _module_server(args: list[str], name: str, factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    server = ServerProcess(args, log_path=factory.mktemp("logs") / f"{name}.log").start()
-    try:
+    with ServerProcess(args, log_path=factory.mktemp("logs") / f"{name}.log") as server:
         yield server
-    finally:
-        server.stop()
 
 
 @pytest.fixture(scope="module")

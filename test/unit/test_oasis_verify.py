@@ -41,7 +41,7 @@ class TinyKVPool:
         self.v[locations] = v.view(-1, 1, DIM)
 
 
-def _backend(pool: TinyKVPool) -> OasisAttnBackend:
+def _backend(pool: TinyKVPool, top_k: int = 1) -> OasisAttnBackend:
     req_to_token = torch.zeros(2, 64, dtype=torch.int32)
     runner = SimpleNamespace(
         device="cpu",
@@ -51,21 +51,20 @@ def _backend(pool: TinyKVPool) -> OasisAttnBackend:
         token_to_kv_pool=pool,
         server_args=SimpleNamespace(port=1, enable_metrics=False),
     )
-    return OasisAttnBackend(runner, OasisConfig(block_size=BLOCK, top_k=1))
+    return OasisAttnBackend(runner, OasisConfig(block_size=BLOCK, top_k=top_k))
 
 
-def test_draft_row_query_selects_the_next_working_set() -> None:
-    pool = TinyKVPool(64)
-    backend = _backend(pool)
-    seq_len = 4 * BLOCK + 1  # four full blocks and one tail token
+def _verify_step(backend: OasisAttnBackend, seq_len: int, scaling: float) -> tuple[SimpleNamespace, ...]:
+    """``(layer, batch)`` of a verify step for request 0 (committed length ``seq_len``, its two verify
+    rows at the next two locations), with the prefill's summaries already folded in."""
     backend.req_to_token_pool.req_to_token[0, : seq_len + 2] = torch.arange(seq_len + 2, dtype=torch.int32)
-    for block in range(4):
-        pool.k[block * BLOCK : (block + 1) * BLOCK, 0] = (
-            DIRECTIONS[block] * torch.linspace(1, 2, BLOCK)[:, None]
-        )
-    pool.v[:seq_len, 0] = torch.randn(seq_len, DIM)
     layer = SimpleNamespace(
-        layer_id=0, tp_q_head_num=1, qk_head_dim=DIM, v_head_dim=DIM, scaling=1.0, is_cross_attention=False
+        layer_id=0,
+        tp_q_head_num=1,
+        qk_head_dim=DIM,
+        v_head_dim=DIM,
+        scaling=scaling,
+        is_cross_attention=False,
     )
     batch = SimpleNamespace(
         forward_mode=ForwardMode.TARGET_VERIFY,
@@ -76,7 +75,20 @@ def test_draft_row_query_selects_the_next_working_set() -> None:
     )
     backend._reqs = [0]
     backend.working_sets.claim(0, 0)
-    backend._catch_up_summaries(0, torch.tensor([seq_len]))  # the prefill's summaries
+    backend._catch_up_summaries(0, torch.tensor([seq_len]))
+    return layer, batch
+
+
+def test_draft_row_query_selects_the_next_working_set() -> None:
+    pool = TinyKVPool(64)
+    backend = _backend(pool)
+    seq_len = 4 * BLOCK + 1  # four full blocks and one tail token
+    for block in range(4):
+        pool.k[block * BLOCK : (block + 1) * BLOCK, 0] = (
+            DIRECTIONS[block] * torch.linspace(1, 2, BLOCK)[:, None]
+        )
+    pool.v[:seq_len, 0] = torch.randn(seq_len, DIM)
+    layer, batch = _verify_step(backend, seq_len, scaling=1.0)
     # Rows: the real token's query points at block 0, the draft token's at block 2.
     q = torch.stack([DIRECTIONS[0], DIRECTIONS[2]]) * 10
     k = torch.randn(2, DIM)
@@ -93,28 +105,12 @@ def test_verify_rows_attend_causally_over_the_whole_context_when_k_covers_it() -
     """K covering every block: each row's output equals dense causal attention over the context plus
     the verify rows up to itself."""
     pool = TinyKVPool(64)
-    backend = _backend(pool)
-    backend.config = OasisConfig(block_size=BLOCK, top_k=8)
-    backend.num_slots = 8
-    backend.working_sets = type(backend.working_sets)(2, 1, 1, DIM, 8, BLOCK, torch.float32, "cpu")
+    backend = _backend(pool, top_k=8)
     seq_len = 3 * BLOCK + 2
-    backend.req_to_token_pool.req_to_token[0, : seq_len + 2] = torch.arange(seq_len + 2, dtype=torch.int32)
     gen = torch.Generator().manual_seed(0)
     pool.k[:seq_len, 0] = torch.randn(seq_len, DIM, generator=gen)
     pool.v[:seq_len, 0] = torch.randn(seq_len, DIM, generator=gen)
-    layer = SimpleNamespace(
-        layer_id=0, tp_q_head_num=1, qk_head_dim=DIM, v_head_dim=DIM, scaling=0.7, is_cross_attention=False
-    )
-    batch = SimpleNamespace(
-        forward_mode=ForwardMode.TARGET_VERIFY,
-        req_pool_indices=torch.tensor([0]),
-        seq_lens=torch.tensor([seq_len]),
-        out_cache_loc=torch.tensor([seq_len, seq_len + 1]),
-        spec_info=None,
-    )
-    backend._reqs = [0]
-    backend.working_sets.claim(0, 0)
-    backend._catch_up_summaries(0, torch.tensor([seq_len]))
+    layer, batch = _verify_step(backend, seq_len, scaling=0.7)
     backend._select(layer, torch.randn(1, 1, DIM, generator=gen), [seq_len])  # the prefill's selection
     q, k, v = (torch.randn(2, DIM, generator=gen) for _ in range(3))
     out = backend.forward_verify(q, k, v, layer, batch)

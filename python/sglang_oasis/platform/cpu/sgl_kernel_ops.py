@@ -23,6 +23,18 @@ __all__ = [
 ]
 
 
+def _ranges(
+    req_pool_indices: torch.Tensor, start_offset: torch.Tensor, end_offset: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(rows, cols)`` of every cell in ``req_to_token[req_i, start_i:end_i]``, requests back to back."""
+    lengths = (end_offset - start_offset).to(torch.int64)
+    rows = torch.repeat_interleave(req_pool_indices.to(torch.int64), lengths)
+    first = torch.cumsum(lengths, 0) - lengths  # position of each request's first cell
+    within = torch.arange(int(lengths.sum()), dtype=torch.int64) - torch.repeat_interleave(first, lengths)
+    cols = torch.repeat_interleave(start_offset.to(torch.int64), lengths) + within
+    return rows, cols
+
+
 def assign_req_to_token_pool_cpu(
     req_pool_indices: torch.Tensor,
     req_to_token: torch.Tensor,
@@ -41,14 +53,10 @@ def assign_req_to_token_pool_cpu(
         req_to_token[req_pool_indices[i], start_i:end_i] = that request's slice
     """
     assert req_to_token.dim() == 2 and req_to_token.shape[1] == pool_len, (req_to_token.shape, pool_len)
-    lengths = (end_offset - start_offset).to(torch.int64)
-    if lengths.numel() == 0 or int(lengths.sum()) == 0:
+    rows, cols = _ranges(req_pool_indices, start_offset, end_offset)
+    if rows.numel() == 0:
         return
-    assert int(lengths.sum()) <= out_cache_loc.numel(), "out_cache_loc shorter than the ranges"
-    rows = torch.repeat_interleave(req_pool_indices.to(torch.int64), lengths)
-    first = torch.cumsum(lengths, 0) - lengths  # position of each request's first token
-    within = torch.arange(int(lengths.sum()), dtype=torch.int64) - torch.repeat_interleave(first, lengths)
-    cols = torch.repeat_interleave(start_offset.to(torch.int64), lengths) + within
+    assert rows.numel() <= out_cache_loc.numel(), "out_cache_loc shorter than the ranges"
     req_to_token[rows, cols] = out_cache_loc[: rows.numel()].to(req_to_token.dtype)
 
 
@@ -90,18 +98,6 @@ def copy_all_layer_kv_cache_cpu(
 #   candidates / retrieve_*: [bs, n]     flattened token index of request b's token i = b * n + i
 #   retrieve_next_token[b, i]            first child of token i in the tree (-1: a leaf)
 #   retrieve_next_sibling[b, i]          next sibling of token i (-1: the last one)
-
-
-def _ranges(
-    req_pool_indices: torch.Tensor, start_offset: torch.Tensor, end_offset: torch.Tensor
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(rows, cols)`` of every cell in ``req_to_token[req_i, start_i:end_i]``, requests back to back."""
-    lengths = (end_offset - start_offset).to(torch.int64).clamp(min=0)
-    rows = torch.repeat_interleave(req_pool_indices.to(torch.int64), lengths)
-    first = torch.cumsum(lengths, 0) - lengths
-    within = torch.arange(int(lengths.sum()), dtype=torch.int64) - torch.repeat_interleave(first, lengths)
-    cols = torch.repeat_interleave(start_offset.to(torch.int64), lengths) + within
-    return rows, cols
 
 
 def assign_extend_cache_locs_cpu(
