@@ -73,12 +73,33 @@ def tiny_qwen3_sparse_server(
     tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
     """Sparse on the tiny Qwen3 with K = 64 blocks (covers every block of prompts up to 1024 tokens), a
-    6144-token host tier (smaller than the model's 8192-token context) and Prometheus metrics."""
+    6144-token host tier (smaller than the model's 8192-token context) and Prometheus metrics; the
+    default asynchronous prefetch with the adaptive fetch cap."""
     args = [
         "--model-path", str(tiny_qwen3_dir), "--oasis-top-k", "64", *FP32, "--enable-metrics",
-        "--oasis-host-kv-tokens", "6144", "--oasis-device-kv-tokens", "16384",
+        "--oasis-host-kv-tokens", "6144", "--oasis-device-kv-tokens", "16384", "--oasis-adaptive-cap", "true",
     ]  # fmt: skip
     yield from _serve(args, "tiny-qwen3-sparse", tmp_path_factory)
+
+
+INJECTED_FAILURE_PROMPT_LEN = 613
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen3_capped_server(
+    tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """Sparse on the tiny Qwen3 with K = 4 and a fetch cap of 1 block per head and step; decode-time
+    transfers of requests with a 613-token prompt fail (injected)."""
+    args = [
+        "--model-path", str(tiny_qwen3_dir), "--oasis-top-k", "4", "--oasis-fetch-ratio", "0.25", *FP32,
+        "--oasis-host-kv-tokens", "8192", "--oasis-device-kv-tokens", "4096",
+    ]  # fmt: skip
+    env = {"SGLANG_OASIS_INJECT_TRANSFER_FAILURE": str(INJECTED_FAILURE_PROMPT_LEN)}
+    with ServerProcess(
+        args, log_path=tmp_path_factory.mktemp("logs") / "tiny-qwen3-capped.log", env=env
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="session")
@@ -93,6 +114,10 @@ def smollm2_dense_server(
 def smollm2_sparse_server(
     smollm2_6l_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    """Sparse with the default K = 128 blocks of 16: covers every block of prompts up to 2048 tokens."""
-    args = ["--model-path", str(smollm2_6l_dir), *FP32, *SPARSE_SMALL]
+    """Sparse with the default K = 128 blocks of 16: covers every block of prompts up to 2048 tokens;
+    synchronous transfers without a fetch cap (the tiny Qwen3's sparse server covers the defaults)."""
+    args = [
+        "--model-path", str(smollm2_6l_dir), *FP32, *SPARSE_SMALL,
+        "--oasis-prefetch", "sync", "--oasis-fetch-ratio", "1.0",
+    ]  # fmt: skip
     yield from _serve(args, "smollm2-6l-sparse", tmp_path_factory)

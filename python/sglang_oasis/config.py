@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any
@@ -20,6 +21,7 @@ ENV_VAR = "SGLANG_OASIS_CONFIG"
 MODES = ("sparse", "dense")
 LOOKAHEADS = ("previous", "eagle3", "ngram")
 DRAFT_POLICIES = ("reject", "verify")
+PREFETCH_MODES = ("async", "sync")
 
 
 class OasisConfigError(ValueError):
@@ -96,6 +98,33 @@ class OasisConfig:
             "choices": DRAFT_POLICIES,
         },
     )
+    fetch_ratio: float = field(
+        default=0.05,
+        metadata={
+            "help": "Fetch cap per step (sparse mode): at most ceil(ratio x top-k) predicted blocks per "
+            "request, layer and KV head are loaded from the host tier in one decode step, best summary "
+            "score first; the rest wait for later steps. 1.0 loads every predicted block at once. "
+            "Admission (the first working set after prefill) and blocks that just filled up are not "
+            "capped.",
+        },
+    )
+    adaptive_cap: bool = field(
+        default=False,
+        metadata={
+            "help": "Let each layer's fetch cap follow the measured drift (sparse mode): cap = "
+            "ceil(1.25 x moving average of predicted-but-missing blocks per head per step), kept "
+            "between ceil(fetch-ratio x top-k) and ceil(min(1, 4 x fetch-ratio) x top-k).",
+        },
+    )
+    prefetch: str = field(
+        default="async",
+        metadata={
+            "help": "How each layer's selection and block transfer run (sparse mode). 'async': in a "
+            "background worker while later layers compute; the next step's attention at a layer waits "
+            "only for that layer's transfer. 'sync': inline, right after the layer's attention.",
+            "choices": PREFETCH_MODES,
+        },
+    )
     cpu_defaults: bool = field(
         default=True,
         metadata={
@@ -111,7 +140,12 @@ class OasisConfig:
     )
 
     def __post_init__(self) -> None:
-        for name, choices in (("mode", MODES), ("lookahead", LOOKAHEADS), ("draft_policy", DRAFT_POLICIES)):
+        for name, choices in (
+            ("mode", MODES),
+            ("lookahead", LOOKAHEADS),
+            ("draft_policy", DRAFT_POLICIES),
+            ("prefetch", PREFETCH_MODES),
+        ):
             if getattr(self, name) not in choices:
                 raise OasisConfigError(
                     f"{_option(name)}: {getattr(self, name)!r} is not one of {', '.join(choices)}"
@@ -119,6 +153,8 @@ class OasisConfig:
         for name in ("block_size", "top_k", "device_kv_tokens", "cpu_max_total_tokens"):
             if getattr(self, name) <= 0:
                 raise OasisConfigError(f"{_option(name)}: must be positive, got {getattr(self, name)}")
+        if not 0 < self.fetch_ratio <= 1:
+            raise OasisConfigError(f"{_option('fetch_ratio')}: must be in (0, 1], got {self.fetch_ratio}")
         if self.sink_blocks < 0:
             raise OasisConfigError(f"{_option('sink_blocks')}: must be >= 0, got {self.sink_blocks}")
         if self.host_kv_tokens is not None and self.host_kv_tokens < self.block_size:
@@ -131,6 +167,19 @@ class OasisConfig:
                 f"{_option('dense_layers')}: layer ids must be >= 0, got {self.dense_layers}"
             )
         object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
+
+    @property
+    def fetch_cap(self) -> int | None:
+        """Blocks per head and step the host tier may send (None: no cap)."""
+        return None if self.fetch_ratio >= 1 else math.ceil(self.fetch_ratio * self.top_k)
+
+    @property
+    def fetch_cap_bounds(self) -> tuple[int, int]:
+        """``--oasis-adaptive-cap``'s range for the per-layer cap."""
+        return (
+            math.ceil(self.fetch_ratio * self.top_k),
+            math.ceil(min(1.0, 4 * self.fetch_ratio) * self.top_k),
+        )
 
     @property
     def working_set_tokens(self) -> int:
@@ -152,6 +201,8 @@ class OasisConfig:
                 kwargs.update(type=_parse_bool, metavar="{true,false}")
             elif f.type in ("int", int, "int | None"):
                 kwargs["type"] = int
+            elif f.type in ("float", float):
+                kwargs["type"] = float
             elif f.type in ("tuple[int, ...]",):
                 kwargs.update(type=_parse_int_list, metavar="L1,L2,...")
             if "choices" in f.metadata:

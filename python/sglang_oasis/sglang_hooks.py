@@ -14,6 +14,11 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
 3. ``allocation.get_last_loc``: SGLang picks its Triton kernel for every attention backend except
    torch_native/ascend (a literal list), and Triton has no CPU driver. Speculative decoding with pages
    larger than one token calls it; on CPU tensors the hook uses SGLang's own torch version.
+4. ``Scheduler.process_batch_result``: a failed background block transfer must fail its own request
+   only, and SGLang has no hook for a model-side error of one request. Before a batch's result is
+   processed, requests the ``oasis`` backend reports as failed get ``to_finish = FINISH_ABORT(...)``
+   (SGLang's own way to abort a running request), so they finish at this step with the message and a
+   500, their KV is freed and not inserted into the radix cache, and the rest of the batch goes on.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from sglang_oasis.config import OasisConfig
 DRAFT_EXTEND_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend"
 VERIFY_GREEDY_TARGET = "sglang.kernels.ops.speculative.spec_tree.verify_tree_greedy_func"
 LAST_LOC_TARGET = "sglang.srt.mem_cache.allocation.get_last_loc"
+PROCESS_RESULT_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
 BACKEND_NAME = "oasis"
 REJECTED_DRAFT = -1  # no token id: never equal to the target's prediction
 
@@ -71,6 +77,31 @@ def last_loc_on_cpu(original: Callable[..., Any], req_to_token: Any, *args: Any,
     return get_last_loc_torch(req_to_token, *args, **kwargs)
 
 
+def abort_failed_transfers(
+    original: Callable[..., Any], scheduler: Any, batch: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND hook: abort the in-flight requests whose working-set transfers failed, then process the
+    batch's result as usual."""
+    backend: Any = getattr(getattr(scheduler.tp_worker, "model_runner", None), "attn_backend", None)
+    if backend is not None and getattr(backend, "has_failed_requests", False):
+        from http import HTTPStatus
+
+        from sglang.srt.managers.schedule_batch import FINISH_ABORT
+
+        generations = scheduler.req_to_token_pool.req_generation
+        # With the overlap scheduler the failing request may belong to the batch before this one.
+        inflight = {id(req): req for req in [*scheduler.collect_inflight_reqs(), *getattr(batch, "reqs", [])]}
+        for req in inflight.values():
+            slot = req.kv.req_pool_idx
+            if slot is None or req.finished() or req.to_finish is not None:
+                continue
+            message = backend.take_failed_request(int(slot), int(generations[slot]))
+            if message is not None:
+                req.skip_radix_cache_insert = True  # its KV may be incomplete: never share it
+                req.to_finish = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
+    return original(scheduler, batch, *args, **kwargs)
+
+
 def register(config: OasisConfig) -> None:
     """Register the hooks this configuration needs (SGLang applies them after all plugins load)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -79,5 +110,6 @@ def register(config: OasisConfig) -> None:
         return
     HookRegistry.register(DRAFT_EXTEND_TARGET, draft_extend_backend, HookType.AROUND)
     HookRegistry.register(LAST_LOC_TARGET, last_loc_on_cpu, HookType.AROUND)
+    HookRegistry.register(PROCESS_RESULT_TARGET, abort_failed_transfers, HookType.AROUND)
     if config.lookahead != "previous" and config.draft_policy == "reject":
         HookRegistry.register(VERIFY_GREEDY_TARGET, reject_drafts, HookType.AROUND)

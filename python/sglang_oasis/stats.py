@@ -21,6 +21,15 @@ COUNTERS = {
     "selection_changes": "blocks newly selected into a working set (the sum over selections)",
     "blocks_loaded": "blocks copied host -> device (one block of one KV head counts once)",
     "bytes_host_to_device": "bytes copied host -> device into working sets",
+    "decode_blocks_loaded": "blocks loaded host -> device at decode steps (admission excluded)",
+    "decode_bytes_host_to_device": "bytes copied host -> device at decode steps (admission excluded)",
+    "blocks_from_active": "blocks that filled up as the active block and joined a working set "
+    "(already in device memory: no host transfer)",
+    "blocks_deferred": "predicted blocks the fetch cap left for a later step (counted each step)",
+    "foreground_wait_us": "time attention waited for the prefetch pipeline (microseconds)",
+    "stage_select_us": "time in the pipeline's prediction and selection stage (microseconds)",
+    "stage_transfer_us": "time in the pipeline's planning and transfer stage (microseconds)",
+    "transfer_failures": "requests failed because a block transfer failed",
 }
 GAUGES = {
     "host_tokens_used": "tokens of the host KV tier in use",

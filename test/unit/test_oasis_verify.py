@@ -94,6 +94,7 @@ def test_draft_row_query_selects_the_next_working_set() -> None:
     k = torch.randn(2, DIM)
     v = torch.randn(2, DIM)
     out = backend.forward_verify(q, k, v, layer, batch)
+    backend.finish_pending()  # the next step waits for the prefetch pipeline; so does this check
     assert out.shape == (2, DIM)
     held = backend.working_sets.slot_block[0, 0, 0].tolist()
     assert held == [2], f"the draft row should select block 2, the working set holds {held}"

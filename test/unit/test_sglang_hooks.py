@@ -23,6 +23,8 @@ CHECK = textwrap.dedent(
                                      "retrieve_index", "retrieve_next_token", "retrieve_next_sibling",
                                      "target_predict"],
         hooks.LAST_LOC_TARGET: ["req_to_token", "req_pool_indices_tensor", "prefix_lens_tensor"],
+        hooks.PROCESS_RESULT_TARGET: ["self", "batch", "result"],
+        "sglang.srt.managers.schedule_batch.FINISH_ABORT": ["message", "status_code", "err_type"],
     }
     for target, params in expected.items():
         found = list(inspect.signature(pkgutil.resolve_name(target)).parameters)
@@ -47,6 +49,31 @@ CHECK = textwrap.dedent(
     req_to_token = torch.arange(40, dtype=torch.int32).view(4, 10)
     got = hooks.last_loc_on_cpu(None, req_to_token, torch.tensor([2, 0]), torch.tensor([3, 0]))
     assert got.tolist() == [22, -1], got
+    # abort: what the hook touches on SGLang's scheduler and requests still exists.
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.schedule_batch import Req
+    assert callable(Scheduler.collect_inflight_reqs)
+    req_init = inspect.getsource(Req.__init__)
+    assert "self.to_finish" in req_init and "self.skip_radix_cache_insert" in req_init
+    assert "update_finish_state" in inspect.getsource(Req) and "self.to_finish" in inspect.getsource(
+        Req.update_finish_state)
+    from types import SimpleNamespace as NS
+    from sglang_oasis.attention.oasis_backend import OasisAttnBackend
+    backend = NS(failed_requests={3: (7, "boom")}, has_failed_requests=True)
+    backend.take_failed_request = lambda slot, gen: OasisAttnBackend.take_failed_request(
+        NS(failed_requests=backend.failed_requests, _failed_lock=__import__("threading").Lock()), slot, gen)
+    def request(slot):
+        return NS(kv=NS(req_pool_idx=slot), to_finish=None, skip_radix_cache_insert=False,
+                  finished=lambda: False)
+    failing, other = request(3), request(4)
+    scheduler = NS(tp_worker=NS(model_runner=NS(attn_backend=backend)),
+                   req_to_token_pool=NS(req_generation=torch.tensor([0, 0, 0, 7, 2])),
+                   collect_inflight_reqs=lambda: [other])
+    out = hooks.abort_failed_transfers(lambda s, b, r: "processed", scheduler, NS(reqs=[failing, other]), 1)
+    assert out == "processed"
+    assert failing.to_finish is not None and failing.to_finish.message == "boom", failing.to_finish
+    assert int(failing.to_finish.status_code) == 500 and failing.skip_radix_cache_insert
+    assert other.to_finish is None and backend.failed_requests == {}
     print("hooks-ok")
     """
 )

@@ -96,3 +96,46 @@ def test_batched_selection_matches_the_per_head_reference(steps: list[list[list[
                         page = int(pages[i, block])
                         assert torch.equal(ws.k[req, 0, h, s], pool_k[page * B : (page + 1) * B, h])
         assert loads == expected_loads
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.lists(
+                st.lists(st.sets(st.integers(0, 9), max_size=3), min_size=2, max_size=2),
+                min_size=3,
+                max_size=3,
+            ),
+            st.integers(0, 3),  # cap
+            st.lists(st.integers(0, 10), min_size=3, max_size=3),  # fresh_from per request
+            st.lists(st.integers(0, 2), min_size=10, max_size=10),  # priorities: ties likely
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_batched_capped_plan_matches_the_per_head_reference(
+    steps: list[tuple[list[list[set[int]]], int, list[int], list[int]]],
+) -> None:
+    num_blocks, heads, slots = 10, 2, 3
+    ws = WorkingSetPool(4, 1, heads, 2, slots, B, torch.float32, "cpu")
+    reference = {req: HeadwiseMap(heads, slots) for req in (0, 2, 3)}
+    reqs = torch.tensor([0, 2, 3])
+    for step, (per_request, cap, fresh_from, prio) in enumerate(steps):
+        selected = torch.zeros(3, heads, num_blocks, dtype=torch.bool)
+        for i, per_head in enumerate(per_request):
+            for h, chosen in enumerate(per_head):
+                selected[i, h, sorted(chosen)] = True
+        priority = torch.tensor(prio, dtype=torch.float32).expand(3, heads, -1)
+        plan = ws.plan_selections(reqs, 0, selected, step, cap, torch.tensor(fresh_from), priority)
+        want_loads, want_deferred = 0, 0
+        for i, req in enumerate(reqs.tolist()):
+            ref = reference[req].plan(
+                per_request[i], step, cap, fresh_from[i], [dict(enumerate(map(float, prio)))] * heads
+            )
+            want_loads += len(ref.loads)
+            want_deferred += len(ref.deferred)
+            assert torch.equal(ws.slot_block[req, 0], reference[req].slot_block)
+            assert torch.equal(ws.last_selected[req, 0], reference[req].last_selected)
+        assert (plan.num_loads, plan.deferred) == (want_loads, want_deferred)

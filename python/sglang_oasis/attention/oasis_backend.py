@@ -8,9 +8,10 @@ KV; this backend keeps, beside it, the block summaries (``BlockSummaryStore``) a
   torch_native backend; the new keys are folded into the summaries; the last prompt token's query
   selects the first working set;
 - decode step t: attention over each KV head's working set plus the active tail (tokens after the
-  blocks the selection covered); then the step-t query scores every full block's summary and its
-  top-K becomes the working set for step t+1 (synchronously in this version), loading the blocks that
-  changed from the host tier.
+  blocks the selection covered); then the step-t query (or, with lookahead, the draft token's) scores
+  every full block's summary and its top-K is the prediction for step t+1. The blocks that changed load
+  from the host tier in the prefetch pipeline (``memory/prefetch_pipeline.py``: in the background, at
+  most the fetch cap per KV head and step); step t+1's attention at the layer waits for that job only.
 
 Layers in ``dense_layers`` decode densely. With K at least the number of full blocks every block is
 selected and the output equals dense attention.
@@ -19,9 +20,11 @@ selected and the output equals dense attention.
 from __future__ import annotations
 
 import logging
+import math
+import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
@@ -29,8 +32,9 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_kernel_oasis import score_blocks_batched, select_top_blocks, sparse_decode_attention
 from sglang_oasis.config import OasisConfig
+from sglang_oasis.memory.prefetch_pipeline import PrefetchPipeline
 from sglang_oasis.memory.summary_store import BlockSummaryStore
-from sglang_oasis.memory.working_set import WorkingSetPool
+from sglang_oasis.memory.working_set import TransferPlan, WorkingSetPool
 from sglang_oasis.stats import OasisStats
 
 if TYPE_CHECKING:
@@ -38,6 +42,42 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 logger = logging.getLogger(__name__)
+
+# Fault injection for tests: decode-time transfers of requests whose prompt is exactly this many tokens
+# long fail (the request must fail alone; the server keeps serving).
+INJECT_ENV = "SGLANG_OASIS_INJECT_TRANSFER_FAILURE"
+
+
+class OasisTransferError(RuntimeError):
+    """A block transfer into a working set failed."""
+
+
+class SelectionJob(NamedTuple):
+    """One layer's prediction -> selection -> transfer for a batch, as handed to the pipeline."""
+
+    layer_id: int
+    reqs: torch.Tensor  # [bs] request slots
+    queries: torch.Tensor  # [bs, q_heads, dim] the predicting query rows
+    full: torch.Tensor  # [bs] full blocks of each request
+    pages: torch.Tensor  # [bs, N] host page of each logical block
+    step: int
+    admission: bool  # the first working set after an extend: nothing capped, nothing "fresh"
+    cap: int | None  # None: no cap
+    fresh_from: torch.Tensor | None  # [bs] first block that filled up since the last selection
+    fail_reqs: tuple[int, ...]  # injected failures
+
+
+class JobResult(NamedTuple):
+    layer_id: int
+    admission: bool
+    selections: int
+    loads: int
+    fresh: int  # loads of blocks that just filled up (already in device memory as the active block)
+    deferred: int
+    heads: int
+    select_ns: int
+    transfer_ns: int
+    failed: dict[int, str]  # request slot -> message
 
 
 class OasisAttnBackend(TorchNativeAttnBackend):
@@ -75,6 +115,18 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         self.export_metrics = bool(getattr(model_runner.server_args, "enable_metrics", False))
         self.step = 0
         self._reqs: list[int] = []
+        self._admission = False
+        self.pipeline: PrefetchPipeline[JobResult] = PrefetchPipeline(config.prefetch == "async")
+        self._caps: list[int | None] = [config.fetch_cap] * num_layers
+        self._drift = [0.0] * num_layers
+        self.prompt_len: dict[int, int] = {}  # request slot -> tokens after its last extend
+        inject = os.environ.get(INJECT_ENV)
+        self._inject_prompt_len = int(inject) if inject else None
+        # Requests whose transfer failed: slot -> (generation, message); the scheduler hook
+        # (sglang_hooks.abort_failed_transfers) aborts them when their batch's result is processed.
+        self.failed_requests: dict[int, tuple[int, str]] = {}
+        self._failed_lock = threading.Lock()
+        self._reported_failures: dict[int, int] = {}  # slot -> generation already reported
         # Gauges change when requests finish, which no forward pass sees while the server is idle.
         self._gauge_thread = threading.Thread(target=self._refresh_gauges, name="oasis-gauges", daemon=True)
         self._gauge_thread.start()
@@ -91,11 +143,15 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         super().init_forward_metadata(forward_batch)
         mode = forward_batch.forward_mode
         self._reqs = forward_batch.req_pool_indices.tolist()
-        if mode.is_extend() and not mode.is_target_verify():
+        self._admission = mode.is_extend() and not mode.is_target_verify()
+        if self._admission:
+            self.finish_pending()  # request slots may change hands below
             generations = self.req_to_token_pool.req_generation[self._reqs].tolist()
             for req, generation in zip(self._reqs, generations, strict=True):
                 if self.working_sets.claim(req, int(generation)):
                     self.stats.add("requests")
+            for req, seq_len in zip(self._reqs, forward_batch.seq_lens.tolist(), strict=True):
+                self.prompt_len[req] = int(seq_len)
         elif mode.is_decode() or mode.is_target_verify():
             self.step += 1
             self.stats.add("decode_steps")
@@ -146,6 +202,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         layer_id = layer.layer_id
         if layer.is_cross_attention or layer_id in self.dense_layers:
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        self._wait(layer_id)
         pool = self.token_to_kv_pool
         if save_kv_cache and k is not None and v is not None:
             pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
@@ -172,6 +229,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         blocks for the next step: the lookahead.
         """
         layer_id = layer.layer_id
+        self._wait(layer_id)
         reqs = self._reqs
         batch = len(reqs)
         rows = q.shape[0] // batch
@@ -285,47 +343,191 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         valid = torch.cat([ws_valid, tail_valid[:, None, :].expand(-1, heads, -1)], dim=2)
         return keys, values, valid
 
-    # --- selection -------------------------------------------------------------------------------
+    # --- selection and transfer (the prefetch pipeline) -----------------------------------------
 
     def _select(self, layer: RadixAttention, queries: torch.Tensor, seq_lens: list[int]) -> None:
-        """Choose each request's working set for the next step from ``queries`` ``[bs, q_heads, dim]``.
+        """Choose each request's working set for the next step from ``queries`` ``[bs, q_heads, dim]``
+        and load the blocks that changed: a job for the prefetch pipeline (in the background unless
+        ``--oasis-prefetch sync``), waited for at this layer's next attention.
 
         Requests with at most ``top_k + sink_blocks`` full blocks keep all of them; the others keep
-        their sink blocks plus the top-K blocks by summary score, per KV head.
+        their sink blocks plus the top-K blocks by summary score, per KV head. After an extend (the
+        admission) every selected block loads; at decode at most the fetch cap per head.
         """
         layer_id = layer.layer_id
+        if not seq_lens:
+            return
         block = self.block_size
         reqs = torch.tensor(self._reqs, dtype=torch.int64)
         full = torch.tensor(seq_lens, dtype=torch.int64) // block
-        self.working_sets.covered[reqs, layer_id] = full
-        num_blocks = int(full.max()) if len(seq_lens) else 0
-        if num_blocks == 0:
-            return
+        num_blocks = int(full.max())
         req_to_token = self.req_to_token_pool.req_to_token
         pages = req_to_token[reqs, 0 : num_blocks * block : block].to(torch.int64) // block  # [bs, N]
+        admission = self._admission
+        job = SelectionJob(
+            layer_id=layer_id,
+            reqs=reqs,
+            queries=queries.detach().clone(),
+            full=full,
+            pages=pages,
+            step=self.step,
+            admission=admission,
+            cap=None if admission else self._caps[layer_id],
+            fresh_from=None if admission else self.working_sets.covered[reqs, layer_id].clone(),
+            fail_reqs=() if admission else self._injected_failures(self._reqs),
+        )
+        for result in self.pipeline.submit(layer_id, lambda: self._run_job(job)):
+            self._account(result)
+
+    def finish_pending(self) -> None:
+        """Wait for every layer's pending selection and transfer."""
+        for result in self.pipeline.drain():
+            self._account(result)
+
+    def _wait(self, layer_id: int) -> None:
+        for result in self.pipeline.wait(layer_id):
+            self._account(result)
+        self.stats.add("foreground_wait_us", self.pipeline.take_waited_ns() // 1000)
+
+    def take_failed_request(self, req: int, generation: int) -> str | None:
+        """The failure message of request slot ``req`` (its ``generation``), removed once taken; stale
+        entries (the slot went to a newer request) are dropped."""
+        with self._failed_lock:
+            entry = self.failed_requests.get(req)
+            if entry is None:
+                return None
+            if entry[0] != generation:
+                if entry[0] < generation:
+                    del self.failed_requests[req]
+                return None
+            del self.failed_requests[req]
+            return entry[1]
+
+    @property
+    def has_failed_requests(self) -> bool:
+        return bool(self.failed_requests)
+
+    def _run_job(self, job: SelectionJob) -> JobResult:
+        """Prediction -> selection -> transfer for one layer of a batch (runs in the pipeline)."""
+        started = time.perf_counter_ns()
+        self.working_sets.covered[job.reqs, job.layer_id] = job.full
+        if job.pages.shape[1] == 0:  # no request has a full block yet
+            return JobResult(job.layer_id, job.admission, len(job.reqs),
+                             0, 0, 0, 0, 0, 0, {})  # fmt: skip
+        selected, priority = self._choose(job)
+        chosen = time.perf_counter_ns()
+        plan = self.working_sets.plan_selections(
+            job.reqs, job.layer_id, selected, job.step, job.cap, job.fresh_from, priority
+        )
+        failed = self._transfer(job, plan)
+        fresh = 0
+        if job.fresh_from is not None and plan.num_loads:
+            fresh = int((plan.blocks >= job.fresh_from[plan.batch_rows]).sum())
+        return JobResult(
+            layer_id=job.layer_id,
+            admission=job.admission,
+            selections=len(job.reqs),
+            loads=plan.num_loads,
+            fresh=fresh,
+            deferred=plan.deferred,
+            heads=len(job.reqs) * self.num_kv_heads,
+            select_ns=chosen - started,
+            transfer_ns=time.perf_counter_ns() - chosen,
+            failed=failed,
+        )
+
+    def _choose(self, job: SelectionJob) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[bs, kv_heads, N]``: the blocks each head should hold next step, and their priority (summary
+        score; sink blocks first)."""
+        num_blocks = job.pages.shape[1]
         index = torch.arange(num_blocks)
-        valid = index[None, :] < full[:, None]  # [bs, N]
+        valid = index[None, :] < job.full[:, None]  # [bs, N]
         selected = valid[:, None, :].expand(-1, self.num_kv_heads, -1).clone()
-        over = full > self.num_slots
+        priority = torch.zeros(selected.shape)
+        over = job.full > self.num_slots
         if bool(over.any()):
-            kmin, kmax = self.summaries.lookup(layer_id, pages[over])
-            scores = score_blocks_batched(queries[over], kmin, kmax)  # [n, H, N]
+            kmin, kmax = self.summaries.lookup(job.layer_id, job.pages[over])
+            scores = score_blocks_batched(job.queries[over], kmin, kmax)  # [n, H, N]
             sinks = (index < self.config.sink_blocks)[None, None, :]
             selected[over] = select_top_blocks(scores, self.config.top_k, sinks, valid[over][:, None, :])
+            priority[over] = scores.masked_fill(sinks, float("inf"))
+        return selected, priority
+
+    def _transfer(self, job: SelectionJob, plan: TransferPlan) -> dict[int, str]:
+        """Copy the plan's blocks in; a failure is retried request by request, and the requests whose
+        own transfer fails are returned (slot -> message) to be failed alone."""
         pool = self.token_to_kv_pool
-        loads = self.working_sets.apply_selections(
-            reqs,
-            layer_id,
-            selected,
-            pages,
-            self.step,
-            pool.get_key_buffer(layer_id),
-            pool.get_value_buffer(layer_id),
-        )
-        self.stats.add("selections", len(seq_lens))
-        self.stats.add("selection_changes", loads)
-        self.stats.add("blocks_loaded", loads)
-        self.stats.add("bytes_host_to_device", loads * self.working_sets.bytes_per_block)
+        k_buffer, v_buffer = pool.get_key_buffer(job.layer_id), pool.get_value_buffer(job.layer_id)
+        try:
+            self._check_injected(job, plan.batch_rows)
+            self.working_sets.load(plan, job.reqs, job.layer_id, job.pages, k_buffer, v_buffer)
+            return {}
+        except Exception:
+            logger.warning("oasis: batched transfer of layer %d failed; retrying per request", job.layer_id)
+        failed = {}
+        for row, req in enumerate(job.reqs.tolist()):
+            mine = plan.batch_rows == row
+            own = TransferPlan(
+                plan.batch_rows[mine], plan.heads[mine], plan.slots[mine], plan.blocks[mine], 0
+            )
+            try:
+                self._check_injected(job, own.batch_rows)
+                self.working_sets.load(own, job.reqs, job.layer_id, job.pages, k_buffer, v_buffer)
+            except Exception as error:
+                failed[req] = f"layer {job.layer_id}: {type(error).__name__}: {error}"
+        return failed
+
+    def _check_injected(self, job: SelectionJob, rows: torch.Tensor) -> None:
+        if job.fail_reqs and rows.numel():
+            hit = set(job.reqs[rows].tolist()) & set(job.fail_reqs)
+            if hit:
+                raise OasisTransferError(
+                    f"injected transfer failure ({INJECT_ENV}={self._inject_prompt_len}) for request "
+                    f"slot(s) {sorted(hit)}"
+                )
+
+    def _injected_failures(self, reqs: list[int]) -> tuple[int, ...]:
+        if self._inject_prompt_len is None:
+            return ()
+        return tuple(req for req in reqs if self.prompt_len.get(req) == self._inject_prompt_len)
+
+    def _account(self, result: JobResult) -> None:
+        """Fold a finished job into the counters, the adaptive cap and the failed-request registry
+        (foreground only: the counters are not thread-safe)."""
+        host_loads = result.loads - result.fresh
+        stats = self.stats
+        stats.add("selections", result.selections)
+        stats.add("selection_changes", result.loads)
+        stats.add("blocks_loaded", host_loads)
+        stats.add("bytes_host_to_device", host_loads * self.working_sets.bytes_per_block)
+        stats.add("stage_select_us", result.select_ns // 1000)
+        stats.add("stage_transfer_us", result.transfer_ns // 1000)
+        if not result.admission:
+            stats.add("blocks_from_active", result.fresh)
+            stats.add("decode_blocks_loaded", host_loads)
+            stats.add("decode_bytes_host_to_device", host_loads * self.working_sets.bytes_per_block)
+            stats.add("blocks_deferred", result.deferred)
+            if self.config.adaptive_cap:
+                self._adapt_cap(result.layer_id, (host_loads + result.deferred) / max(1, result.heads))
+        for req, message in result.failed.items():
+            generation = int(self.req_to_token_pool.req_generation[req])
+            if self._reported_failures.get(req) == generation:  # a later layer or step of the same
+                continue
+            self._reported_failures[req] = generation
+            stats.add("transfer_failures")
+            logger.error("oasis: KV transfer failed for request slot %d: %s", req, message)
+            with self._failed_lock:
+                self.failed_requests[req] = (
+                    generation,
+                    f"oasis: KV transfer for this request failed ({message})",
+                )
+
+    def _adapt_cap(self, layer_id: int, missing_per_head: float) -> None:
+        """``--oasis-adaptive-cap``: the layer's cap follows its measured drift, within the bounds."""
+        low, high = self.config.fetch_cap_bounds
+        drift = 0.75 * self._drift[layer_id] + 0.25 * missing_per_head
+        self._drift[layer_id] = drift
+        self._caps[layer_id] = min(high, max(low, math.ceil(1.25 * drift)))
 
 
 def create_oasis_backend(model_runner: Any) -> TorchNativeAttnBackend:

@@ -11,15 +11,20 @@ map.
 
 Applying a selection for a step::
 
-    needed   = the head's selected blocks
+    needed   = the head's selected blocks (the prediction for the next step)
     keep     = needed ∩ resident           (stay in their slots, last-selected := step)
     missing  = needed − resident           (loaded into free slots first, then into the slots of
     victims  = resident − needed            victims, least recently selected first)
+
+With a fetch cap C (``--oasis-fetch-ratio``), at most C missing blocks per head come from the host tier
+in one step, the highest-priority (summary score) first, ties by block id; the rest are *deferred* and
+stay missing until a later step's plan admits them. Blocks that have just filled up (ids from
+``fresh_from`` on: the step's active block, already in device memory) are admitted whatever the cap.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import NamedTuple
 
 import torch
@@ -33,6 +38,14 @@ class Load(NamedTuple):
     head: int
     slot: int
     block: int
+
+
+class Plan(NamedTuple):
+    """One step's plan for one (request, layer): the loads (per head, ascending block ids) and the
+    predicted blocks the cap deferred, as ``(head, block)``."""
+
+    loads: list[Load]
+    deferred: list[tuple[int, int]]
 
 
 class HeadwiseMap:
@@ -59,31 +72,63 @@ class HeadwiseMap:
         needed (free slots are used first), so once a head's slots are full its resident set equals its
         selection. ``selected[h]`` may hold at most ``num_slots`` blocks.
         """
+        return self.plan(selected, step).loads
+
+    def plan(
+        self,
+        selected: Sequence[set[int]],
+        step: int,
+        cap: int | None = None,
+        fresh_from: int | None = None,
+        priority: Sequence[Mapping[int, float]] | None = None,
+    ) -> Plan:
+        """``apply_selection`` with a per-head fetch cap: at most ``cap`` missing blocks below
+        ``fresh_from`` are loaded per head, by ``priority[head][block]`` (higher first, default 0), ties
+        by ascending block id; blocks ``>= fresh_from`` are always loaded. ``cap=None``: no cap."""
         if len(selected) != self.num_kv_heads:
             raise ValueError(f"selection for {len(selected)} heads, map has {self.num_kv_heads}")
         loads: list[Load] = []
+        deferred: list[tuple[int, int]] = []
         for head, needed in enumerate(selected):
             if len(needed) > self.num_slots:
                 raise ValueError(f"head {head}: {len(needed)} blocks selected for {self.num_slots} slots")
-            loads += self._apply_head(head, needed, step)
-        return loads
+            head_priority = priority[head] if priority is not None else {}
+            head_loads, head_deferred = self._apply_head(head, needed, step, cap, fresh_from, head_priority)
+            loads += head_loads
+            deferred += [(head, block) for block in head_deferred]
+        return Plan(loads, deferred)
 
-    def _apply_head(self, head: int, needed: set[int], step: int) -> list[Load]:
+    def _apply_head(
+        self,
+        head: int,
+        needed: set[int],
+        step: int,
+        cap: int | None,
+        fresh_from: int | None,
+        priority: Mapping[int, float],
+    ) -> tuple[list[Load], list[int]]:
         blocks = self.slot_block[head].tolist()
         last = self.last_selected[head].tolist()
         slot_of = {block: slot for slot, block in enumerate(blocks) if block != EMPTY}
         for block in needed & slot_of.keys():
             self.last_selected[head, slot_of[block]] = step
+        missing = needed - slot_of.keys()
+        deferred: list[int] = []
+        if cap is not None:
+            fresh = {block for block in missing if fresh_from is not None and block >= fresh_from}
+            by_priority = sorted(missing - fresh, key=lambda block: (-priority.get(block, 0.0), block))
+            deferred = by_priority[cap:]
+            missing = fresh | set(by_priority[:cap])
         free_slots = [slot for slot, block in enumerate(blocks) if block == EMPTY]
         victims = sorted(
             (slot for block, slot in slot_of.items() if block not in needed), key=lambda s: last[s]
         )
         loads = []
-        for block, slot in zip(sorted(needed - slot_of.keys()), free_slots + victims, strict=False):
+        for block, slot in zip(sorted(missing), free_slots + victims, strict=False):
             self.slot_block[head, slot] = block
             self.last_selected[head, slot] = step
             loads.append(Load(head, slot, block))
-        return loads
+        return loads, deferred
 
     def clear(self) -> list[int]:
         """Empty every slot (request finished); returns the distinct host blocks that were mirrored."""

@@ -12,9 +12,27 @@ bumps the slot's generation on every allocation; the owner key is that generatio
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from sglang_oasis.memory.headwise_map import EMPTY
+
+
+class TransferPlan(NamedTuple):
+    """Blocks to copy into working sets: load i puts logical block ``blocks[i]`` of batch row
+    ``batch_rows[i]`` into slot ``slots[i]`` of KV head ``heads[i]``; ``deferred`` counts predicted
+    blocks the fetch cap left for later steps."""
+
+    batch_rows: torch.Tensor
+    heads: torch.Tensor
+    slots: torch.Tensor
+    blocks: torch.Tensor
+    deferred: int
+
+    @property
+    def num_loads(self) -> int:
+        return int(self.blocks.numel())
 
 
 class WorkingSetPool:
@@ -64,31 +82,34 @@ class WorkingSetPool:
         """Occupied (layer, head, slot) entries of the given request slots."""
         return int((self.slot_block[reqs] != EMPTY).sum())
 
-    def apply_selections(
+    def plan_selections(
         self,
         reqs: torch.Tensor,
         layer: int,
         selected: torch.Tensor,
-        block_pages: torch.Tensor,
         step: int,
-        k_buffer: torch.Tensor,
-        v_buffer: torch.Tensor,
-    ) -> int:
-        """Make every selected block resident, for a whole batch in tensor ops, and copy it in.
+        cap: int | None = None,
+        fresh_from: torch.Tensor | None = None,
+        priority: torch.Tensor | None = None,
+    ) -> TransferPlan:
+        """Decide, for a whole batch in tensor ops, which selected blocks to load into which slots, and
+        record the new mapping (``load`` then copies the data).
 
-        ``HeadwiseMap.apply_selection`` is the readable per-head reference this must agree with
-        (``test/unit/test_sparse_stores.py`` checks it on random selections).
+        ``HeadwiseMap.plan`` is the readable per-head reference this must agree with
+        (``test/unit/test_sparse_stores.py`` checks it on random selections, caps and priorities).
 
         Args:
             reqs: ``[bs]`` request slots.
-            selected: ``[bs, kv_heads, N]`` bool, the blocks each head must hold (at most ``num_slots``).
-            block_pages: ``[bs, N]`` host page of each logical block (entries past a request's blocks
-                are ignored).
-            step: decode step, recorded as the last selection of every selected block.
+            selected: ``[bs, kv_heads, N]`` bool, the blocks each head should hold (at most ``num_slots``).
+            step: decode step, recorded as the last selection of every selected resident block.
+            cap: at most this many missing blocks below ``fresh_from`` load per head (None: all).
+            fresh_from: ``[bs]`` first block id that just filled up (loaded whatever the cap).
+            priority: ``[bs, kv_heads, N]`` float, the order in which capped blocks are admitted
+                (higher first; ties by block id). None: block id order.
 
-        Returns the number of blocks loaded. Same plan as the per-head reference: kept blocks stay in
-        their slots; missing blocks, in ascending order, go to free slots first (in slot order), then
-        to slots of unselected blocks, least recently selected first.
+        Same plan as the per-head reference: kept blocks stay in their slots; admitted missing blocks,
+        in ascending order, go to free slots first (in slot order), then to slots of unselected blocks,
+        least recently selected first.
         """
         bs, heads, num_blocks = selected.shape
         blocks = self.slot_block[reqs, layer]  # [bs, H, S]
@@ -98,6 +119,21 @@ class WorkingSetPool:
         resident = torch.zeros((bs, heads, num_blocks + 1), dtype=torch.bool)
         resident.scatter_(-1, torch.where(occupied, blocks, num_blocks), True)
         missing = selected & ~resident[..., :num_blocks]
+        deferred = 0
+        if cap is not None:
+            index = torch.arange(num_blocks)
+            fresh = (
+                index[None, None, :] >= fresh_from[:, None, None]
+                if fresh_from is not None
+                else torch.zeros((1, 1, num_blocks), dtype=torch.bool)
+            )
+            capped = missing & ~fresh
+            order_key = -priority.float() if priority is not None else torch.zeros(missing.shape)
+            order = torch.where(capped, order_key, float("inf")).argsort(dim=-1, stable=True)
+            rank = torch.empty_like(order).scatter_(-1, order, index.expand_as(order).contiguous())
+            admitted = capped & (rank < cap)
+            deferred = int((capped & ~admitted).sum())
+            missing = missing & (fresh | admitted)
         # Victim order: free slots (key -1), then unselected blocks by last selection; kept slots last.
         key = torch.where(occupied, last, -1)
         key = torch.where(holds_selected, torch.iinfo(torch.int64).max, key)
@@ -112,12 +148,41 @@ class WorkingSetPool:
         now_selected = (blocks != EMPTY) & selected.gather(-1, blocks.clamp(0, num_blocks - 1))
         self.slot_block[reqs, layer] = blocks
         self.last_selected[reqs, layer] = torch.where(now_selected, step, last)
-        if new.numel():
-            req_ids = reqs[b_idx]
-            tokens = block_pages[b_idx, new][:, None] * self.block_size + self._block_offsets
-            self.k[req_ids, layer, h_idx, slots] = k_buffer[tokens, h_idx[:, None]].to(self.k.dtype)
-            self.v[req_ids, layer, h_idx, slots] = v_buffer[tokens, h_idx[:, None]].to(self.v.dtype)
-        return int(new.numel())
+        return TransferPlan(b_idx, h_idx, slots, new, deferred)
+
+    def load(
+        self,
+        plan: TransferPlan,
+        reqs: torch.Tensor,
+        layer: int,
+        block_pages: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+    ) -> None:
+        """Copy the planned blocks from the host tier (``block_pages[b, block]`` = host page of request
+        ``b``'s logical block) into their device slots."""
+        if not plan.blocks.numel():
+            return
+        req_ids = reqs[plan.batch_rows]
+        tokens = block_pages[plan.batch_rows, plan.blocks][:, None] * self.block_size + self._block_offsets
+        heads = plan.heads
+        self.k[req_ids, layer, heads, plan.slots] = k_buffer[tokens, heads[:, None]].to(self.k.dtype)
+        self.v[req_ids, layer, heads, plan.slots] = v_buffer[tokens, heads[:, None]].to(self.v.dtype)
+
+    def apply_selections(
+        self,
+        reqs: torch.Tensor,
+        layer: int,
+        selected: torch.Tensor,
+        block_pages: torch.Tensor,
+        step: int,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+    ) -> int:
+        """Plan without a cap and load at once; returns the number of blocks loaded."""
+        plan = self.plan_selections(reqs, layer, selected, step)
+        self.load(plan, reqs, layer, block_pages, k_buffer, v_buffer)
+        return plan.num_loads
 
     def gather(self, reqs: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Working sets of a batch in block order: keys, values ``[bs, heads, slots * B, dim]`` and valid.

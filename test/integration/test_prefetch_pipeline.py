@@ -1,0 +1,76 @@
+"""The capped prefetch pipeline on a real server: the cap bounds what decode steps load, deferred blocks
+are counted, and a failed background transfer fails only its own request."""
+
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import requests
+import torch
+
+from sglang_oasis.testing.server_process import ServerProcess
+
+pytestmark = pytest.mark.server
+
+NEW_TOKENS = 24
+LAYERS, KV_HEADS, CAP = 4, 2, 1  # the tiny Qwen3; --oasis-top-k 4 --oasis-fetch-ratio 0.25
+INJECTED_FAILURE_PROMPT_LEN = 613  # conftest's tiny_qwen3_capped_server
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 49152, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def generate(server: ServerProcess, input_ids: list[int]) -> requests.Response:
+    body = {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
+    }
+    return requests.post(server.url + "/generate", json=body, timeout=300)
+
+
+def stats(server: ServerProcess) -> dict[str, int]:
+    return requests.get(server.url + "/oasis/stats", timeout=30).json()
+
+
+def test_the_fetch_cap_bounds_decode_loads(tiny_qwen3_capped_server: ServerProcess) -> None:
+    before = stats(tiny_qwen3_capped_server)
+    response = generate(tiny_qwen3_capped_server, prompt(333, seed=1))  # 20 full blocks, K = 4
+    assert response.status_code == 200, response.text
+    after = stats(tiny_qwen3_capped_server)
+    steps = after["decode_steps"] - before["decode_steps"]
+    assert steps == NEW_TOKENS - 1
+    loaded = after["decode_blocks_loaded"] - before["decode_blocks_loaded"]
+    deferred = after["blocks_deferred"] - before["blocks_deferred"]
+    # At most CAP blocks per (layer, KV head) and step from the host tier; the selection drifts by more,
+    # so some predicted blocks wait.
+    assert 0 < loaded <= steps * LAYERS * KV_HEADS * CAP
+    assert deferred > 0
+    assert (
+        after["decode_bytes_host_to_device"] - before["decode_bytes_host_to_device"]
+        == loaded * 16 * 64 * 4 * 2
+    )
+    assert after["blocks_loaded"] - before["blocks_loaded"] == loaded + LAYERS * KV_HEADS * 4  # + admission
+    per_step = after["per_decode_step"]
+    assert per_step["bytes_host_to_device"] >= 0 and per_step["blocks_deferred"] > 0
+
+
+def test_a_failed_transfer_fails_only_its_request(tiny_qwen3_capped_server: ServerProcess) -> None:
+    before = stats(tiny_qwen3_capped_server)
+    batch = [prompt(500, seed=2), prompt(INJECTED_FAILURE_PROMPT_LEN, seed=3), prompt(700, seed=4)]
+    with ThreadPoolExecutor(len(batch)) as pool:
+        responses = list(pool.map(lambda ids: generate(tiny_qwen3_capped_server, ids), batch))
+    healthy = [responses[0], responses[2]]
+    for response in healthy:
+        assert response.status_code == 200, response.text
+        assert len(response.json()["output_ids"]) == NEW_TOKENS
+    failed = responses[1]
+    assert failed.status_code == 500, failed.text
+    assert "oasis: KV transfer for this request failed" in failed.text
+    assert "injected transfer failure" in failed.text
+    assert stats(tiny_qwen3_capped_server)["transfer_failures"] == before["transfer_failures"] + 1
+    # Still serving, also the same prompt extended by one token (another length: no injected failure).
+    again = generate(tiny_qwen3_capped_server, [*batch[1], 5])
+    assert again.status_code == 200, again.text
+    assert len(again.json()["output_ids"]) == NEW_TOKENS

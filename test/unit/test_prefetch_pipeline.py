@@ -1,0 +1,81 @@
+"""The prefetch pipeline's contract: jobs run in the background, a layer's wait returns that layer's job
+only, one job per layer in flight, errors surface at the wait; sync mode runs jobs inline."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+
+from sglang_oasis.memory.prefetch_pipeline import PrefetchPipeline
+
+
+def test_a_layer_waits_only_for_its_own_job() -> None:
+    pipeline: PrefetchPipeline[str] = PrefetchPipeline(asynchronous=True)
+    release = threading.Event()
+    started = threading.Event()
+
+    def slow() -> str:
+        started.set()
+        release.wait(10)
+        return "layer 0"
+
+    pipeline.submit(0, slow)
+    started.wait(10)
+    pipeline.submit(1, lambda: "layer 1")  # queued behind layer 0's job on the one worker
+    assert not pipeline._pending[0].done()
+    release.set()
+    assert pipeline.wait(0) == ["layer 0"]
+    assert pipeline.wait(1) == ["layer 1"]
+    assert pipeline.wait(1) == []  # nothing pending any more
+    pipeline.shutdown()
+
+
+def test_resubmitting_a_layer_returns_its_earlier_result_first() -> None:
+    pipeline: PrefetchPipeline[int] = PrefetchPipeline(asynchronous=True)
+    assert pipeline.submit(3, lambda: 1) == []
+    assert pipeline.submit(3, lambda: 2) == [1]
+    assert pipeline.drain() == [2]
+    pipeline.shutdown()
+
+
+def test_sync_mode_runs_jobs_at_submission() -> None:
+    pipeline: PrefetchPipeline[str] = PrefetchPipeline(asynchronous=False)
+    ran = []
+    pipeline.submit(0, lambda: ran.append("ran") or "done")
+    assert ran == ["ran"]
+    assert not pipeline.asynchronous and pipeline.wait(0) == ["done"]
+
+
+def test_an_escaping_error_surfaces_at_the_layers_wait() -> None:
+    pipeline: PrefetchPipeline[None] = PrefetchPipeline(asynchronous=True)
+
+    def broken() -> None:
+        raise OSError("copy failed")
+
+    pipeline.submit(2, broken)
+    pipeline.submit(1, lambda: None)
+    assert pipeline.wait(1) == [None]
+    with pytest.raises(OSError, match="copy failed"):
+        pipeline.wait(2)
+    pipeline.shutdown()
+
+
+def test_adaptive_cap_follows_the_drift_within_its_bounds() -> None:
+    from sglang_oasis.attention.oasis_backend import OasisAttnBackend
+    from sglang_oasis.config import OasisConfig
+
+    config = OasisConfig(top_k=40, fetch_ratio=0.05, adaptive_cap=True)
+    assert config.fetch_cap == 2 and config.fetch_cap_bounds == (2, 8)
+    backend = OasisAttnBackend.__new__(OasisAttnBackend)  # only the cap's state
+    backend.config, backend._caps, backend._drift = config, [2, 2], [0.0, 0.0]
+    caps = []
+    for _ in range(12):  # layer 0 drifts by 20 blocks per head and step, layer 1 by 3
+        backend._adapt_cap(0, 20.0)
+        backend._adapt_cap(1, 3.0)
+        caps.append(tuple(backend._caps))
+    assert caps[0] == (7, 2)  # ceil(1.25 * 0.25 * 20) = 7; ceil(1.25 * 0.75) = 1 -> lower bound 2
+    assert caps[-1] == (8, 4)  # the upper bound; 1.25 * ~3 -> 4
+    for _ in range(30):
+        backend._adapt_cap(0, 0.0)
+    assert backend._caps[0] == 2
