@@ -139,3 +139,25 @@ def test_batched_capped_plan_matches_the_per_head_reference(
             assert torch.equal(ws.slot_block[req, 0], reference[req].slot_block)
             assert torch.equal(ws.last_selected[req, 0], reference[req].last_selected)
         assert (plan.num_loads, plan.deferred) == (want_loads, want_deferred)
+
+
+def test_gather_of_a_batch_reads_each_requests_own_layer_in_block_order() -> None:
+    gen = torch.Generator().manual_seed(5)
+    heads, slots, dim = 3, 4, 2
+    ws = WorkingSetPool(5, 3, heads, dim, slots, B, torch.float32, "cpu")
+    ws.k.copy_(torch.randn(ws.k.shape, generator=gen))
+    ws.v.copy_(torch.randn(ws.v.shape, generator=gen))
+    for index in torch.cartesian_prod(*(torch.arange(n) for n in ws.slot_block.shape[:3])).tolist():
+        distinct = torch.randperm(9, generator=gen)[:slots]  # a head never holds a block twice
+        ws.slot_block[tuple(index)] = torch.where(torch.rand(slots, generator=gen) < 0.3, -1, distinct)
+    reqs = torch.tensor([4, 1, 2])
+    keys, values, valid = ws.gather(reqs, 2)
+    for i, req in enumerate(reqs.tolist()):
+        for h in range(heads):
+            blocks = ws.slot_block[req, 2, h].tolist()
+            order = sorted(range(slots), key=lambda s: (blocks[s] == -1, blocks[s]))
+            want_k = torch.cat([ws.k[req, 2, h, s] for s in order])
+            want_v = torch.cat([ws.v[req, 2, h, s] for s in order])
+            want_valid = [blocks[s] != -1 for s in order for _ in range(B)]
+            assert torch.equal(keys[i, h], want_k) and torch.equal(values[i, h], want_v)
+            assert valid[i, h].tolist() == want_valid

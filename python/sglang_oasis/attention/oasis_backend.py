@@ -63,7 +63,6 @@ class SelectionJob(NamedTuple):
     step: int
     admission: bool  # the first working set after an extend: nothing capped, nothing "fresh"
     cap: int | None  # None: no cap
-    fresh_from: torch.Tensor | None  # [bs] first block that filled up since the last selection
     fail_reqs: tuple[int, ...]  # injected failures
 
 
@@ -364,6 +363,13 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         req_to_token = self.req_to_token_pool.req_to_token
         pages = req_to_token[reqs, 0 : num_blocks * block : block].to(torch.int64) // block  # [bs, N]
         admission = self._admission
+        if not admission and num_blocks <= self.num_slots:
+            # Every block is selected; if none filled up since the last selection the working sets
+            # already hold them all (this layer's job was waited for): nothing to plan or move.
+            if bool((self.working_sets.covered[reqs, layer_id] == full).all()):
+                self.working_sets.touch(reqs, layer_id, self.step)
+                self.stats.add("selections", len(seq_lens))
+                return
         job = SelectionJob(
             layer_id=layer_id,
             reqs=reqs,
@@ -373,7 +379,6 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             step=self.step,
             admission=admission,
             cap=None if admission else self._caps[layer_id],
-            fresh_from=None if admission else self.working_sets.covered[reqs, layer_id].clone(),
             fail_reqs=() if admission else self._injected_failures(self._reqs),
         )
         for result in self.pipeline.submit(layer_id, lambda: self._run_job(job)):
@@ -410,6 +415,8 @@ class OasisAttnBackend(TorchNativeAttnBackend):
     def _run_job(self, job: SelectionJob) -> JobResult:
         """Prediction -> selection -> transfer for one layer of a batch (runs in the pipeline)."""
         started = time.perf_counter_ns()
+        # Blocks from the last selection's coverage on filled up since: the active block, no transfer.
+        fresh_from = None if job.admission else self.working_sets.covered[job.reqs, job.layer_id].clone()
         self.working_sets.covered[job.reqs, job.layer_id] = job.full
         if job.pages.shape[1] == 0:  # no request has a full block yet
             return JobResult(job.layer_id, job.admission, len(job.reqs),
@@ -417,12 +424,12 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         selected, priority = self._choose(job)
         chosen = time.perf_counter_ns()
         plan = self.working_sets.plan_selections(
-            job.reqs, job.layer_id, selected, job.step, job.cap, job.fresh_from, priority
+            job.reqs, job.layer_id, selected, job.step, job.cap, fresh_from, priority
         )
         failed = self._transfer(job, plan)
         fresh = 0
-        if job.fresh_from is not None and plan.num_loads:
-            fresh = int((plan.blocks >= job.fresh_from[plan.batch_rows]).sum())
+        if fresh_from is not None and plan.num_loads:
+            fresh = int((plan.blocks >= fresh_from[plan.batch_rows]).sum())
         return JobResult(
             layer_id=job.layer_id,
             admission=job.admission,

@@ -184,6 +184,12 @@ class WorkingSetPool:
         self.load(plan, reqs, layer, block_pages, k_buffer, v_buffer)
         return plan.num_loads
 
+    def touch(self, reqs: torch.Tensor, layer: int, step: int) -> None:
+        """Record every resident block of these requests as selected at ``step`` (the plan when the
+        selection is exactly the resident set)."""
+        resident = self.slot_block[reqs, layer] != EMPTY
+        self.last_selected[reqs, layer] = torch.where(resident, step, self.last_selected[reqs, layer])
+
     def gather(self, reqs: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Working sets of a batch in block order: keys, values ``[bs, heads, slots * B, dim]`` and valid.
 
@@ -193,8 +199,16 @@ class WorkingSetPool:
         blocks = self.slot_block[reqs, layer]  # [bs, H, S]
         order = torch.where(blocks == EMPTY, torch.iinfo(torch.int64).max, blocks).argsort(dim=-1)
         bs, heads, slots = blocks.shape
-        index = order[..., None, None].expand(bs, heads, slots, self.block_size, self.k.shape[-1])
-        keys = self.k[reqs, layer].gather(2, index).flatten(2, 3)
-        values = self.v[reqs, layer].gather(2, index).flatten(2, 3)
+        # One row gather over the flattened pool: row ((req * layers + layer) * heads + head) * slots + slot
+        # is that slot's B x dim block.
+        num_layers = self.k.shape[1]
+        rows = (
+            (reqs[:, None, None] * num_layers + layer) * heads + torch.arange(heads)[None, :, None]
+        ) * slots
+        rows = (rows + order).flatten()
+        shape = (bs, heads, slots * self.block_size, self.k.shape[-1])
+        block_elems = self.block_size * self.k.shape[-1]
+        keys = self.k.view(-1, block_elems).index_select(0, rows).view(shape)
+        values = self.v.view(-1, block_elems).index_select(0, rows).view(shape)
         valid = (blocks.gather(-1, order) != EMPTY)[..., None].expand(bs, heads, slots, self.block_size)
         return keys, values, valid.flatten(2, 3)
