@@ -4,6 +4,8 @@ metric scraping, and table printing."""
 from __future__ import annotations
 
 import json
+import os
+import platform
 import re
 import threading
 import time
@@ -28,6 +30,7 @@ def essay_prompts(model_dir: Path, count: int, tokens: int) -> list[list[int]]:
 @dataclass
 class Stream:
     token_times: list[float] = field(default_factory=list)  # time each new token arrived
+    output_ids: list[int] = field(default_factory=list)  # the generated token ids
     error: str | None = None
 
 
@@ -47,11 +50,35 @@ def stream_generate(url: str, input_ids: list[int], max_new_tokens: int) -> Stre
             if not line or not line.startswith("data: ") or line == "data: [DONE]":
                 continue
             now = time.monotonic()
-            meta = json.loads(line[len("data: ") :])["meta_info"]
-            produced = int(meta["completion_tokens"])
+            chunk = json.loads(line[len("data: ") :])
+            produced = int(chunk["meta_info"]["completion_tokens"])
+            ids = chunk.get("output_ids") or []
+            if len(ids) == produced:  # cumulative (SGLang's default)
+                result.output_ids = list(ids)
+            elif len(ids) == produced - seen:  # --incremental-streaming-output
+                result.output_ids += ids
             result.token_times += [now] * (produced - seen)
             seen = produced
     return result
+
+
+def machine_info() -> dict[str, Any]:
+    """The CPU (``platform.processor()``, else /proc/cpuinfo's model name), its core count, the OS."""
+    processor = platform.processor()
+    if not processor:
+        try:
+            lines = Path("/proc/cpuinfo").read_text().splitlines()
+            processor = next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), "")
+        except OSError:
+            pass
+    return {"processor": processor or "unknown", "cpu_count": os.cpu_count(), "platform": platform.platform()}
+
+
+def oasis_stats(url: str) -> dict[str, Any]:
+    """``GET /oasis/stats``: sglang-oasis's raw counters (plus ``per_decode_step`` averages)."""
+    response = requests.get(url + "/oasis/stats", timeout=30)
+    response.raise_for_status()
+    return dict(response.json())
 
 
 def scrape_metric(url: str, name: str) -> float | None:

@@ -73,7 +73,12 @@ KNOWN_BENCHMARKS = (
     "bench_rpf",
 )
 FULL = Scale(
-    bench_args={"bench_capacity": ["--num-layers", "6"], "bench_lookahead": []},
+    bench_args={
+        "bench_capacity": ["--num-layers", "6"],
+        "bench_lookahead": [],
+        "bench_overhead": [],
+        "bench_fetch_cap": [],
+    },
     bench_timeout_s=3 * 3600,
     passkey_contexts=(1000, 2000, 4000, 7000),
     passkey_depths=(0.1, 0.3, 0.5, 0.7, 0.9),
@@ -83,10 +88,16 @@ FULL = Scale(
     replay_concurrency=8,
 )
 QUICK_CAPACITY = ["--num-layers", "6", "--context-tokens", "1024", "--output-tokens", "8", "--concurrency", "2,4"]  # fmt: skip
+QUICK_FETCH_CAP = [
+    "--num-layers", "6", "--context-tokens", "1024", "--agreement-tokens", "64", "--ratios", "0.05,0.25,1.0",
+    "--passkey-depths", "0.3,0.7",
+]  # fmt: skip
 QUICK = Scale(
     bench_args={
         "bench_capacity": [*QUICK_CAPACITY, "--device-kv-tokens", "4096"],
         "bench_lookahead": ["--contexts", "1", "--context-tokens", "1024", "--steps", "20"],
+        "bench_overhead": ["--num-layers", "6", "--output-tokens", "32", "--repeats", "2"],
+        "bench_fetch_cap": QUICK_FETCH_CAP,
     },
     bench_timeout_s=900,
     passkey_contexts=(1000, 2000),
