@@ -363,13 +363,13 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         req_to_token = self.req_to_token_pool.req_to_token
         pages = req_to_token[reqs, 0 : num_blocks * block : block].to(torch.int64) // block  # [bs, N]
         admission = self._admission
-        if not admission and num_blocks <= self.num_slots:
-            # Every block is selected; if none filled up since the last selection the working sets
-            # already hold them all (this layer's job was waited for): nothing to plan or move.
-            if bool((self.working_sets.covered[reqs, layer_id] == full).all()):
-                self.working_sets.touch(reqs, layer_id, self.step)
-                self.stats.add("selections", len(seq_lens))
-                return
+        # Every block is selected; if none filled up since the last selection the working sets already
+        # hold them all (this layer's job was waited for): nothing to plan or move.
+        unchanged = not admission and num_blocks <= self.num_slots
+        if unchanged and bool((self.working_sets.covered[reqs, layer_id] == full).all()):
+            self.working_sets.touch(reqs, layer_id, self.step)
+            self.stats.add("selections", len(seq_lens))
+            return
         job = SelectionJob(
             layer_id=layer_id,
             reqs=reqs,
