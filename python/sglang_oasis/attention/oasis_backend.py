@@ -469,8 +469,12 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             self._check_injected(job, plan.batch_rows)
             self.working_sets.load(plan, job.reqs, job.layer_id, job.pages, k_buffer, v_buffer)
             return {}
-        except Exception:
-            logger.warning("oasis: batched transfer of layer %d failed; retrying per request", job.layer_id)
+        except Exception as error:
+            logger.warning(
+                "oasis: batched transfer of layer %d failed (%s); retrying request by request",
+                job.layer_id,
+                error,
+            )
         failed = {}
         for row, req in enumerate(job.reqs.tolist()):
             mine = plan.batch_rows == row
