@@ -151,16 +151,30 @@ def test_per_row_masks_match_loop_and_two_separate_calls(num_q: int, num_kv: int
         torch.testing.assert_close(got[:, row], alone[:, 0])
 
 
-def test_batched_scores_match_one_request_at_a_time() -> None:
+@pytest.mark.parametrize(
+    ("batch", "q_heads", "kv_heads", "blocks", "dim", "dtype"),
+    [
+        (3, 9, 3, 11, 16, torch.float32),  # GQA 3
+        (1, 7, 1, 63, 5, torch.float32),  # GQA 7, one request
+        (5, 4, 4, 500, 64, torch.float32),  # GQA 1, many blocks
+        (2, 6, 2, 37, 32, torch.bfloat16),
+    ],
+    ids=["gqa3", "gqa7-one-request", "gqa1-500-blocks", "bf16"],
+)
+def test_batched_scores_match_one_request_at_a_time(
+    batch: int, q_heads: int, kv_heads: int, blocks: int, dim: int, dtype: torch.dtype
+) -> None:
+    """The two-matmul form equals the elementwise Quest bound (``score_blocks``) per request."""
     from sgl_kernel_oasis import score_blocks_batched
 
     gen = torch.Generator().manual_seed(5)
-    query = torch.randn(3, 9, 16, generator=gen)
-    kmin = torch.randn(3, 11, 3, 16, generator=gen)
-    kmax = kmin + torch.rand(3, 11, 3, 16, generator=gen)
+    query = torch.randn(batch, q_heads, dim, generator=gen).to(dtype)
+    kmin = torch.randn(batch, blocks, kv_heads, dim, generator=gen).to(dtype)
+    kmax = (kmin.float() + torch.rand(batch, blocks, kv_heads, dim, generator=gen)).to(dtype)
     got = score_blocks_batched(query, kmin, kmax)
-    for b in range(3):
-        torch.testing.assert_close(got[b], score_blocks(query[b : b + 1], kmin[b], kmax[b])[0])
+    tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
+    for b in range(batch):
+        torch.testing.assert_close(got[b], score_blocks(query[b : b + 1], kmin[b], kmax[b])[0], **tolerance)
 
 
 def test_top_k_respects_padding_and_short_rows() -> None:
