@@ -58,7 +58,7 @@ def score_blocks_batched(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Te
     """
     assert query.dim() == 3 and kmin.dim() == 4 and kmin.shape == kmax.shape, (query.shape, kmin.shape)
     batch, num_q_heads, head_dim = query.shape
-    _, num_blocks, num_kv_heads, kv_dim = kmin.shape
+    _, _, num_kv_heads, kv_dim = kmin.shape
     assert kv_dim == head_dim and num_q_heads % num_kv_heads == 0, (query.shape, kmin.shape)
     group = num_q_heads // num_kv_heads
     q = query.float().view(batch, num_kv_heads, group, head_dim)
