@@ -24,17 +24,18 @@ import math
 import os
 import threading
 import time
-from typing import TYPE_CHECKING, Any, NamedTuple
+from typing import TYPE_CHECKING, Any
 
 import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sgl_kernel_oasis import score_blocks_batched, select_top_blocks, sparse_decode_attention
+from sgl_kernel_oasis import sparse_decode_attention
+from sglang_oasis.attention.block_prefetcher import INJECT_ENV, BlockPrefetcher, JobResult, SelectionJob
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.memory.prefetch_pipeline import PrefetchPipeline
 from sglang_oasis.memory.summary_store import BlockSummaryStore
-from sglang_oasis.memory.working_set import TransferPlan, WorkingSetPool
+from sglang_oasis.memory.working_set import WorkingSetPool
 from sglang_oasis.stats import OasisStats
 
 if TYPE_CHECKING:
@@ -42,41 +43,6 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 logger = logging.getLogger(__name__)
-
-# Fault injection for tests: decode-time transfers of requests whose prompt is exactly this many tokens
-# long fail (the request must fail alone; the server keeps serving).
-INJECT_ENV = "SGLANG_OASIS_INJECT_TRANSFER_FAILURE"
-
-
-class OasisTransferError(RuntimeError):
-    """A block transfer into a working set failed."""
-
-
-class SelectionJob(NamedTuple):
-    """One layer's prediction -> selection -> transfer for a batch, as handed to the pipeline."""
-
-    layer_id: int
-    reqs: torch.Tensor  # [bs] request slots
-    queries: torch.Tensor  # [bs, q_heads, dim] the predicting query rows
-    full: torch.Tensor  # [bs] full blocks of each request
-    pages: torch.Tensor  # [bs, N] host page of each logical block
-    step: int
-    admission: bool  # the first working set after an extend: nothing capped, nothing "fresh"
-    cap: int | None  # None: no cap
-    fail_reqs: tuple[int, ...]  # injected failures
-
-
-class JobResult(NamedTuple):
-    layer_id: int
-    admission: bool
-    selections: int
-    loads: int
-    fresh: int  # loads of blocks that just filled up (already in device memory as the active block)
-    deferred: int
-    heads: int
-    select_ns: int
-    transfer_ns: int
-    failed: dict[int, str]  # request slot -> message
 
 
 class OasisAttnBackend(TorchNativeAttnBackend):
@@ -116,6 +82,9 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         self._reqs: list[int] = []
         self._admission = False
         self.pipeline: PrefetchPipeline[JobResult] = PrefetchPipeline(config.prefetch == "async")
+        self.prefetcher = BlockPrefetcher(
+            self.working_sets, self.summaries, pool, config.top_k, config.sink_blocks, self.num_kv_heads
+        )
         self._caps: list[int | None] = [config.fetch_cap] * num_layers
         self._drift = [0.0] * num_layers
         self.prompt_len: dict[int, int] = {}  # request slot -> tokens after its last extend
@@ -381,7 +350,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             cap=None if admission else self._caps[layer_id],
             fail_reqs=() if admission else self._injected_failures(self._reqs),
         )
-        for result in self.pipeline.submit(layer_id, lambda: self._run_job(job)):
+        for result in self.pipeline.submit(layer_id, lambda: self.prefetcher.run(job)):
             self._account(result)
 
     def finish_pending(self) -> None:
@@ -411,91 +380,6 @@ class OasisAttnBackend(TorchNativeAttnBackend):
     @property
     def has_failed_requests(self) -> bool:
         return bool(self.failed_requests)
-
-    def _run_job(self, job: SelectionJob) -> JobResult:
-        """Prediction -> selection -> transfer for one layer of a batch (runs in the pipeline)."""
-        started = time.perf_counter_ns()
-        # Blocks from the last selection's coverage on filled up since: the active block, no transfer.
-        fresh_from = None if job.admission else self.working_sets.covered[job.reqs, job.layer_id].clone()
-        self.working_sets.covered[job.reqs, job.layer_id] = job.full
-        if job.pages.shape[1] == 0:  # no request has a full block yet
-            return JobResult(job.layer_id, job.admission, len(job.reqs),
-                             0, 0, 0, 0, 0, 0, {})  # fmt: skip
-        selected, priority = self._choose(job)
-        chosen = time.perf_counter_ns()
-        plan = self.working_sets.plan_selections(
-            job.reqs, job.layer_id, selected, job.step, job.cap, fresh_from, priority
-        )
-        failed = self._transfer(job, plan)
-        fresh = 0
-        if fresh_from is not None and plan.num_loads:
-            fresh = int((plan.blocks >= fresh_from[plan.batch_rows]).sum())
-        return JobResult(
-            layer_id=job.layer_id,
-            admission=job.admission,
-            selections=len(job.reqs),
-            loads=plan.num_loads,
-            fresh=fresh,
-            deferred=plan.deferred,
-            heads=len(job.reqs) * self.num_kv_heads,
-            select_ns=chosen - started,
-            transfer_ns=time.perf_counter_ns() - chosen,
-            failed=failed,
-        )
-
-    def _choose(self, job: SelectionJob) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[bs, kv_heads, N]``: the blocks each head should hold next step, and their priority (summary
-        score; sink blocks first)."""
-        num_blocks = job.pages.shape[1]
-        index = torch.arange(num_blocks)
-        valid = index[None, :] < job.full[:, None]  # [bs, N]
-        selected = valid[:, None, :].expand(-1, self.num_kv_heads, -1).clone()
-        priority = torch.zeros(selected.shape)
-        over = job.full > self.num_slots
-        if bool(over.any()):
-            kmin, kmax = self.summaries.lookup(job.layer_id, job.pages[over])
-            scores = score_blocks_batched(job.queries[over], kmin, kmax)  # [n, H, N]
-            sinks = (index < self.config.sink_blocks)[None, None, :]
-            selected[over] = select_top_blocks(scores, self.config.top_k, sinks, valid[over][:, None, :])
-            priority[over] = scores.masked_fill(sinks, float("inf"))
-        return selected, priority
-
-    def _transfer(self, job: SelectionJob, plan: TransferPlan) -> dict[int, str]:
-        """Copy the plan's blocks in; a failure is retried request by request, and the requests whose
-        own transfer fails are returned (slot -> message) to be failed alone."""
-        pool = self.token_to_kv_pool
-        k_buffer, v_buffer = pool.get_key_buffer(job.layer_id), pool.get_value_buffer(job.layer_id)
-        try:
-            self._check_injected(job, plan.batch_rows)
-            self.working_sets.load(plan, job.reqs, job.layer_id, job.pages, k_buffer, v_buffer)
-            return {}
-        except Exception as error:
-            logger.warning(
-                "oasis: batched transfer of layer %d failed (%s); retrying request by request",
-                job.layer_id,
-                error,
-            )
-        failed = {}
-        for row, req in enumerate(job.reqs.tolist()):
-            mine = plan.batch_rows == row
-            own = TransferPlan(
-                plan.batch_rows[mine], plan.heads[mine], plan.slots[mine], plan.blocks[mine], 0
-            )
-            try:
-                self._check_injected(job, own.batch_rows)
-                self.working_sets.load(own, job.reqs, job.layer_id, job.pages, k_buffer, v_buffer)
-            except Exception as error:
-                failed[req] = f"layer {job.layer_id}: {type(error).__name__}: {error}"
-        return failed
-
-    def _check_injected(self, job: SelectionJob, rows: torch.Tensor) -> None:
-        if job.fail_reqs and rows.numel():
-            hit = set(job.reqs[rows].tolist()) & set(job.fail_reqs)
-            if hit:
-                raise OasisTransferError(
-                    f"injected transfer failure ({INJECT_ENV}={self._inject_prompt_len}) for request "
-                    f"slot(s) {sorted(hit)}"
-                )
 
     def _injected_failures(self, reqs: list[int]) -> tuple[int, ...]:
         if self._inject_prompt_len is None:
