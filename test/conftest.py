@@ -82,26 +82,6 @@ def tiny_qwen3_sparse_server(
     yield from _serve(args, "tiny-qwen3-sparse", tmp_path_factory)
 
 
-INJECTED_FAILURE_PROMPT_LEN = 613
-
-
-@pytest.fixture(scope="session")
-def tiny_qwen3_capped_server(
-    tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[ServerProcess]:
-    """Sparse on the tiny Qwen3 with K = 4 and a fetch cap of 1 block per head and step; decode-time
-    transfers of requests with a 613-token prompt fail (injected)."""
-    args = [
-        "--model-path", str(tiny_qwen3_dir), "--oasis-top-k", "4", "--oasis-fetch-ratio", "0.25", *FP32,
-        "--oasis-host-kv-tokens", "8192", "--oasis-device-kv-tokens", "4096",
-    ]  # fmt: skip
-    env = {"SGLANG_OASIS_INJECT_TRANSFER_FAILURE": str(INJECTED_FAILURE_PROMPT_LEN)}
-    with ServerProcess(
-        args, log_path=tmp_path_factory.mktemp("logs") / "tiny-qwen3-capped.log", env=env
-    ) as server:
-        yield server
-
-
 @pytest.fixture(scope="session")
 def smollm2_dense_server(
     smollm2_6l_dir: Path, tmp_path_factory: pytest.TempPathFactory

@@ -3,7 +3,9 @@ are counted, and a failed background transfer fails only its own request."""
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -15,7 +17,24 @@ pytestmark = pytest.mark.server
 
 NEW_TOKENS = 24
 LAYERS, KV_HEADS, CAP = 4, 2, 1  # the tiny Qwen3; --oasis-top-k 4 --oasis-fetch-ratio 0.25
-INJECTED_FAILURE_PROMPT_LEN = 613  # conftest's tiny_qwen3_capped_server
+INJECTED_FAILURE_PROMPT_LEN = 613
+
+
+@pytest.fixture(scope="module")
+def tiny_qwen3_capped_server(
+    tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """Sparse on the tiny Qwen3 with K = 4 and a fetch cap of 1 block per head and step; decode-time
+    transfers of requests with a 613-token prompt fail (injected). Module-scoped: CI's machine holds
+    only so many servers at once."""
+    args = [
+        "--model-path", str(tiny_qwen3_dir), "--oasis-top-k", "4", "--oasis-fetch-ratio", "0.25",
+        "--dtype", "float32", "--oasis-host-kv-tokens", "8192", "--oasis-device-kv-tokens", "4096",
+    ]  # fmt: skip
+    env = {"SGLANG_OASIS_INJECT_TRANSFER_FAILURE": str(INJECTED_FAILURE_PROMPT_LEN)}
+    log_path = tmp_path_factory.mktemp("logs") / "tiny-qwen3-capped.log"
+    with ServerProcess(args, log_path=log_path, env=env) as server:
+        yield server
 
 
 def prompt(length: int, seed: int) -> list[int]:

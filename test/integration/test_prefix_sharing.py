@@ -46,8 +46,8 @@ def test_a_cached_prefix_ending_inside_a_block_is_reused_and_output_equals_dense
     assert generate(tiny_qwen3_sparse_server, first)["output_ids"] == sparse[0]["output_ids"]
 
 
-def test_concurrent_requests_share_their_prefix_host_blocks(tiny_qwen3_capped_server: ServerProcess) -> None:
-    server = tiny_qwen3_capped_server
+def test_concurrent_requests_share_their_prefix_host_blocks(tiny_qwen3_sparse_server: ServerProcess) -> None:
+    server = tiny_qwen3_sparse_server
     assert requests.post(server.url + "/flush_cache", timeout=60).status_code == 200
 
     def host_used() -> int:

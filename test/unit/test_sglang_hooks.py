@@ -82,6 +82,6 @@ CHECK = textwrap.dedent(
 def test_hook_targets_exist_and_hooks_behave() -> None:
     env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
     result = subprocess.run(
-        [sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=300
+        [sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600
     )
     assert "hooks-ok" in result.stdout, result.stderr[-3000:]
