@@ -329,8 +329,6 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         reqs = torch.tensor(self._reqs, dtype=torch.int64)
         full = torch.tensor(seq_lens, dtype=torch.int64) // block
         num_blocks = int(full.max())
-        req_to_token = self.req_to_token_pool.req_to_token
-        pages = req_to_token[reqs, 0 : num_blocks * block : block].to(torch.int64) // block  # [bs, N]
         admission = self._admission
         # Every block is selected; if none filled up since the last selection the working sets already
         # hold them all (this layer's job was waited for): nothing to plan or move.
@@ -339,6 +337,8 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             self.working_sets.touch(reqs, layer_id, self.step)
             self.stats.add("selections", len(seq_lens))
             return
+        req_to_token = self.req_to_token_pool.req_to_token
+        pages = req_to_token[reqs, 0 : num_blocks * block : block].to(torch.int64) // block  # [bs, N]
         job = SelectionJob(
             layer_id=layer_id,
             reqs=reqs,
