@@ -2,10 +2,18 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
+
+if not torch.cuda.is_available():
+    # sgl-kernel-oasis's Triton kernels are tested on CPU under Triton's interpreter, which must be on
+    # before Triton is first imported (its own library functions are decorated then). Servers started by
+    # the tests do not inherit it (ServerProcess drops it).
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.models.tiny_models import TinyModelSpec, build_tiny_model

@@ -20,7 +20,7 @@ from sglang_oasis.replay.build_chitchat import write_chitchat
 from sglang_oasis.replay.prompts import BlockPrompts, corpus_token_ids
 from sglang_oasis.replay.schedule import turn_positions
 from sglang_oasis.replay.trace import load_trace
-from sglang_oasis.testing.server_process import ServerProcess, free_port
+from sglang_oasis.testing.server_process import ServerProcess, child_env, free_port
 
 pytestmark = pytest.mark.server
 
@@ -31,11 +31,12 @@ PAGE = 16  # sparse mode's page size: the radix cache matches whole pages
 
 
 def replay(*args: str, timeout: float = 600, wait: bool = True) -> subprocess.Popen[str]:
-    env = {
-        **os.environ,
-        "HF_HUB_OFFLINE": "1",
-        "PYTHONPATH": os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]),
-    }
+    env = child_env(
+        {
+            "HF_HUB_OFFLINE": "1",
+            "PYTHONPATH": os.pathsep.join([str(REPO / "python"), os.environ.get("PYTHONPATH", "")]),
+        }
+    )
     command = [sys.executable, "-m", "sglang_oasis.replay", "--no-progress", *args]
     process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     if wait:

@@ -11,6 +11,7 @@ import pytest
 
 from sglang_oasis.config import ENV_VAR, OasisConfig, OasisConfigError
 from sglang_oasis.launch_server import cpu_defaults, given, option_value, split_argv
+from sglang_oasis.testing.server_process import child_env
 
 
 def test_cli_defaults_come_from_the_dataclass() -> None:
@@ -97,6 +98,7 @@ def test_cpu_defaults_only_fill_what_is_missing() -> None:
 def test_bad_oasis_option_stops_startup_naming_it(argv: list[str], needle: str) -> None:
     result = subprocess.run(
         [sys.executable, "-m", "sglang_oasis.launch_server", *argv],
+        env=child_env(),
         capture_output=True,
         text=True,
         timeout=120,

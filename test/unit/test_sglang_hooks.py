@@ -6,10 +6,11 @@ Run in a subprocess on SGLang's CPU engine: the speculative modules import ``sgl
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 import textwrap
+
+from sglang_oasis.testing.server_process import child_env
 
 CHECK = textwrap.dedent(
     """
@@ -80,7 +81,7 @@ CHECK = textwrap.dedent(
 
 
 def test_hook_targets_exist_and_hooks_behave() -> None:
-    env = {**os.environ, "SGLANG_USE_CPU_ENGINE": "1"}
+    env = child_env({"SGLANG_USE_CPU_ENGINE": "1"})
     result = subprocess.run(
         [sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600
     )

@@ -16,7 +16,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from sgl_kernel_oasis import score_blocks_batched, select_top_blocks
+from sgl_kernel_oasis import ops, select_top_blocks
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.memory.working_set import TransferPlan, WorkingSetPool
 
@@ -119,8 +119,10 @@ class BlockPrefetcher:
         priority = torch.zeros(selected.shape)
         over = job.full > self.num_slots
         if bool(over.any()):
-            kmin, kmax = self.summaries.lookup(job.layer_id, job.pages[over])
-            scores = score_blocks_batched(job.queries[over], kmin, kmax)  # [n, H, N]
+            kmin, kmax = self.summaries.kmin[job.layer_id], self.summaries.kmax[job.layer_id]
+            device = kmin.device
+            queries, pages = job.queries[over][:, None].to(device), job.pages[over].to(device)
+            scores = ops.score_paged_blocks(queries, kmin, kmax, pages)[:, 0].cpu()  # [n, H, N]
             sinks = (index < self.sink_blocks)[None, None, :]
             selected[over] = select_top_blocks(scores, self.top_k, sinks, valid[over][:, None, :])
             priority[over] = scores.masked_fill(sinks, float("inf"))

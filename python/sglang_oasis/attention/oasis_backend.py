@@ -30,7 +30,7 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sgl_kernel_oasis import sparse_decode_attention
+from sgl_kernel_oasis import ops, sparse_decode_attention
 from sglang_oasis.attention.block_prefetcher import INJECT_ENV, BlockPrefetcher, JobResult, SelectionJob
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.memory.prefetch_pipeline import PrefetchPipeline
@@ -180,8 +180,8 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             )
         q_rows = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         seq_lens = forward_batch.seq_lens.tolist()
-        keys, values, valid = self._decode_token_sets(layer_id, seq_lens)
-        out = sparse_decode_attention(q_rows[:, None], keys, values, valid, layer.scaling)[:, 0]
+        tail_locs, tail_valid = self._tail(layer_id, seq_lens)
+        out = self._headwise_attention(q_rows[:, None], layer, tail_locs, tail_valid[:, None, :])[:, 0]
         self._select(layer, q_rows, seq_lens)
         return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
@@ -209,8 +209,10 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         seq_lens = forward_batch.seq_lens.cpu().to(torch.int64)
         draft_locs = forward_batch.out_cache_loc.view(batch, rows).to(torch.int64)
         dense = layer_id in self.dense_layers
+        tree = self._tree_mask(forward_batch, batch, rows)  # [bs, rows, rows]
+        q_rows = q.reshape(batch, rows, heads, dim)
         if dense:
-            keys, values, valid = self._dense_token_sets(layer_id, seq_lens)
+            out = self._dense_verify_attention(q_rows, layer, seq_lens, draft_locs, tree)
         else:
             self._catch_up_summaries(layer_id, seq_lens)
             real_locs = draft_locs[:, 0]
@@ -218,25 +220,11 @@ class OasisAttnBackend(TorchNativeAttnBackend):
                 layer_id, real_locs, self.token_to_kv_pool.get_key_buffer(layer_id)[real_locs]
             )
             self.summarised[torch.tensor(reqs, dtype=torch.int64), layer_id] = seq_lens + 1
-            keys, values, valid = self._decode_token_sets(layer_id, seq_lens.tolist())
-        kv_heads = keys.shape[1]
-        pool = self.token_to_kv_pool
-        draft_keys = (
-            pool.get_key_buffer(layer_id)[draft_locs].transpose(1, 2).to(keys.dtype)
-        )  # [bs, H, rows, D]
-        draft_values = pool.get_value_buffer(layer_id)[draft_locs].transpose(1, 2).to(values.dtype)
-        keys = torch.cat([keys, draft_keys], dim=2)
-        values = torch.cat([values, draft_values], dim=2)
-        tree = self._tree_mask(forward_batch, batch, rows)  # [bs, rows, rows]
-        valid = torch.cat(
-            [
-                valid[:, :, None, :].expand(-1, -1, rows, -1),
-                tree[:, None, :, :].expand(-1, kv_heads, -1, -1),
-            ],
-            dim=3,
-        )
-        q_rows = q.reshape(batch, rows, heads, dim)
-        out = sparse_decode_attention(q_rows, keys, values, valid, layer.scaling)
+            # The draft rows' own tokens follow the active tail; the tree mask says which rows see them.
+            tail_locs, tail_valid = self._tail(layer_id, seq_lens.tolist())
+            locs = torch.cat([tail_locs, draft_locs.cpu()], dim=1)
+            valid = torch.cat([tail_valid[:, None, :].expand(-1, rows, -1), tree], dim=2)
+            out = self._headwise_attention(q_rows, layer, locs, valid)
         if not dense:
             self._select(layer, q_rows[:, -1], (seq_lens + 1).tolist())
         return out.reshape(-1, heads * layer.v_head_dim)
@@ -291,10 +279,10 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             layer.layer_id, forward_batch.out_cache_loc, k.reshape(-1, self.num_kv_heads, layer.qk_head_dim)
         )
 
-    def _decode_token_sets(self, layer_id: int, seq_lens: list[int]) -> tuple[torch.Tensor, ...]:
-        """Working set (in block order) followed by the active tail, per request and KV head."""
+    def _tail(self, layer_id: int, seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Pool locations ``[bs, tail]`` of each request's active tail (the tokens after the blocks its
+        last selection covered) and which of them are real (``[bs, tail]`` bool)."""
         reqs = torch.tensor(self._reqs, dtype=torch.int64)
-        ws_keys, ws_values, ws_valid = self.working_sets.gather(reqs, layer_id)
         ends = torch.tensor(seq_lens, dtype=torch.int64)
         starts = self.working_sets.covered[reqs, layer_id] * self.block_size
         positions = starts[:, None] + torch.arange(int((ends - starts).max()))  # [bs, tail]
@@ -302,14 +290,56 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         req_to_token = self.req_to_token_pool.req_to_token
         positions = positions.clamp(max=req_to_token.shape[1] - 1)
         locations = torch.where(tail_valid, req_to_token[reqs[:, None], positions].to(torch.int64), 0)
+        return locations, tail_valid
+
+    def _headwise_attention(
+        self, q_rows: torch.Tensor, layer: RadixAttention, tail_locs: torch.Tensor, tail_valid: torch.Tensor
+    ) -> torch.Tensor:
+        """``[bs, rows, q_heads, dim]`` queries over each KV head's working set (read in place through
+        the head-wise mapping) and the tail tokens ``tail_locs`` (row r sees those in ``tail_valid[:, r]``):
+        the Triton kernel on CUDA, its torch reference on CPU."""
+        layer_id = layer.layer_id
+        reqs = torch.tensor(self._reqs, dtype=torch.int64)
         pool = self.token_to_kv_pool
-        tail_keys = pool.get_key_buffer(layer_id)[locations].transpose(1, 2)  # [bs, H, tail, D]
-        tail_values = pool.get_value_buffer(layer_id)[locations].transpose(1, 2)
-        heads = ws_keys.shape[1]
-        keys = torch.cat([ws_keys, tail_keys.to(ws_keys.dtype)], dim=2)
-        values = torch.cat([ws_values, tail_values.to(ws_values.dtype)], dim=2)
-        valid = torch.cat([ws_valid, tail_valid[:, None, :].expand(-1, heads, -1)], dim=2)
-        return keys, values, valid
+        ws_k, ws_v = self.working_sets.block_views()
+        device = ws_k.device
+        return ops.headwise_decode_attention(
+            q_rows,
+            ws_k,
+            ws_v,
+            self.working_sets.slot_rows(reqs, layer_id).to(device),
+            pool.get_key_buffer(layer_id),
+            pool.get_value_buffer(layer_id),
+            tail_locs.to(device),
+            tail_valid.to(device),
+            layer.scaling,
+        )
+
+    def _dense_verify_attention(
+        self,
+        q_rows: torch.Tensor,
+        layer: RadixAttention,
+        seq_lens: torch.Tensor,
+        draft_locs: torch.Tensor,
+        tree: torch.Tensor,
+    ) -> torch.Tensor:
+        """Verify rows of a dense layer: every committed token, then the draft rows' (tree mask)."""
+        layer_id = layer.layer_id
+        keys, values, valid = self._dense_token_sets(layer_id, seq_lens)
+        rows, kv_heads = draft_locs.shape[1], keys.shape[1]
+        pool = self.token_to_kv_pool
+        draft_keys = pool.get_key_buffer(layer_id)[draft_locs].transpose(1, 2).to(keys.dtype)
+        draft_values = pool.get_value_buffer(layer_id)[draft_locs].transpose(1, 2).to(values.dtype)
+        keys = torch.cat([keys, draft_keys], dim=2)
+        values = torch.cat([values, draft_values], dim=2)
+        valid = torch.cat(
+            [
+                valid[:, :, None, :].expand(-1, -1, rows, -1),
+                tree[:, None, :, :].expand(-1, kv_heads, -1, -1),
+            ],
+            dim=3,
+        )
+        return sparse_decode_attention(q_rows, keys, values, valid, layer.scaling)
 
     # --- selection and transfer (the prefetch pipeline) -----------------------------------------
 

@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import torch
 
+from sgl_kernel_oasis import ops
+
 
 class BlockSummaryStore:
     def __init__(
@@ -38,22 +40,7 @@ class BlockSummaryStore:
 
     def update(self, layer: int, locations: torch.Tensor, keys: torch.Tensor) -> None:
         """Fold newly written keys (``[n, kv_heads, head_dim]`` at pool ``locations`` ``[n]``) in."""
-        if locations.numel() == 0:
-            return
-        locations = locations.to(torch.int64)
-        pages = locations // self.block_size
-        starts = pages[locations % self.block_size == 0]
-        kmin, kmax = self.kmin[layer], self.kmax[layer]
-        keys = keys.to(kmin.dtype)
-        if starts.numel():
-            kmin[starts] = torch.finfo(kmin.dtype).max
-            kmax[starts] = torch.finfo(kmax.dtype).min
-        flat_min = kmin.view(kmin.shape[0], -1)
-        flat_max = kmax.view(kmax.shape[0], -1)
-        index = pages[:, None].expand(-1, flat_min.shape[1])
-        flat_keys = keys.reshape(keys.shape[0], -1)
-        flat_min.scatter_reduce_(0, index, flat_keys, "amin", include_self=True)
-        flat_max.scatter_reduce_(0, index, flat_keys, "amax", include_self=True)
+        ops.update_page_summaries(self.kmin[layer], self.kmax[layer], locations, keys, self.block_size)
 
     def lookup(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kmin, kmax)`` of the given pages: each ``[len(pages), kv_heads, head_dim]``."""

@@ -16,6 +16,7 @@ from typing import NamedTuple
 
 import torch
 
+from sgl_kernel_oasis import ops
 from sglang_oasis.memory.headwise_map import EMPTY
 
 
@@ -57,7 +58,6 @@ class WorkingSetPool:
         self.last_selected = torch.full(table_shape, EMPTY, dtype=torch.int64)
         self.covered = torch.zeros((max_requests, num_layers), dtype=torch.int64)
         self.owner: list[int | None] = [None] * max_requests
-        self._block_offsets = torch.arange(block_size, device=device)
 
     @property
     def nbytes(self) -> int:
@@ -160,14 +160,26 @@ class WorkingSetPool:
         v_buffer: torch.Tensor,
     ) -> None:
         """Copy the planned blocks from the host tier (``block_pages[b, block]`` = host page of request
-        ``b``'s logical block) into their device slots."""
+        ``b``'s logical block) into their device slots: one batched ``copy_blocks_to_slots``."""
         if not plan.blocks.numel():
             return
-        req_ids = reqs[plan.batch_rows]
-        tokens = block_pages[plan.batch_rows, plan.blocks][:, None] * self.block_size + self._block_offsets
-        heads = plan.heads
-        self.k[req_ids, layer, heads, plan.slots] = k_buffer[tokens, heads[:, None]].to(self.k.dtype)
-        self.v[req_ids, layer, heads, plan.slots] = v_buffer[tokens, heads[:, None]].to(self.v.dtype)
+        rows = self._block_rows(reqs[plan.batch_rows], layer, plan.heads) + plan.slots
+        pages = block_pages[plan.batch_rows, plan.blocks]
+        device = self.k.device
+        ws_k, ws_v = self.block_views()
+        ops.copy_blocks_to_slots(
+            ws_k, ws_v, rows.to(device), k_buffer, v_buffer, pages.to(device), plan.heads.to(device)
+        )
+
+    def block_views(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as ``[requests * layers * heads * slots, B, head_dim]`` block rows."""
+        block_shape = (-1, self.block_size, self.k.shape[-1])
+        return self.k.view(block_shape), self.v.view(block_shape)
+
+    def _block_rows(self, reqs: torch.Tensor, layer: int, heads: torch.Tensor) -> torch.Tensor:
+        """Block row of slot 0 of (request, layer, head) in ``block_views``."""
+        num_layers, num_heads = self.k.shape[1], self.k.shape[2]
+        return ((reqs * num_layers + layer) * num_heads + heads) * self.num_slots
 
     def apply_selections(
         self,
@@ -190,25 +202,24 @@ class WorkingSetPool:
         resident = self.slot_block[reqs, layer] != EMPTY
         self.last_selected[reqs, layer] = torch.where(resident, step, self.last_selected[reqs, layer])
 
-    def gather(self, reqs: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """Working sets of a batch in block order: keys, values ``[bs, heads, slots * B, dim]`` and valid.
-
-        Slots are sorted by the block they hold (empty slots last), so with every block resident the
-        tokens appear in sequence order, exactly as dense attention sees them.
-        """
+    def slot_rows(self, reqs: torch.Tensor, layer: int) -> torch.Tensor:
+        """``[bs, heads, slots]`` block rows (in ``block_views``) of each head's working set, sorted by
+        the block they hold, empty slots last as -1: with every block resident the tokens appear in
+        sequence order, exactly as dense attention sees them."""
         blocks = self.slot_block[reqs, layer]  # [bs, H, S]
         order = torch.where(blocks == EMPTY, torch.iinfo(torch.int64).max, blocks).argsort(dim=-1)
-        bs, heads, slots = blocks.shape
-        # One row gather over the flattened pool: row ((req * layers + layer) * heads + head) * slots + slot
-        # is that slot's B x dim block.
-        num_layers = self.k.shape[1]
-        rows = (
-            (reqs[:, None, None] * num_layers + layer) * heads + torch.arange(heads)[None, :, None]
-        ) * slots
-        rows = (rows + order).flatten()
+        heads = torch.arange(blocks.shape[1])
+        rows = self._block_rows(reqs[:, None, None], layer, heads[None, :, None]) + order
+        return torch.where(blocks.gather(-1, order) == EMPTY, -1, rows)
+
+    def gather(self, reqs: torch.Tensor, layer: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Working sets of a batch in block order: keys, values ``[bs, heads, slots * B, dim]`` and valid
+        (the tokens ``headwise_decode_attention`` reads in place)."""
+        rows = self.slot_rows(reqs, layer)
+        bs, heads, slots = rows.shape
         shape = (bs, heads, slots * self.block_size, self.k.shape[-1])
-        block_elems = self.block_size * self.k.shape[-1]
-        keys = self.k.view(-1, block_elems).index_select(0, rows).view(shape)
-        values = self.v.view(-1, block_elems).index_select(0, rows).view(shape)
-        valid = (blocks.gather(-1, order) != EMPTY)[..., None].expand(bs, heads, slots, self.block_size)
+        ws_k, ws_v = self.block_views()
+        keys = ws_k[rows.clamp(min=0)].view(shape)
+        values = ws_v[rows.clamp(min=0)].view(shape)
+        valid = (rows >= 0)[..., None].expand(bs, heads, slots, self.block_size)
         return keys, values, valid.flatten(2, 3)

@@ -19,6 +19,13 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
+def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment for a process a test starts: this one's, less ``TRITON_INTERPRET`` (the test
+    process runs Triton kernels interpreted on CPU; servers and tools compile theirs as usual)."""
+    inherited = {key: value for key, value in os.environ.items() if key != "TRITON_INTERPRET"}
+    return {**inherited, **(extra or {})}
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
@@ -40,7 +47,7 @@ class ServerProcess:
             sys.executable, "-m", "sglang_oasis.launch_server",
             "--host", "127.0.0.1", "--port", str(self.port), *args,
         ]  # fmt: skip
-        self.env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}
+        self.env = child_env({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})})
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 300.0) -> ServerProcess:

@@ -70,6 +70,32 @@ def score_blocks_batched(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Te
     return scores[:, :, 0, :]
 
 
+def score_paged_blocks(
+    query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor, pages: torch.Tensor
+) -> torch.Tensor:
+    """Block scores of a batch read straight from a paged summary store, for one or more stacked
+    query rows per request (the real token's, a draft token's).
+
+    Args:
+        query: ``[batch, rows, num_q_heads, head_dim]``.
+        kmin, kmax: ``[num_pages, num_kv_heads, head_dim]``, one layer of the store.
+        pages: ``[batch, num_blocks]`` int, the page of each request's logical block (padding entries
+            must still be valid page ids; callers mask their scores).
+
+    Returns:
+        ``[batch, rows, num_kv_heads, num_blocks]`` float32: ``score_blocks`` of each row.
+    """
+    assert query.dim() == 4 and pages.dim() == 2 and query.shape[0] == pages.shape[0], (
+        query.shape,
+        pages.shape,
+    )
+    rows = query.shape[1]
+    pages = pages.to(torch.int64)
+    lo, hi = kmin[pages], kmax[pages]  # [batch, N, kv_heads, dim]
+    out = [score_blocks_batched(query[:, r], lo, hi) for r in range(rows)]
+    return torch.stack(out, dim=1)
+
+
 def select_top_blocks(
     scores: torch.Tensor, k: int, always: torch.Tensor | None = None, valid: torch.Tensor | None = None
 ) -> torch.Tensor:

@@ -88,3 +88,39 @@ def _shifted_summaries(
         return head_min, head_max
     rest_min, rest_max = build_block_summaries(rest, block_size)
     return torch.cat([head_min, rest_min]), torch.cat([head_max, rest_max])
+
+
+def update_page_summaries(
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    locations: torch.Tensor,
+    keys: torch.Tensor,
+    block_size: int,
+) -> None:
+    """Fold keys just written to a paged KV pool into the summaries of their pages, in place.
+
+    Pages are the blocks (page ``p`` holds pool locations ``p * B ... p * B + B - 1``). A page whose
+    offset-0 token is among the new keys restarts (a recycled page never mixes with its previous
+    owner's keys); the others merge the new keys into their summary.
+
+    Args:
+        kmin, kmax: ``[num_pages, num_kv_heads, head_dim]`` of one layer.
+        locations: ``[n]`` pool locations of the new keys (distinct).
+        keys: ``[n, num_kv_heads, head_dim]``.
+        block_size: tokens per page (B).
+    """
+    if locations.numel() == 0:
+        return
+    locations = locations.to(torch.int64)
+    pages = locations // block_size
+    starts = pages[locations % block_size == 0]
+    keys = keys.to(kmin.dtype)
+    if starts.numel():
+        kmin[starts] = torch.finfo(kmin.dtype).max
+        kmax[starts] = torch.finfo(kmax.dtype).min
+    flat_min = kmin.view(kmin.shape[0], -1)
+    flat_max = kmax.view(kmax.shape[0], -1)
+    index = pages[:, None].expand(-1, flat_min.shape[1])
+    flat_keys = keys.reshape(keys.shape[0], -1)
+    flat_min.scatter_reduce_(0, index, flat_keys, "amin", include_self=True)
+    flat_max.scatter_reduce_(0, index, flat_keys, "amax", include_self=True)

@@ -51,3 +51,55 @@ def sparse_decode_attention(
     )
     out = out.view(batch, num_kv_heads, rows, group, head_dim).permute(0, 2, 1, 3, 4)
     return out.reshape(batch, rows, num_q_heads, head_dim)
+
+
+def headwise_decode_attention(
+    query: torch.Tensor,
+    ws_k: torch.Tensor,
+    ws_v: torch.Tensor,
+    slot_rows: torch.Tensor,
+    tail_k: torch.Tensor,
+    tail_v: torch.Tensor,
+    tail_locs: torch.Tensor,
+    tail_valid: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Decode attention straight over the head-wise mapping: each KV head's working-set blocks, then
+    tail tokens read from the KV pool (the active block's tokens, and in a verify step the draft rows'
+    own tokens), for every query row in one call::
+
+        (request b, KV head h):  | block slot_rows[b,h,0] | ... | slot_rows[b,h,S-1] | tail_locs[b, :] |
+        row r sees:              |      every non-empty slot (all rows alike)         | tail_valid[b, r] |
+
+    Args:
+        query: ``[batch, rows, num_q_heads, head_dim]``.
+        ws_k, ws_v: ``[num_block_rows, B, head_dim]``, the working-set pool's blocks flattened.
+        slot_rows: ``[batch, num_kv_heads, slots]`` int, the row of ``ws_k`` each slot holds, -1 if empty.
+        tail_k, tail_v: ``[num_tokens, num_kv_heads, head_dim]``, one layer of SGLang's KV pool.
+        tail_locs: ``[batch, tail]`` int pool locations (any valid location where no row reads it).
+        tail_valid: ``[batch, rows, tail]`` bool.
+        scale: softmax scale.
+
+    Every row must see at least one token. Returns ``[batch, rows, num_q_heads, head_dim]`` in the
+    query's dtype; the same as ``sparse_decode_attention`` over the gathered tokens.
+    """
+    batch, rows, _, head_dim = query.shape
+    _, heads, slots = slot_rows.shape
+    block = ws_k.shape[1]
+    slot_rows = slot_rows.to(torch.int64)
+    empty = slot_rows < 0
+    shape = (batch, heads, slots * block, head_dim)
+    keys = ws_k[slot_rows.clamp(min=0)].view(shape)
+    values = ws_v[slot_rows.clamp(min=0)].view(shape)
+    ws_valid = (~empty)[..., None].expand(-1, -1, -1, block).reshape(batch, heads, 1, slots * block)
+    tail_locs = tail_locs.to(torch.int64)
+    keys = torch.cat([keys, tail_k[tail_locs].transpose(1, 2).to(keys.dtype)], dim=2)
+    values = torch.cat([values, tail_v[tail_locs].transpose(1, 2).to(values.dtype)], dim=2)
+    valid = torch.cat(
+        [
+            ws_valid.expand(-1, -1, rows, -1),
+            tail_valid[:, None, :, :].expand(-1, heads, -1, -1),
+        ],
+        dim=3,
+    )
+    return sparse_decode_attention(query, keys, values, valid, scale)
