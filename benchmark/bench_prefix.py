@@ -1,6 +1,7 @@
 """Shared prefixes in sparse mode: a generated shared-prefix, two-turn workload against dense SGLang,
-sparse with SGLang's radix cache, and sparse with the radix cache disabled (what SGLang's own sparse
-offload, HiSparse, has to do).
+sparse with SGLang's radix cache, the same without warm starts (``--oasis-warm-start false``: every
+first working set loads from the host tier), and sparse with the radix cache disabled (what SGLang's
+own sparse offload, HiSparse, has to do).
 
 Workload (SGLang's generated-shared-prefix pattern, with a second turn): ``--groups`` system prefixes of
 ``--prefix-tokens`` essay tokens; each has ``--questions`` conversations; turn 1 = prefix + a question
@@ -12,7 +13,10 @@ Per mode: ``ttft_p50_s`` / ``ttft_mean_s`` (streamed), ``output_tok_s`` (all gen
 time), ``cached_share`` (SGLang's ``cached_tokens`` / prompt tokens), ``kv_tokens_per_request``
 (sum of ``sglang:num_used_tokens`` over sum of ``sglang:num_running_reqs``, sampled every 0.2 s while
 requests run: the KV pool tokens, the host tier in sparse mode, held per running request, a prefix
-shared through the radix cache counted once however many requests hold it) and ``peak_running``; ``ratios`` against dense.
+shared through the radix cache counted once however many requests hold it) and ``peak_running``;
+sparse modes add ``admission_blocks_per_request`` (blocks loaded host -> device for first working sets,
+per turn; one block of one KV head in one layer counts once), ``warm_starts`` and ``blocks_reused``
+(from ``/oasis/stats``); ``ratios`` against dense.
 
     python benchmark/bench_prefix.py --json prefix.json [--num-layers N] [--groups 4] [--questions 4]
         [--prefix-tokens 1536] [--question-tokens 48] [--output-tokens 32] [--concurrency 8]
@@ -33,11 +37,12 @@ from typing import Any
 
 import requests
 
-from common import essay_prompts, machine_info, print_table, scrape_metric
+from common import essay_prompts, machine_info, oasis_stats, print_table, scrape_metric
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.testing.server_process import ServerProcess
 
-MODES = ("dense", "sparse", "sparse_no_radix")
+MODES = ("dense", "sparse", "sparse_cold", "sparse_no_radix")
+OASIS_COUNTERS = ("requests", "blocks_loaded", "decode_blocks_loaded", "warm_starts", "blocks_reused")
 
 
 def conversations(
@@ -117,7 +122,9 @@ class KvPerRequestSampler:
         self._thread.join()
 
 
-def run_mode(url: str, convs: list[tuple[list[int], list[int], list[int]]], args: argparse.Namespace) -> dict:
+def run_mode(
+    url: str, convs: list[tuple[list[int], list[int], list[int]]], args: argparse.Namespace, sparse: bool
+) -> dict:
     def conversation(conv: tuple[list[int], list[int], list[int]]) -> list[dict[str, Any]]:
         prefix, ask1, ask2 = conv
         turn1 = stream_turn(url, [*prefix, *ask1], args.output_tokens)
@@ -127,12 +134,23 @@ def run_mode(url: str, convs: list[tuple[list[int], list[int], list[int]]], args
         return [turn1, stream_turn(url, prompt2, args.output_tokens)]
 
     stream_turn(url, convs[0][0][:64], 4)  # warm-up, no shared prefix with the workload's turns
+    before = oasis_stats(url) if sparse else {}
     started = time.monotonic()
     with KvPerRequestSampler(url) as sampler, ThreadPoolExecutor(args.concurrency) as pool:
         turns = [turn for conv_turns in pool.map(conversation, convs) for turn in conv_turns]
     wall = time.monotonic() - started
     ok = [t for t in turns if "error" not in t]
     ttfts = [t["ttft_s"] for t in ok]
+    oasis: dict[str, Any] = {}
+    if sparse:
+        after = oasis_stats(url)
+        delta = {key: after[key] - before[key] for key in OASIS_COUNTERS}
+        admission = delta["blocks_loaded"] - delta["decode_blocks_loaded"]
+        oasis = {
+            "admission_blocks_per_request": admission / max(1, delta["requests"]),
+            "warm_starts": delta["warm_starts"],
+            "blocks_reused": delta["blocks_reused"],
+        }
     return {
         "turns": len(turns),
         "errors": len(turns) - len(ok),
@@ -143,6 +161,7 @@ def run_mode(url: str, convs: list[tuple[list[int], list[int], list[int]]], args
         "kv_tokens_per_request": sampler.per_request,
         "peak_running": sampler.peak_running,
         "wall_s": wall,
+        **oasis,
     }
 
 
@@ -169,6 +188,7 @@ def main() -> None:
     configs = {
         "dense": [*common, "--oasis-mode", "dense", "--max-total-tokens", str(args.pool_tokens)],
         "sparse": sparse,
+        "sparse_cold": [*sparse, "--oasis-warm-start", "false"],
         "sparse_no_radix": [*sparse, "--disable-radix-cache"],
     }
     results: dict[str, Any] = {
@@ -183,7 +203,7 @@ def main() -> None:
         print(f"[bench_prefix] {mode} ...", flush=True)
         try:
             with ServerProcess(server_args, log_path=logs / f"{mode}.log") as server:
-                results[mode] = run_mode(server.url, convs, args)
+                results[mode] = run_mode(server.url, convs, args, sparse=mode != "dense")
         except Exception as exc:  # one mode failing still reports the others
             results[mode] = {"error": f"{type(exc).__name__}: {exc}"}
     dense = results["dense"]
@@ -202,6 +222,8 @@ def main() -> None:
         "cached_share",
         "kv_tokens_per_request",
         "peak_running",
+        "admission_blocks_per_request",
+        "warm_starts",
     ]
     rows = [
         [mode, *(results[mode].get(k, "-") for k in keys), results[mode].get("error", "")] for mode in MODES

@@ -116,6 +116,16 @@ class OasisConfig:
             "between ceil(fetch-ratio x top-k) and ceil(min(1, 4 x fetch-ratio) x top-k).",
         },
     )
+    warm_start: bool = field(
+        default=True,
+        metadata={
+            "help": "A request whose prompt starts with blocks another request already holds in its "
+            "working sets (the previous turn of a conversation, or a concurrent request with the same "
+            "prefix, reused through the radix cache) starts from those resident blocks: only blocks "
+            "its first selection adds are loaded from the host tier (sparse mode). 'false': every "
+            "first working set loads from the host tier.",
+        },
+    )
     prefetch: str = field(
         default="async",
         metadata={

@@ -30,6 +30,9 @@ COUNTERS = {
     "stage_select_us": "time in the pipeline's prediction and selection stage (microseconds)",
     "stage_transfer_us": "time in the pipeline's planning and transfer stage (microseconds)",
     "transfer_failures": "requests failed because a block transfer failed",
+    "warm_starts": "requests whose first working sets started from another request's resident blocks",
+    "blocks_reused": "resident blocks a warm start kept (no host transfer; one block of one KV head "
+    "in one layer counts once)",
 }
 GAUGES = {
     "host_tokens_used": "tokens of the host KV tier in use",

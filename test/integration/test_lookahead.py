@@ -85,13 +85,7 @@ def prompts() -> list[list[int]]:
 
 
 def generate(server: ServerProcess, input_ids: list[int]) -> dict:
-    body = {
-        "input_ids": input_ids,
-        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
-    }
-    response = requests.post(server.url + "/generate", json=body, timeout=600)
-    assert response.status_code == 200, response.text
-    return response.json()
+    return server.generate(input_ids, NEW_TOKENS)
 
 
 def concurrently(server: ServerProcess, batch: list[list[int]]) -> list[dict]:

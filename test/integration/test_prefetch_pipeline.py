@@ -11,7 +11,7 @@ import pytest
 import requests
 import torch
 
-from sglang_oasis.testing.server_process import ServerProcess
+from sglang_oasis.testing.server_process import ServerProcess, greedy_body
 
 pytestmark = pytest.mark.server
 
@@ -42,22 +42,15 @@ def prompt(length: int, seed: int) -> list[int]:
 
 
 def generate(server: ServerProcess, input_ids: list[int]) -> requests.Response:
-    body = {
-        "input_ids": input_ids,
-        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
-    }
-    return requests.post(server.url + "/generate", json=body, timeout=300)
-
-
-def stats(server: ServerProcess) -> dict[str, int]:
-    return requests.get(server.url + "/oasis/stats", timeout=30).json()
+    """The raw response: some of these requests are meant to fail."""
+    return requests.post(server.url + "/generate", json=greedy_body(input_ids, NEW_TOKENS), timeout=300)
 
 
 def test_the_fetch_cap_bounds_decode_loads(tiny_qwen3_capped_server: ServerProcess) -> None:
-    before = stats(tiny_qwen3_capped_server)
+    before = tiny_qwen3_capped_server.oasis_stats()
     response = generate(tiny_qwen3_capped_server, prompt(333, seed=1))  # 20 full blocks, K = 4
     assert response.status_code == 200, response.text
-    after = stats(tiny_qwen3_capped_server)
+    after = tiny_qwen3_capped_server.oasis_stats()
     steps = after["decode_steps"] - before["decode_steps"]
     assert steps == NEW_TOKENS - 1
     loaded = after["decode_blocks_loaded"] - before["decode_blocks_loaded"]
@@ -76,7 +69,7 @@ def test_the_fetch_cap_bounds_decode_loads(tiny_qwen3_capped_server: ServerProce
 
 
 def test_a_failed_transfer_fails_only_its_request(tiny_qwen3_capped_server: ServerProcess) -> None:
-    before = stats(tiny_qwen3_capped_server)
+    before = tiny_qwen3_capped_server.oasis_stats()
     batch = [prompt(500, seed=2), prompt(INJECTED_FAILURE_PROMPT_LEN, seed=3), prompt(700, seed=4)]
     with ThreadPoolExecutor(len(batch)) as pool:
         responses = list(pool.map(lambda ids: generate(tiny_qwen3_capped_server, ids), batch))
@@ -88,7 +81,7 @@ def test_a_failed_transfer_fails_only_its_request(tiny_qwen3_capped_server: Serv
     assert failed.status_code == 500, failed.text
     assert "oasis: KV transfer for this request failed" in failed.text
     assert "injected transfer failure" in failed.text
-    assert stats(tiny_qwen3_capped_server)["transfer_failures"] == before["transfer_failures"] + 1
+    assert tiny_qwen3_capped_server.oasis_stats()["transfer_failures"] == before["transfer_failures"] + 1
     # Still serving, also the same prompt extended by one token (another length: no injected failure).
     again = generate(tiny_qwen3_capped_server, [*batch[1], 5])
     assert again.status_code == 200, again.text

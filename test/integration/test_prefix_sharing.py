@@ -3,6 +3,7 @@ still equals dense, and concurrent requests sharing a prefix hold its host block
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -22,13 +23,7 @@ def tokens(length: int, seed: int) -> list[int]:
 
 
 def generate(server: ServerProcess, input_ids: list[int], new_tokens: int = 24) -> dict:
-    body = {
-        "input_ids": input_ids,
-        "sampling_params": {"max_new_tokens": new_tokens, "temperature": 0, "ignore_eos": True},
-    }
-    response = requests.post(server.url + "/generate", json=body, timeout=300)
-    assert response.status_code == 200, response.text
-    return response.json()
+    return server.generate(input_ids, new_tokens)
 
 
 def test_a_cached_prefix_ending_inside_a_block_is_reused_and_output_equals_dense(
@@ -51,7 +46,7 @@ def test_concurrent_requests_share_their_prefix_host_blocks(tiny_qwen3_sparse_se
     assert requests.post(server.url + "/flush_cache", timeout=60).status_code == 200
 
     def host_used() -> int:
-        return int(requests.get(server.url + "/oasis/stats", timeout=30).json()["host_tokens_used"])
+        return int(server.oasis_stats()["host_tokens_used"])
 
     def settle() -> int:  # the gauge refreshes every 0.5 s
         time.sleep(1.2)
@@ -82,3 +77,35 @@ def test_concurrent_requests_share_their_prefix_host_blocks(tiny_qwen3_sparse_se
     assert "first" in results and len(results["first"]["output_ids"]) == 600
     # Two requests with a shared 2K prefix hold far less than twice one request's host blocks.
     assert one >= 2048 and both < 1.5 * one, (one, both)
+
+
+def test_next_turn_starts_from_the_previous_turns_working_sets(
+    tiny_qwen3_server: ServerProcess, tiny_qwen3_sparse_server: ServerProcess, tiny_qwen3_dir
+) -> None:
+    """Turn 2 of a conversation (turn 1's prompt and answer, then a new message) reuses turn 1's KV
+    through the radix cache and starts from turn 1's resident blocks: at admission only the blocks past
+    the shared ones load from the host tier. The output still equals dense (K covers every block)."""
+    config = json.loads((tiny_qwen3_dir / "config.json").read_text())
+    per_block = config["num_hidden_layers"] * config["num_key_value_heads"]  # (layer, head) entries
+    server = tiny_qwen3_sparse_server
+    assert requests.post(server.url + "/flush_cache", timeout=60).status_code == 200
+
+    turn1 = tokens(300, seed=31)
+    answer = generate(server, turn1)["output_ids"]
+    turn2 = [*turn1, *answer, *tokens(50, seed=32)]
+    before = server.oasis_stats()
+    result = generate(server, turn2)
+    after = server.oasis_stats()
+    delta = {key: after[key] - before[key] for key in ("warm_starts", "blocks_reused", "blocks_loaded")}
+    admission_loads = delta["blocks_loaded"] - (
+        after["decode_blocks_loaded"] - before["decode_blocks_loaded"]
+    )
+    cached = result["meta_info"]["cached_tokens"]
+    assert cached >= (len(turn1) + len(answer) - 1) // BLOCK * BLOCK
+    assert delta["warm_starts"] == 1
+    # Every shared block was resident in turn 1's working sets (K covers them all) and stays.
+    assert delta["blocks_reused"] == cached // BLOCK * per_block
+    assert admission_loads + delta["blocks_reused"] == len(turn2) // BLOCK * per_block
+    assert result["output_ids"] == generate(tiny_qwen3_server, turn2)["output_ids"]
+    # A cold first selection would load every block of the 23: here only the 3 new ones.
+    assert admission_loads < len(turn2) // BLOCK * per_block / 4

@@ -24,22 +24,12 @@ def prompts(seed: int) -> list[list[int]]:
 
 
 def greedy(server: ServerProcess, input_ids: list[int]) -> list[int]:
-    body = {
-        "input_ids": input_ids,
-        "sampling_params": {"max_new_tokens": NEW_TOKENS, "temperature": 0, "ignore_eos": True},
-    }
-    response = requests.post(server.url + "/generate", json=body, timeout=300)
-    assert response.status_code == 200, response.text
-    return response.json()["output_ids"]
+    return list(server.generate(input_ids, NEW_TOKENS)["output_ids"])
 
 
 def concurrently(server: ServerProcess, batch: list[list[int]]) -> list[list[int]]:
     with ThreadPoolExecutor(len(batch)) as pool:
         return list(pool.map(lambda ids: greedy(server, ids), batch))
-
-
-def stats(server: ServerProcess) -> dict[str, int]:
-    return requests.get(server.url + "/oasis/stats", timeout=30).json()
 
 
 def test_tiny_qwen3_sparse_equals_dense(
@@ -57,11 +47,11 @@ def test_smollm2_sparse_equals_dense(
 
 
 def test_stats_count_the_sparse_work(tiny_qwen3_sparse_server: ServerProcess) -> None:
-    before = stats(tiny_qwen3_sparse_server)
+    before = tiny_qwen3_sparse_server.oasis_stats()
     assert before["mode"] == "sparse"
     prompt = prompts(seed=3)[4]  # 333 tokens: 20 full blocks
     greedy(tiny_qwen3_sparse_server, prompt)
-    after = stats(tiny_qwen3_sparse_server)
+    after = tiny_qwen3_sparse_server.oasis_stats()
     assert after["requests"] == before["requests"] + 1
     assert after["decode_steps"] - before["decode_steps"] == NEW_TOKENS - 1
 
@@ -84,7 +74,7 @@ def test_gauges_return_to_zero_when_requests_end(tiny_qwen3_sparse_server: Serve
     concurrently(tiny_qwen3_sparse_server, prompts(seed=4)[:3])
     deadline = time.monotonic() + 10
     while time.monotonic() < deadline:
-        current = stats(tiny_qwen3_sparse_server)
+        current = tiny_qwen3_sparse_server.oasis_stats()
         if current["running_requests"] == 0 and current["device_working_set_tokens"] == 0:
             break
         time.sleep(0.2)
@@ -105,7 +95,7 @@ def test_counters_are_exported_to_prometheus(tiny_qwen3_sparse_server: ServerPro
         if exported.get("sglang_oasis:requests", 0) >= 1:
             break
         time.sleep(0.3)
-    current = stats(tiny_qwen3_sparse_server)
+    current = tiny_qwen3_sparse_server.oasis_stats()
     assert exported["sglang_oasis:requests"] >= 1
     assert exported["sglang_oasis:host_tokens_capacity"] == current["host_tokens_capacity"]
     assert exported["sglang_oasis:blocks_loaded"] > 0

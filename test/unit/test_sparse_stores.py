@@ -38,6 +38,38 @@ def test_recycled_page_forgets_its_previous_owner() -> None:
     assert torch.equal(kmax, torch.ones(1, 1, 2)) and torch.equal(kmin, torch.ones(1, 1, 2))
 
 
+def test_page_epoch_changes_exactly_when_a_page_restarts() -> None:
+    store = BlockSummaryStore(2, 4, 1, 2, B, torch.float32, "cpu")
+    store.epoch_layer = 1
+    store.update(1, torch.tensor([4, 5, 6]), torch.ones(3, 1, 2))  # page 1 starts
+    store.update(0, torch.tensor([8]), torch.ones(1, 1, 2))  # another layer: not counted
+    store.update(1, torch.tensor([7]), torch.ones(1, 1, 2))  # page 1 fills up: same content so far
+    assert store.epoch.tolist() == [0, 1, 0, 0]
+    store.update(1, torch.tensor([4, 8, 13]), torch.ones(3, 1, 2))  # page 1 rewritten, page 2 starts
+    assert store.epoch.tolist() == [0, 2, 1, 0]
+
+
+def test_adopt_keeps_the_shared_blocks_of_a_donor_slot() -> None:
+    gen = torch.Generator().manual_seed(2)
+    ws = WorkingSetPool(3, 2, 2, 3, 4, B, torch.float32, "cpu")
+    ws.k.copy_(torch.randn(ws.k.shape, generator=gen))
+    ws.v.copy_(torch.randn(ws.v.shape, generator=gen))
+    ws.claim(1, owner=7)
+    ws.slot_block[1] = torch.tensor([[[0, 5, 2, -1], [3, 1, -1, 4]], [[6, 0, 1, 2], [-1, -1, 0, 9]]])
+    ws.last_selected[1] = torch.where(ws.slot_block[1] >= 0, 3, -1)
+    donor_k = ws.k[1].clone()
+    kept = ws.adopt(2, owner=8, donor=1, shared_blocks=3)  # blocks 0, 1, 2 are shared
+    want = torch.tensor([[[0, -1, 2, -1], [-1, 1, -1, -1]], [[-1, 0, 1, 2], [-1, -1, 0, -1]]])
+    assert torch.equal(ws.slot_block[2], want) and kept == int((want >= 0).sum())
+    held = want >= 0
+    assert torch.equal(ws.k[2][held], donor_k[held])  # the kept blocks' data came along
+    assert torch.equal(ws.last_selected[2], torch.where(held, 3, -1))
+    assert ws.owner[2] == 8 and ws.owner[1] == 7 and ws.slot_block[1, 0, 0, 1] == 5  # donor untouched
+    # The slot handed to the next turn of its own conversation keeps its blocks in place.
+    assert ws.adopt(1, owner=9, donor=1, shared_blocks=1) == 3 and ws.owner[1] == 9
+    assert torch.equal(ws.k[1][held], donor_k[held])
+
+
 def test_working_set_loads_blocks_and_gathers_them_in_block_order() -> None:
     gen = torch.Generator().manual_seed(1)
     pool_k = torch.randn(40, 2, 3, generator=gen)  # host tier: 10 pages of B tokens

@@ -69,6 +69,15 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             pool.dtype, self.device,
         )  # fmt: skip
         self.dense_layers = frozenset(config.dense_layers)
+        # Warm start: per request slot, the page and page epoch of each full block as of its last
+        # selection (-1 past its blocks), recorded at the first sparse layer; a new request whose prompt
+        # starts with the same unchanged pages starts from that slot's resident blocks.
+        sparse_layers = [layer for layer in range(num_layers) if layer not in self.dense_layers]
+        self._record_layer = sparse_layers[0] if sparse_layers else -1
+        self.summaries.epoch_layer = self._record_layer
+        max_blocks = self.req_to_token_pool.req_to_token.shape[1] // self.block_size + 1
+        self.slot_pages = torch.full((max_requests, max_blocks), -1, dtype=torch.int64)
+        self.slot_epochs = torch.zeros((max_requests, max_blocks), dtype=torch.int64)
         # Per request slot and layer: positions whose keys are in the summaries (speculative verify
         # commits drafts only after the forward pass that wrote them).
         self.summarised = torch.zeros((max_requests, num_layers), dtype=torch.int64)
@@ -114,15 +123,77 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         self._admission = mode.is_extend() and not mode.is_target_verify()
         if self._admission:
             self.finish_pending()  # request slots may change hands below
-            generations = self.req_to_token_pool.req_generation[self._reqs].tolist()
-            for req, generation in zip(self._reqs, generations, strict=True):
-                if self.working_sets.claim(req, int(generation)):
-                    self.stats.add("requests")
+            generations = [int(g) for g in self.req_to_token_pool.req_generation[self._reqs].tolist()]
+            self._admit(generations, self._prefix_lens(forward_batch))
             for req, seq_len in zip(self._reqs, forward_batch.seq_lens.tolist(), strict=True):
                 self.prompt_len[req] = int(seq_len)
         elif mode.is_decode() or mode.is_target_verify():
             self.step += 1
             self.stats.add("decode_steps")
+
+    @staticmethod
+    def _prefix_lens(forward_batch: ForwardBatch) -> list[int]:
+        if forward_batch.extend_prefix_lens_cpu is not None:
+            return [int(n) for n in forward_batch.extend_prefix_lens_cpu]
+        if forward_batch.extend_prefix_lens is not None:
+            return [int(n) for n in forward_batch.extend_prefix_lens.tolist()]
+        return [0] * len(forward_batch.seq_lens)
+
+    def _admit(self, generations: list[int], prefix_lens: list[int]) -> None:
+        """Give each new request its slot: empty, or (warm start) holding the resident blocks of a
+        donor slot whose recorded pages its cached prefix shares. A slot that already belongs to the
+        request (a chunked prefill going on) is left as it is."""
+        ws = self.working_sets
+        new = [(req, gen, prefix) for req, gen, prefix in zip(self._reqs, generations, prefix_lens, strict=True)
+               if ws.owner[req] != gen]  # fmt: skip
+        donors = self._find_donors(new) if self.config.warm_start else {}
+        for req, generation, _ in new:
+            self.stats.add("requests")
+            self.slot_pages[req] = -1
+            donor = donors.get(req)
+            if donor is None:
+                ws.claim(req, generation)
+            else:
+                self.stats.add("warm_starts")
+                self.stats.add("blocks_reused", ws.adopt(req, generation, *donor))
+
+    def _find_donors(self, new: list[tuple[int, int, int]]) -> dict[int, tuple[int, int]]:
+        """Request slot -> (donor slot, shared blocks): the slot whose recorded leading pages match the
+        most of the request's cached prefix blocks, same pages at unchanged epochs. Donors are slots
+        outside this batch (finished or decoding requests) or the request's own slot (the previous
+        owner's data is still there until it is claimed)."""
+        block = self.block_size
+        batch = set(self._reqs)
+        # A slot whose transfer failed may hold slots mapped to blocks that never arrived.
+        failed = self._reported_failures
+        others = [
+            slot
+            for slot, owner in enumerate(self.working_sets.owner)
+            if owner is not None and slot not in batch and failed.get(slot) != owner
+        ]
+        donors = {}
+        for req, _, prefix in new:
+            shared_max = prefix // block
+            if shared_max == 0:
+                continue
+            previous = self.working_sets.owner[req]
+            candidates = others + ([req] if previous is not None and failed.get(req) != previous else [])
+            if not candidates:
+                continue
+            slots = torch.tensor(candidates, dtype=torch.int64)
+            pages = (
+                self.req_to_token_pool.req_to_token[req, 0 : shared_max * block : block].to(torch.int64)
+                // block
+            )
+            epochs = self.summaries.epoch[pages.cpu()]
+            same = (self.slot_pages[slots, :shared_max] == pages.cpu()) & (
+                self.slot_epochs[slots, :shared_max] == epochs
+            )
+            shared = same.to(torch.int64).cumprod(dim=1).sum(dim=1)
+            best = int(shared.argmax())
+            if int(shared[best]) > 0:
+                donors[req] = (int(slots[best]), int(shared[best]))
+        return donors
 
     def _live_requests(self) -> list[int]:
         free = set(self.req_to_token_pool.free_slots)
@@ -369,6 +440,12 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             return
         req_to_token = self.req_to_token_pool.req_to_token
         pages = req_to_token[reqs, 0 : num_blocks * block : block].to(torch.int64) // block  # [bs, N]
+        if layer_id == self._record_layer:  # for warm starts of later requests sharing these pages
+            self.slot_pages[reqs] = -1
+            self.slot_pages[reqs, :num_blocks] = torch.where(
+                torch.arange(num_blocks) < full[:, None], pages.cpu(), -1
+            )
+            self.slot_epochs[reqs, :num_blocks] = self.summaries.epoch[pages.cpu()]
         job = SelectionJob(
             layer_id=layer_id,
             reqs=reqs,
@@ -439,6 +516,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             if self._reported_failures.get(req) == generation:  # a later layer or step of the same
                 continue
             self._reported_failures[req] = generation
+            self.slot_pages[req] = -1  # its working sets may miss blocks: never a warm-start donor
             stats.add("transfer_failures")
             logger.error("oasis: KV transfer failed for request slot %d: %s", req, message)
             with self._failed_lock:

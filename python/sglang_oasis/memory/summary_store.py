@@ -8,7 +8,9 @@ rather than by request means a prefix shared through the radix cache is summaris
     kmax[layer, page, head, :] = element-wise max
 
 A page's summary restarts when its first token (offset 0) is written, so a recycled page never mixes
-with its previous owner's keys.
+with its previous owner's keys. Each restart also bumps the page's ``epoch`` (counted at one layer,
+``epoch_layer``): a page holds the same KV for as long as its epoch is unchanged, which is what lets a
+working set that copied the page earlier be reused by another request (warm start).
 """
 
 from __future__ import annotations
@@ -33,6 +35,8 @@ class BlockSummaryStore:
         shape = (num_layers, num_pages, num_kv_heads, head_dim)
         self.kmin = torch.zeros(shape, dtype=dtype, device=device)
         self.kmax = torch.zeros(shape, dtype=dtype, device=device)
+        self.epoch = torch.zeros(num_pages, dtype=torch.int64)
+        self.epoch_layer = 0
 
     @property
     def nbytes(self) -> int:
@@ -40,6 +44,9 @@ class BlockSummaryStore:
 
     def update(self, layer: int, locations: torch.Tensor, keys: torch.Tensor) -> None:
         """Fold newly written keys (``[n, kv_heads, head_dim]`` at pool ``locations`` ``[n]``) in."""
+        if layer == self.epoch_layer and locations.numel():
+            starts = locations[locations % self.block_size == 0].cpu().to(torch.int64) // self.block_size
+            self.epoch[starts] += 1
         ops.update_page_summaries(self.kmin[layer], self.kmax[layer], locations, keys, self.block_size)
 
     def lookup(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -78,6 +78,23 @@ class WorkingSetPool:
         self.covered[req].zero_()
         return True
 
+    def adopt(self, req: int, owner: int, donor: int, shared_blocks: int) -> int:
+        """Give slot ``req`` to ``owner`` starting from ``donor``'s working sets: every layer's and head's
+        resident blocks with id below ``shared_blocks`` (the blocks the two requests share, same pages,
+        unchanged) are kept, the rest of the slots emptied. ``donor`` may be ``req`` itself (a finished
+        request's slot handed to its next turn). Returns the number of (layer, head, slot) blocks kept."""
+        if donor != req:
+            self.k[req] = self.k[donor]
+            self.v[req] = self.v[donor]
+            self.slot_block[req] = self.slot_block[donor]
+            self.last_selected[req] = self.last_selected[donor]
+        self.owner[req] = owner
+        drop = self.slot_block[req] >= shared_blocks
+        self.slot_block[req][drop] = EMPTY
+        self.last_selected[req][drop] = EMPTY
+        self.covered[req].zero_()
+        return int((self.slot_block[req] != EMPTY).sum())
+
     def resident_blocks(self, reqs: list[int]) -> int:
         """Occupied (layer, head, slot) entries of the given request slots."""
         return int((self.slot_block[reqs] != EMPTY).sum())

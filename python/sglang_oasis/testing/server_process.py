@@ -7,6 +7,7 @@ process group this object started is ever signalled.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -17,6 +18,19 @@ import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
+
+
+class GenerateError(RuntimeError):
+    """A ``/generate`` request answered with an error status."""
+
+
+def greedy_body(input_ids: list[int], max_new_tokens: int) -> dict[str, Any]:
+    """A ``/generate`` body: greedy, exactly ``max_new_tokens`` tokens (EOS ignored)."""
+    return {
+        "input_ids": input_ids,
+        "sampling_params": {"max_new_tokens": max_new_tokens, "temperature": 0, "ignore_eos": True},
+    }
 
 
 def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
@@ -75,6 +89,30 @@ class ServerProcess:
                 return bool(response.status == 200)
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
+
+    def post(self, path: str, body: dict[str, Any], timeout_s: float = 600.0) -> tuple[int, str]:
+        """POST JSON; ``(status, response text)`` whatever the status."""
+        request = urllib.request.Request(
+            self.url + path, data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=timeout_s) as response:
+                return int(response.status), response.read().decode()
+        except urllib.error.HTTPError as error:
+            return int(error.code), error.read().decode(errors="replace")
+
+    def generate(self, input_ids: list[int], max_new_tokens: int, timeout_s: float = 600.0) -> dict[str, Any]:
+        """Greedy ``/generate`` of exactly ``max_new_tokens`` tokens (EOS ignored): SGLang's JSON reply
+        (``output_ids``, ``meta_info``...). Raises ``GenerateError`` unless the server answers 200."""
+        status, text = self.post("/generate", greedy_body(input_ids, max_new_tokens), timeout_s)
+        if status != 200:
+            raise GenerateError(f"HTTP {status}: {text[:2000]}")
+        return dict(json.loads(text))
+
+    def oasis_stats(self) -> dict[str, Any]:
+        """``GET /oasis/stats``: sglang-oasis's counters and gauges."""
+        with urllib.request.urlopen(self.url + "/oasis/stats", timeout=30) as response:
+            return dict(json.loads(response.read()))
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None
