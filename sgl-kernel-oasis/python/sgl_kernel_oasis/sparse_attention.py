@@ -89,17 +89,21 @@ def headwise_decode_attention(
     slot_rows = slot_rows.to(torch.int64)
     empty = slot_rows < 0
     shape = (batch, heads, slots * block, head_dim)
-    keys = ws_k[slot_rows.clamp(min=0)].view(shape)
-    values = ws_v[slot_rows.clamp(min=0)].view(shape)
+    flat_rows = slot_rows.clamp(min=0).flatten()
+    keys = ws_k.index_select(0, flat_rows).view(shape)  # index_select: far faster than x[index] on CPU
+    values = ws_v.index_select(0, flat_rows).view(shape)
+    tail = tail_locs.shape[1]
+    flat_locs = tail_locs.to(torch.int64).flatten()
+    tail_shape = (batch, tail, heads, head_dim)
+    tail_keys = tail_k.index_select(0, flat_locs).view(tail_shape).transpose(1, 2)
+    tail_values = tail_v.index_select(0, flat_locs).view(tail_shape).transpose(1, 2)
+    keys = torch.cat([keys, tail_keys.to(keys.dtype)], dim=2)
+    values = torch.cat([values, tail_values.to(values.dtype)], dim=2)
     ws_valid = (~empty)[..., None].expand(-1, -1, -1, block).reshape(batch, heads, 1, slots * block)
-    tail_locs = tail_locs.to(torch.int64)
-    keys = torch.cat([keys, tail_k[tail_locs].transpose(1, 2).to(keys.dtype)], dim=2)
-    values = torch.cat([values, tail_v[tail_locs].transpose(1, 2).to(values.dtype)], dim=2)
-    valid = torch.cat(
-        [
-            ws_valid.expand(-1, -1, rows, -1),
-            tail_valid[:, None, :, :].expand(-1, heads, -1, -1),
-        ],
-        dim=3,
-    )
+    if rows == 1:  # one row: a mask shared by the group's query heads (broadcast, not repeated)
+        valid = torch.cat([ws_valid[:, :, 0], tail_valid[:, 0, None, :].expand(-1, heads, -1)], dim=2)
+    else:
+        valid = torch.cat(
+            [ws_valid.expand(-1, -1, rows, -1), tail_valid[:, None, :, :].expand(-1, heads, -1, -1)], dim=3
+        )
     return sparse_decode_attention(query, keys, values, valid, scale)
