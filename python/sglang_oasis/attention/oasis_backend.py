@@ -166,33 +166,33 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         batch = set(self._reqs)
         # A slot whose transfer failed may hold slots mapped to blocks that never arrived.
         failed = self._reported_failures
-        others = [
-            slot
-            for slot, owner in enumerate(self.working_sets.owner)
-            if owner is not None and slot not in batch and failed.get(slot) != owner
-        ]
+        owners = self.working_sets.owner
         donors = {}
         for req, _, prefix in new:
             shared_max = prefix // block
             if shared_max == 0:
                 continue
-            previous = self.working_sets.owner[req]
-            candidates = others + ([req] if previous is not None and failed.get(req) != previous else [])
-            if not candidates:
+            pages = self.req_to_token_pool.req_to_token[req, 0 : shared_max * block : block]
+            pages = pages.cpu().to(torch.int64) // block
+            epochs = self.summaries.epoch[pages]
+            # Candidates first by their first block (cheap), then the shared length over those only.
+            first = ((self.slot_pages[:, 0] == pages[0]) & (self.slot_epochs[:, 0] == epochs[0])).nonzero()
+            slots = [
+                slot
+                for slot in first.flatten().tolist()
+                if owners[slot] is not None
+                and (slot == req or slot not in batch)
+                and failed.get(slot) != owners[slot]
+            ]
+            if not slots:
                 continue
-            slots = torch.tensor(candidates, dtype=torch.int64)
-            pages = (
-                self.req_to_token_pool.req_to_token[req, 0 : shared_max * block : block].to(torch.int64)
-                // block
-            )
-            epochs = self.summaries.epoch[pages.cpu()]
-            same = (self.slot_pages[slots, :shared_max] == pages.cpu()) & (
-                self.slot_epochs[slots, :shared_max] == epochs
+            index = torch.tensor(slots, dtype=torch.int64)
+            same = (self.slot_pages[index, :shared_max] == pages) & (
+                self.slot_epochs[index, :shared_max] == epochs
             )
             shared = same.to(torch.int64).cumprod(dim=1).sum(dim=1)
             best = int(shared.argmax())
-            if int(shared[best]) > 0:
-                donors[req] = (int(slots[best]), int(shared[best]))
+            donors[req] = (slots[best], int(shared[best]))
         return donors
 
     def _live_requests(self) -> list[int]:
