@@ -89,6 +89,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         self.export_metrics = bool(getattr(model_runner.server_args, "enable_metrics", False))
         self.step = 0
         self._reqs: list[int] = []
+        self._req_index = torch.zeros(0, dtype=torch.int64)
         self._admission = False
         self.pipeline: PrefetchPipeline[JobResult] = PrefetchPipeline(config.prefetch == "async")
         self.prefetcher = BlockPrefetcher(
@@ -120,6 +121,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         super().init_forward_metadata(forward_batch)
         mode = forward_batch.forward_mode
         self._reqs = forward_batch.req_pool_indices.tolist()
+        self._req_index = torch.tensor(self._reqs, dtype=torch.int64)  # the same, for indexing tables
         self._admission = mode.is_extend() and not mode.is_target_verify()
         if self._admission:
             self.finish_pending()  # request slots may change hands below
@@ -231,7 +233,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             return out
         if k is not None and save_kv_cache:
             self._summarise(layer, forward_batch, k)
-        self.summarised[torch.tensor(self._reqs, dtype=torch.int64), layer_id] = forward_batch.seq_lens.cpu()
+        self.summarised[self._req_index, layer_id] = forward_batch.seq_lens.cpu()
         q_rows = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         last = torch.cumsum(forward_batch.extend_seq_lens, 0) - 1  # last new token of each request
         self._select(layer, q_rows[last], forward_batch.seq_lens.tolist())
@@ -246,9 +248,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         if save_kv_cache and k is not None and v is not None:
             pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
             self._summarise(layer, forward_batch, k)
-            self.summarised[torch.tensor(self._reqs, dtype=torch.int64), layer_id] = (
-                forward_batch.seq_lens.cpu()
-            )
+            self.summarised[self._req_index, layer_id] = forward_batch.seq_lens.cpu()
         q_rows = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         seq_lens = forward_batch.seq_lens.tolist()
         tail_locs, tail_valid = self._tail(layer_id, seq_lens)
@@ -290,7 +290,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             self.summaries.update(
                 layer_id, real_locs, self.token_to_kv_pool.get_key_buffer(layer_id)[real_locs]
             )
-            self.summarised[torch.tensor(reqs, dtype=torch.int64), layer_id] = seq_lens + 1
+            self.summarised[self._req_index, layer_id] = seq_lens + 1
             # The draft rows' own tokens follow the active tail; the tree mask says which rows see them.
             tail_locs, tail_valid = self._tail(layer_id, seq_lens.tolist())
             locs = torch.cat([tail_locs, draft_locs.cpu()], dim=1)
@@ -317,7 +317,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
 
     def _dense_token_sets(self, layer_id: int, seq_lens: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """Every committed token of each request (for dense layers), padded to the longest."""
-        reqs = torch.tensor(self._reqs, dtype=torch.int64)
+        reqs = self._req_index
         positions = torch.arange(max(1, int(seq_lens.max())))[None, :].expand(len(self._reqs), -1)
         valid = positions < seq_lens[:, None]
         locations = torch.where(
@@ -331,7 +331,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
     def _catch_up_summaries(self, layer_id: int, seq_lens: torch.Tensor) -> None:
         """Fold in the keys committed since the last summary update (accepted drafts), read back from the
         pool: positions ``[summarised, seq_len)`` of each request."""
-        reqs = torch.tensor(self._reqs, dtype=torch.int64)
+        reqs = self._req_index
         starts = self.summarised[reqs, layer_id]
         lengths = (seq_lens - starts).clamp(min=0)
         if int(lengths.sum()) == 0:
@@ -353,7 +353,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
     def _tail(self, layer_id: int, seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
         """Pool locations ``[bs, tail]`` of each request's active tail (the tokens after the blocks its
         last selection covered) and which of them are real (``[bs, tail]`` bool)."""
-        reqs = torch.tensor(self._reqs, dtype=torch.int64)
+        reqs = self._req_index
         ends = torch.tensor(seq_lens, dtype=torch.int64)
         starts = self.working_sets.covered[reqs, layer_id] * self.block_size
         positions = starts[:, None] + torch.arange(int((ends - starts).max()))  # [bs, tail]
@@ -370,7 +370,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         the head-wise mapping) and the tail tokens ``tail_locs`` (row r sees those in ``tail_valid[:, r]``):
         the Triton kernel on CUDA, its torch reference on CPU."""
         layer_id = layer.layer_id
-        reqs = torch.tensor(self._reqs, dtype=torch.int64)
+        reqs = self._req_index
         pool = self.token_to_kv_pool
         ws_k, ws_v = self.working_sets.block_views()
         device = ws_k.device
@@ -427,7 +427,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         if not seq_lens:
             return
         block = self.block_size
-        reqs = torch.tensor(self._reqs, dtype=torch.int64)
+        reqs = self._req_index
         full = torch.tensor(seq_lens, dtype=torch.int64) // block
         num_blocks = int(full.max())
         admission = self._admission
@@ -441,11 +441,12 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         req_to_token = self.req_to_token_pool.req_to_token
         pages = req_to_token[reqs, 0 : num_blocks * block : block].to(torch.int64) // block  # [bs, N]
         if layer_id == self._record_layer:  # for warm starts of later requests sharing these pages
+            host_pages = pages.cpu()
             self.slot_pages[reqs] = -1
             self.slot_pages[reqs, :num_blocks] = torch.where(
-                torch.arange(num_blocks) < full[:, None], pages.cpu(), -1
+                torch.arange(num_blocks) < full[:, None], host_pages, -1
             )
-            self.slot_epochs[reqs, :num_blocks] = self.summaries.epoch[pages.cpu()]
+            self.slot_epochs[reqs, :num_blocks] = self.summaries.epoch[host_pages]
         job = SelectionJob(
             layer_id=layer_id,
             reqs=reqs,
@@ -516,7 +517,6 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             if self._reported_failures.get(req) == generation:  # a later layer or step of the same
                 continue
             self._reported_failures[req] = generation
-            self.slot_pages[req] = -1  # its working sets may miss blocks: never a warm-start donor
             stats.add("transfer_failures")
             logger.error("oasis: KV transfer failed for request slot %d: %s", req, message)
             with self._failed_lock:
