@@ -73,7 +73,7 @@ def _verify_step(backend: OasisAttnBackend, seq_len: int, scaling: float) -> tup
         out_cache_loc=torch.tensor([seq_len, seq_len + 1]),
         spec_info=None,
     )
-    backend._reqs = [0]
+    backend._set_batch([0])
     backend.working_sets.claim(0, 0)
     backend._catch_up_summaries(0, torch.tensor([seq_len]))
     return layer, batch

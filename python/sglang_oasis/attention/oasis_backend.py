@@ -120,8 +120,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         super().init_forward_metadata(forward_batch)
         mode = forward_batch.forward_mode
-        self._reqs = forward_batch.req_pool_indices.tolist()
-        self._req_index = torch.tensor(self._reqs, dtype=torch.int64)  # the same, for indexing tables
+        self._set_batch(forward_batch.req_pool_indices.tolist())
         self._admission = mode.is_extend() and not mode.is_target_verify()
         if self._admission:
             self.finish_pending()  # request slots may change hands below
@@ -132,6 +131,11 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         elif mode.is_decode() or mode.is_target_verify():
             self.step += 1
             self.stats.add("decode_steps")
+
+    def _set_batch(self, reqs: list[int]) -> None:
+        """The forward batch's request slots, as a list and as the index tensor the tables take."""
+        self._reqs = reqs
+        self._req_index = torch.tensor(reqs, dtype=torch.int64)
 
     @staticmethod
     def _prefix_lens(forward_batch: ForwardBatch) -> list[int]:
