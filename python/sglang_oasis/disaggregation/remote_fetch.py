@@ -1,0 +1,229 @@
+"""Decode side of remote partial fetching (RPF): a request's KV stays staged on the prefill node, and the
+decode node's host tier (SGLang's KV pool) receives only the blocks its working sets use.
+
+Per request and layer, each logical block is either present in the local host tier or still remote::
+
+    logical blocks   | 0 ... c-1          | c ...                                       | last (active) |
+    at admission     | radix-cached here  | remote; read if any KV head selects it      | always read   |
+    later            |                    | read when a working-set load first needs it, then present |
+
+- ``admit``: the union over KV heads of the first selection (plus the partly filled last block) and every
+  block's min/max summary are read; blocks the decode node already holds through its radix cache
+  (``cached_blocks``) are never transferred.
+- ``ensure``: before a layer's working-set loads, the blocks not yet present are read for all requests of
+  the batch at once (batched per peer, at most ``MAX_BATCH_REQUESTS`` per batch); each block is read at
+  most once. A failed read fails only the requests whose blocks it carried.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections import defaultdict
+from dataclasses import dataclass, field
+
+import torch
+
+from sglang_oasis.disaggregation.staging import StagedKVLayout
+from sglang_oasis.disaggregation.transfer_engine import MooncakeEndpoint, RemoteReadError
+
+
+@dataclass
+class RemoteRequest:
+    layout: StagedKVLayout
+    local_pages: torch.Tensor  # [pages] local host-tier page of each logical block
+    present: torch.Tensor  # bool [layers, pages]: the block's K and V are in the local host tier
+
+
+@dataclass
+class FetchCounters:
+    admission_bytes: int = 0  # KV blocks read at admission
+    summary_bytes: int = 0  # min/max summaries read at admission
+    miss_bytes: int = 0  # KV blocks read later, on a working set's first use
+    admission_blocks: int = 0  # (block, layer) pairs read at admission
+    miss_blocks: int = 0
+    cached_blocks: int = 0  # (block, layer) pairs never transferred: held by the decode radix cache
+    failed_reads: int = 0
+    per_request: dict[int, int] = field(default_factory=dict)  # request -> bytes read for it
+
+    @property
+    def total_bytes(self) -> int:
+        return self.admission_bytes + self.summary_bytes + self.miss_bytes
+
+
+class RemotePartialFetcher:
+    """Reads staged blocks from prefill nodes into the local host tier, each at most once."""
+
+    def __init__(
+        self,
+        endpoint: MooncakeEndpoint,
+        k_buffers: list[torch.Tensor],
+        v_buffers: list[torch.Tensor],
+        block_size: int,
+        kmin: torch.Tensor | None = None,
+        kmax: torch.Tensor | None = None,
+    ) -> None:
+        """``k_buffers[l]``/``v_buffers[l]``: the local pool's ``[tokens, kv_heads, head_dim]`` buffers (a
+        page = ``block_size`` consecutive tokens); ``kmin``/``kmax``: the local summary store's
+        ``[layers, pages, kv_heads, head_dim]`` tensors, filled at admission (None: summaries are not read)."""
+        self.endpoint = endpoint
+        self.block_size = block_size
+        self.k_buffers, self.v_buffers = k_buffers, v_buffers
+        _, self.num_kv_heads, self.head_dim = k_buffers[0].shape
+        self.itemsize = k_buffers[0].element_size()
+        self.block_bytes = block_size * self.num_kv_heads * self.head_dim * self.itemsize
+        self.kmin, self.kmax = kmin, kmax
+        for tensor in [
+            *k_buffers,
+            *v_buffers,
+            *([kmin, kmax] if kmin is not None and kmax is not None else []),
+        ]:
+            endpoint.register(tensor)
+        self.requests: dict[int, RemoteRequest] = {}
+        self.counters = FetchCounters()
+        self._lock = threading.Lock()
+
+    # --- admission ---------------------------------------------------------------------------------
+
+    def admit(
+        self,
+        req: int,
+        layout: StagedKVLayout,
+        local_pages: torch.Tensor,
+        selected: torch.Tensor,
+        cached_blocks: int = 0,
+    ) -> None:
+        """Starts request ``req`` (its local pages ``[pages]`` already allocated): reads its summaries and
+        the blocks ``selected`` (bool ``[layers, pages]``, the union over KV heads of its first selection)
+        plus its last block, skipping the first ``cached_blocks`` (held locally through the radix cache).
+        Raises ``RemoteReadError`` if a read fails (the request must then fail)."""
+        self._check_layout(layout)
+        pages = layout.num_pages
+        if local_pages.shape != (pages,) or selected.shape != (layout.num_layers, pages):
+            raise ValueError(
+                f"local_pages must be [{pages}] and selected [{layout.num_layers}, {pages}], got "
+                f"{tuple(local_pages.shape)} and {tuple(selected.shape)}"
+            )
+        present = torch.zeros((layout.num_layers, pages), dtype=torch.bool)
+        present[:, :cached_blocks] = True
+        request = RemoteRequest(layout, local_pages.to(torch.int64).cpu(), present)
+        with self._lock:
+            self.requests[req] = request
+            self.counters.cached_blocks += layout.num_layers * min(cached_blocks, pages)
+        wanted = selected.cpu().clone()
+        wanted[:, -1] = True  # the active block: decode attends it in full
+        wanted &= ~present
+        layers, blocks = wanted.nonzero(as_tuple=True)
+        try:
+            summary_bytes = self._read_summaries(request, cached_blocks)
+            nbytes = self._read_blocks({req: (layers, blocks)})
+        except RemoteReadError:
+            self.release(req)
+            with self._lock:
+                self.counters.failed_reads += 1
+            raise
+        with self._lock:
+            present[layers, blocks] = True
+            self.counters.summary_bytes += summary_bytes
+            self.counters.admission_bytes += nbytes
+            self.counters.admission_blocks += len(blocks)
+            self._charge(req, nbytes + summary_bytes)
+
+    def _read_summaries(self, request: RemoteRequest, cached_blocks: int) -> int:
+        if self.kmin is None or self.kmax is None:
+            return 0
+        layout = request.layout
+        row = layout.summary_row_bytes
+        local, remote = [], []
+        for page in range(cached_blocks, layout.num_pages):
+            local_page = int(request.local_pages[page])
+            for layer in range(layout.num_layers):
+                for which, store in enumerate((self.kmin, self.kmax)):
+                    local.append(store[layer, local_page].data_ptr())
+                    remote.append(layout.summary_address_of(layer, which, page))
+        self.endpoint.read(layout.session, local, remote, [row] * len(local))
+        return row * len(local)
+
+    # --- decode time --------------------------------------------------------------------------------
+
+    def ensure(self, layer: int, wanted: dict[int, torch.Tensor]) -> dict[int, str]:
+        """Makes the logical blocks ``wanted[req]`` of ``layer`` present locally, reading the missing ones
+        for all requests at once. Returns the requests whose reads failed (request -> message); their
+        blocks stay remote and the others' become present."""
+        todo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        with self._lock:
+            for req, blocks in wanted.items():
+                request = self.requests.get(req)
+                if request is None:
+                    continue  # not a remote request (local prefill)
+                blocks = blocks.to(torch.int64).cpu().unique()
+                missing = blocks[~request.present[layer, blocks]]
+                if missing.numel():
+                    todo[req] = (torch.full_like(missing, layer), missing)
+        if not todo:
+            return {}
+        failed: dict[int, str] = {}
+        try:
+            nbytes = self._read_blocks(todo)
+            done = list(todo)
+        except RemoteReadError:
+            nbytes, done = 0, []
+            for req, own in todo.items():  # find the requests whose own reads fail
+                try:
+                    nbytes += self._read_blocks({req: own})
+                    done.append(req)
+                except RemoteReadError as error:
+                    failed[req] = f"remote KV read for layer {layer} failed: {error}"
+        with self._lock:
+            for req in done:
+                layers, blocks = todo[req]
+                self.requests[req].present[layers, blocks] = True
+                self.counters.miss_blocks += len(blocks)
+                self._charge(req, len(blocks) * 2 * self.block_bytes)
+            self.counters.miss_bytes += nbytes
+            self.counters.failed_reads += len(failed)
+        return failed
+
+    def release(self, req: int) -> None:
+        with self._lock:
+            self.requests.pop(req, None)
+
+    def present_blocks(self, req: int) -> int:
+        """(block, layer) pairs of ``req`` held in the local host tier."""
+        with self._lock:
+            return int(self.requests[req].present.sum())
+
+    def host_bytes(self, req: int) -> int:
+        """Local host-tier bytes the request's present blocks take (K and V)."""
+        return self.present_blocks(req) * 2 * self.block_bytes
+
+    # --- internals ------------------------------------------------------------------------------------
+
+    def _read_blocks(self, todo: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> int:
+        """Reads K and V of each (layer, logical block) of each request, one batch per peer; returns bytes."""
+        by_peer: dict[str, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+        for req, (layers, blocks) in todo.items():
+            request = self.requests[req]
+            layout = request.layout
+            local, remote = by_peer[layout.session]
+            for layer, block in zip(layers.tolist(), blocks.tolist(), strict=True):
+                offset = int(request.local_pages[block]) * self.block_bytes
+                for kv, buffers in enumerate((self.k_buffers, self.v_buffers)):
+                    local.append(buffers[layer].data_ptr() + offset)
+                    remote.append(layout.block_address(layer, kv, block))
+        nbytes = 0
+        for session, (local, remote) in by_peer.items():
+            self.endpoint.read(session, local, remote, [self.block_bytes] * len(local))
+            nbytes += self.block_bytes * len(local)
+        return nbytes
+
+    def _charge(self, req: int, nbytes: int) -> None:
+        self.counters.per_request[req] = self.counters.per_request.get(req, 0) + nbytes
+
+    def _check_layout(self, layout: StagedKVLayout) -> None:
+        local = (len(self.k_buffers), self.block_size, self.num_kv_heads, self.head_dim, self.itemsize)
+        remote = (layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim, layout.itemsize)
+        if local != remote:
+            raise ValueError(
+                f"staged KV layout (layers, block, kv heads, head dim, itemsize) = {remote} does not match "
+                f"the local pool's {local}"
+            )

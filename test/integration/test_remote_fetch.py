@@ -1,0 +1,221 @@
+"""Remote partial fetching's data plane over the real Mooncake transfer engine (TCP on 127.0.0.1): what
+admission reads, that a block is read at most once, that radix-cached blocks never move, batching, and
+that a dead prefill peer fails only its own requests."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from sgl_kernel_oasis import build_block_summaries
+from sglang_oasis.disaggregation.remote_fetch import RemotePartialFetcher
+from sglang_oasis.disaggregation.staging import KVStagingArea, StagedKVLayout
+from sglang_oasis.disaggregation.transfer_engine import MooncakeEndpoint, RemoteReadError
+from sglang_oasis.testing.server_process import child_env
+from sglang_oasis.testing.staging_peer import seeded_kv
+
+os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
+
+LAYERS, TOKENS, HEADS, DIM, B = 3, 70, 2, 8, 16  # 5 pages, the last holds 6 tokens
+POOL_PAGES = 40
+
+
+@pytest.fixture(scope="module")
+def prefill() -> Iterator[KVStagingArea]:
+    endpoint = MooncakeEndpoint()
+    yield KVStagingArea(endpoint, B)
+    endpoint.close()
+
+
+@pytest.fixture(scope="module")
+def decode_endpoint() -> MooncakeEndpoint:
+    return MooncakeEndpoint()
+
+
+class DecodeTier:
+    """A decode node's host tier: pool buffers shaped like SGLang's, and summary tensors."""
+
+    def __init__(self, endpoint: MooncakeEndpoint, layers: int = LAYERS) -> None:
+        self.k = [torch.full((POOL_PAGES * B, HEADS, DIM), -7.0) for _ in range(layers)]
+        self.v = [torch.full((POOL_PAGES * B, HEADS, DIM), -7.0) for _ in range(layers)]
+        self.kmin = torch.zeros(layers, POOL_PAGES, HEADS, DIM)
+        self.kmax = torch.zeros(layers, POOL_PAGES, HEADS, DIM)
+        self.fetcher = RemotePartialFetcher(endpoint, self.k, self.v, B, self.kmin, self.kmax)
+
+    def page(self, layer: int, local_page: int) -> tuple[torch.Tensor, torch.Tensor]:
+        rows = slice(local_page * B, (local_page + 1) * B)
+        return self.k[layer][rows], self.v[layer][rows]
+
+
+def expected_page(
+    keys: torch.Tensor, values: torch.Tensor, layer: int, block: int
+) -> tuple[torch.Tensor, ...]:
+    """A logical block as the decode pool holds it: the last one zero-padded."""
+    rows = slice(block * B, (block + 1) * B)
+    k, v = keys[layer, rows], values[layer, rows]
+    pad = B - k.shape[0]
+    return torch.nn.functional.pad(k, (0, 0, 0, 0, 0, pad)), torch.nn.functional.pad(v, (0, 0, 0, 0, 0, pad))
+
+
+def test_admission_reads_the_selected_union_the_last_block_and_the_summaries(
+    prefill: KVStagingArea, decode_endpoint: MooncakeEndpoint
+) -> None:
+    keys, values = seeded_kv(1, 0, LAYERS, TOKENS, HEADS, DIM)
+    layout = StagedKVLayout.from_dict(json.loads(json.dumps(prefill.stage("adm", keys, values).to_dict())))
+    assert (layout.num_pages, layout.full_blocks) == (5, 4)
+    tier = DecodeTier(decode_endpoint)
+    local = torch.tensor([17, 3, 30, 8, 21])
+    selected = torch.zeros(LAYERS, 5, dtype=torch.bool)
+    selected[0, [0, 2]] = True
+    selected[2, 1] = True
+    before = decode_endpoint.bytes_read
+
+    tier.fetcher.admit(4, layout, local, selected)
+
+    read = {(0, 0), (0, 2), (2, 1), (0, 4), (1, 4), (2, 4)}  # the selection plus every layer's last block
+    for layer in range(LAYERS):
+        for block in range(5):
+            k, v = tier.page(layer, int(local[block]))
+            if (layer, block) in read:
+                want_k, want_v = expected_page(keys, values, layer, block)
+                assert torch.equal(k, want_k) and torch.equal(v, want_v), (layer, block)
+            else:
+                assert bool((k == -7).all() and (v == -7).all()), f"block {block} of layer {layer} moved"
+        kmin, kmax = build_block_summaries(keys[layer], B)
+        assert torch.equal(tier.kmin[layer, local], kmin) and torch.equal(tier.kmax[layer, local], kmax)
+    counters = tier.fetcher.counters
+    assert counters.admission_blocks == len(read)
+    assert counters.admission_bytes == len(read) * 2 * layout.block_bytes
+    assert counters.summary_bytes == layout.summary_bytes
+    assert decode_endpoint.bytes_read - before == counters.total_bytes
+    assert tier.fetcher.host_bytes(4) == len(read) * 2 * layout.block_bytes < layout.kv_bytes
+
+
+def test_blocks_are_read_once_batched_across_requests(
+    prefill: KVStagingArea, decode_endpoint: MooncakeEndpoint
+) -> None:
+    tier = DecodeTier(decode_endpoint)
+    kv = {req: seeded_kv(2, req, LAYERS, TOKENS, HEADS, DIM) for req in (0, 1)}
+    locals_ = {0: torch.tensor([0, 1, 2, 3, 4]), 1: torch.tensor([9, 8, 7, 6, 5])}
+    for req in (0, 1):
+        layout = prefill.stage(f"once{req}", *kv[req])
+        tier.fetcher.admit(req, layout, locals_[req], torch.zeros(LAYERS, 5, dtype=torch.bool))
+    batches, read = decode_endpoint.batches, decode_endpoint.bytes_read
+
+    failed = tier.fetcher.ensure(
+        1, {0: torch.tensor([0, 3, 4]), 1: torch.tensor([2, 2]), 7: torch.tensor([1])}
+    )
+
+    assert failed == {}
+    assert decode_endpoint.batches == batches + 1, "both requests' misses go in one batch to their peer"
+    block_bytes = B * HEADS * DIM * 4
+    assert decode_endpoint.bytes_read - read == 3 * 2 * block_bytes  # block 4 was present; 2 asked twice
+    for req, blocks in ((0, [0, 3]), (1, [2])):
+        for block in blocks:
+            got = tier.page(1, int(locals_[req][block]))
+            want = expected_page(*kv[req], 1, block)
+            assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    assert tier.fetcher.counters.miss_blocks == 3
+
+    assert tier.fetcher.ensure(1, {0: torch.tensor([0, 3]), 1: torch.tensor([2])}) == {}
+    assert decode_endpoint.bytes_read - read == 3 * 2 * block_bytes, "a present block is never read again"
+    assert decode_endpoint.batches == batches + 1
+
+
+def test_radix_cached_blocks_are_never_transferred(
+    prefill: KVStagingArea, decode_endpoint: MooncakeEndpoint
+) -> None:
+    keys, values = seeded_kv(3, 0, LAYERS, TOKENS, HEADS, DIM)
+    layout = prefill.stage("cached", keys, values)
+    tier = DecodeTier(decode_endpoint)
+    local = torch.tensor([10, 11, 12, 13, 14])
+    sentinel = tier.kmin[:, 10:13].clone()
+    tier.fetcher.admit(0, layout, local, torch.ones(LAYERS, 5, dtype=torch.bool), cached_blocks=3)
+
+    counters = tier.fetcher.counters
+    assert counters.cached_blocks == 3 * LAYERS
+    assert counters.admission_blocks == 2 * LAYERS  # blocks 3 and 4 only
+    assert counters.summary_bytes == 2 * LAYERS * 2 * layout.summary_row_bytes
+    assert torch.equal(tier.kmin[:, 10:13], sentinel), "cached blocks' summaries are the decode node's own"
+    for layer in range(LAYERS):
+        assert bool((tier.page(layer, 10)[0] == -7).all())
+    assert tier.fetcher.ensure(0, {0: torch.arange(5)}) == {}
+    assert tier.fetcher.counters.miss_blocks == 0
+
+
+def test_batches_hold_at_most_max_batch_requests(prefill: KVStagingArea) -> None:
+    endpoint = MooncakeEndpoint(max_batch=7)
+    tier = DecodeTier(endpoint)
+    keys, values = seeded_kv(4, 0, LAYERS, TOKENS, HEADS, DIM)
+    layout = prefill.stage("chunks", keys, values)
+    local = torch.tensor([5, 6, 7, 8, 9])
+    tier.fetcher.admit(0, layout, local, torch.zeros(LAYERS, 5, dtype=torch.bool))
+    batches = endpoint.batches
+    assert tier.fetcher.ensure(2, {0: torch.arange(4)}) == {}
+    assert endpoint.batches - batches == 2  # 8 regions (K and V of 4 blocks) in batches of 7 + 1
+    for block in range(4):
+        want = expected_page(keys, values, 2, block)
+        assert torch.equal(tier.page(2, int(local[block]))[0], want[0])
+
+
+def test_layout_mismatch_is_refused(prefill: KVStagingArea, decode_endpoint: MooncakeEndpoint) -> None:
+    keys, values = seeded_kv(5, 0, LAYERS + 1, TOKENS, HEADS, DIM)
+    layout = prefill.stage("mismatch", keys, values)
+    tier = DecodeTier(decode_endpoint)
+    with pytest.raises(ValueError, match="does not match the local pool"):
+        tier.fetcher.admit(0, layout, torch.arange(5), torch.zeros(LAYERS + 1, 5, dtype=torch.bool))
+
+
+def test_admission_from_a_released_staging_fails_that_request_only(
+    prefill: KVStagingArea, decode_endpoint: MooncakeEndpoint
+) -> None:
+    keys, values = seeded_kv(6, 0, LAYERS, TOKENS, HEADS, DIM)
+    layout = prefill.stage("gone", keys, values)
+    prefill.release("gone")
+    tier = DecodeTier(decode_endpoint)
+    with pytest.raises(RemoteReadError, match=layout.session):
+        tier.fetcher.admit(3, layout, torch.arange(5), torch.zeros(LAYERS, 5, dtype=torch.bool))
+    assert 3 not in tier.fetcher.requests and tier.fetcher.counters.failed_reads == 1
+
+
+def test_a_dead_prefill_peer_fails_only_its_requests(
+    prefill: KVStagingArea, decode_endpoint: MooncakeEndpoint
+) -> None:
+    peer = subprocess.Popen(
+        [sys.executable, "-m", "sglang_oasis.testing.staging_peer", "--seed", "9", "--layers", str(LAYERS),
+         "--tokens", str(TOKENS), "--kv-heads", str(HEADS), "--head-dim", str(DIM), "--block-size", str(B)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
+        env=child_env({"MC_LOG_LEVEL": "ERROR"}),
+    )  # fmt: skip
+    try:
+        assert peer.stdout is not None
+        remote = StagedKVLayout.from_dict(json.loads(peer.stdout.readline())[0])
+        tier = DecodeTier(decode_endpoint)
+        keys, _ = seeded_kv(9, 0, LAYERS, TOKENS, HEADS, DIM)
+        none = torch.zeros(LAYERS, 5, dtype=torch.bool)
+        tier.fetcher.admit(0, remote, torch.arange(5), none)  # from the other process
+        local_kv = seeded_kv(7, 0, LAYERS, TOKENS, HEADS, DIM)
+        tier.fetcher.admit(1, prefill.stage("alive", *local_kv), torch.arange(10, 15), none)
+        assert tier.fetcher.ensure(0, {0: torch.tensor([0])}) == {}
+        assert torch.equal(tier.page(0, 0)[0], keys[0, :B]), "read across processes"
+
+        os.killpg(peer.pid, signal.SIGKILL)
+        peer.wait(timeout=30)
+        failed = tier.fetcher.ensure(0, {0: torch.tensor([1, 2]), 1: torch.tensor([1, 2])})
+
+        assert list(failed) == [0] and remote.session in failed[0]
+        assert not bool(tier.fetcher.requests[0].present[0, 1:3].any())
+        assert bool(tier.fetcher.requests[1].present[0, 1:3].all()), "the live peer's request was served"
+        assert torch.equal(tier.page(0, 11)[0], local_kv[0][0, B : 2 * B])
+        assert tier.fetcher.ensure(1, {1: torch.tensor([3])}) == {}, "the fetcher keeps working"
+    finally:
+        if peer.poll() is None:
+            os.killpg(peer.pid, signal.SIGKILL)
+            peer.wait(timeout=30)
