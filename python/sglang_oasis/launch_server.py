@@ -61,6 +61,13 @@ def cpu_defaults(sglang_argv: Sequence[str], config: OasisConfig) -> list[str]:
     extra: list[str] = []
     if not given(sglang_argv, "--device"):
         extra += ["--device", "cpu"]
+    if (
+        option_value(sglang_argv, "--disaggregation-mode") == "decode"
+        and not given(sglang_argv, "--disaggregation-decode-retraction-backup")
+        and not given(sglang_argv, "--disaggregation-decode-enable-radix-cache")
+    ):
+        # SGLang's default backup for retracted PD-decode requests is a CUDA-registered host pool.
+        extra += ["--disaggregation-decode-retraction-backup", "cpu_tensor"]
     if not config.cpu_defaults:
         return extra
     if not given(sglang_argv, "--attention-backend"):

@@ -33,6 +33,10 @@ def load() -> None:
     # environments where site .pth files are skipped (python -S).
     cpu = install_if_cpu_engine()
     register_attention_backend()
+    if cpu:
+        from sglang_oasis.sglang_hooks import patch_cpu_disaggregation
+
+        patch_cpu_disaggregation()
     config = OasisConfig.from_env()
     if config is not None:
         from sglang_oasis import sglang_hooks

@@ -19,6 +19,14 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
    processed, requests the ``oasis`` backend reports as failed get ``to_finish = FINISH_ABORT(...)``
    (SGLang's own way to abort a running request), so they finish at this step with the message and a
    500, their KV is freed and not inserted into the radix cache, and the rest of the batch goes on.
+5. PD disaggregation on the CPU engine (``patch_cpu_disaggregation``, not a HookRegistry hook: a class
+   attribute and an environment default, applied in every server process by the plugin). Two places on
+   the prefill side assume CUDA: ``MooncakeKVSender.supports_host_tensor_indices`` makes
+   ``_send_kv_chunk`` stage page indices in pinned memory behind a ``torch.cuda.Event`` ("Found no
+   NVIDIA driver"), and the early send of a radix-cached prefix records a ``torch.cuda.Event`` on the
+   forward stream (not a ``torch.Stream`` on CPU). On the CPU engine the first is turned off (the
+   indices are host tensors already) and so is the second
+   (``SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX=0``; the regular send then carries the prefix).
 """
 
 from __future__ import annotations
@@ -32,6 +40,9 @@ DRAFT_EXTEND_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory.cr
 VERIFY_GREEDY_TARGET = "sglang.kernels.ops.speculative.spec_tree.verify_tree_greedy_func"
 LAST_LOC_TARGET = "sglang.srt.mem_cache.allocation.get_last_loc"
 PROCESS_RESULT_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+MOONCAKE_SENDER_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender"
+HOST_INDICES_ATTRIBUTE = "supports_host_tensor_indices"
+EARLY_SEND_ENV = "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"
 BACKEND_NAME = "oasis"
 REJECTED_DRAFT = -1  # no token id: never equal to the target's prediction
 
@@ -113,3 +124,19 @@ def register(config: OasisConfig) -> None:
     HookRegistry.register(PROCESS_RESULT_TARGET, abort_failed_transfers, HookType.AROUND)
     if config.lookahead != "previous" and config.draft_policy == "reject":
         HookRegistry.register(VERIFY_GREEDY_TARGET, reject_drafts, HookType.AROUND)
+
+
+def patch_cpu_disaggregation() -> None:
+    """Hook 5: PD disaggregation's prefill side on the CPU engine (call only there)."""
+    import importlib
+    import os
+
+    os.environ.setdefault(EARLY_SEND_ENV, "0")
+    module_name, class_name = MOONCAKE_SENDER_TARGET.rsplit(".", 1)
+    try:
+        sender = getattr(importlib.import_module(module_name), class_name)
+    except ImportError:  # no Mooncake build installed: SGLang refuses the mooncake backend itself
+        return
+    if not hasattr(sender, HOST_INDICES_ATTRIBUTE):
+        raise RuntimeError(f"{MOONCAKE_SENDER_TARGET}.{HOST_INDICES_ATTRIBUTE} is gone: re-check hook 5")
+    setattr(sender, HOST_INDICES_ATTRIBUTE, False)

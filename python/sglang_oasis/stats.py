@@ -16,6 +16,7 @@ import numpy as np
 # name -> help. Counters only grow; gauges are current values.
 COUNTERS = {
     "requests": "requests admitted in sparse mode",
+    "arrived_requests": "requests whose KV arrived from a prefill node (PD decode) rather than an extend here",
     "decode_steps": "decode forward passes",
     "selections": "(request, layer) block selections made",
     "selection_changes": "blocks newly selected into a working set (the sum over selections)",

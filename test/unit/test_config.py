@@ -76,6 +76,24 @@ def test_cpu_defaults_only_fill_what_is_missing() -> None:
     assert cpu_defaults([], OasisConfig(cpu_defaults=False)) == ["--device", "cpu"]
 
 
+def test_a_pd_decode_server_on_cpu_backs_up_retracted_requests_in_plain_tensors() -> None:
+    config = OasisConfig()
+    decode = ["--disaggregation-mode", "decode"]
+    assert (
+        option_value(cpu_defaults(decode, config), "--disaggregation-decode-retraction-backup")
+        == "cpu_tensor"
+    )
+    for explicit in (
+        ["--disaggregation-decode-retraction-backup", "none"],
+        ["--disaggregation-decode-enable-radix-cache"],
+    ):
+        assert not given(cpu_defaults(decode + explicit, config), "--disaggregation-decode-retraction-backup")
+    assert not given(
+        cpu_defaults(["--disaggregation-mode", "prefill"], config),
+        "--disaggregation-decode-retraction-backup",
+    )
+
+
 @pytest.mark.parametrize(
     ("argv", "needle"),
     [

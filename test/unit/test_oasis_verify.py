@@ -13,6 +13,7 @@ from types import SimpleNamespace
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
+from sgl_kernel_oasis import build_block_summaries
 from sglang_oasis.attention.oasis_backend import OasisAttnBackend
 from sglang_oasis.config import OasisConfig
 
@@ -121,3 +122,49 @@ def test_verify_rows_attend_causally_over_the_whole_context_when_k_covers_it() -
         visible = seq_len + row + 1
         weights = torch.softmax(keys[:visible] @ q[row] * 0.7, dim=0)
         torch.testing.assert_close(out[row], weights @ values[:visible])
+
+
+def test_a_request_whose_kv_arrived_from_a_prefill_node_is_summarised_and_admitted_at_decode() -> None:
+    """PD decode: the prompt's KV is in the pool but this backend never ran its extend. The first decode
+    step catches the summaries up from the pool, attends densely (nothing selected yet) and makes the
+    admission selection with its query; the next step is an ordinary decode step."""
+    pool = TinyKVPool(64)
+    backend = _backend(pool)
+    prompt = 4 * BLOCK + 1  # written by the prefill node: four full blocks and one tail token
+    for block in range(4):
+        pool.k[block * BLOCK : (block + 1) * BLOCK, 0] = (
+            DIRECTIONS[block] * torch.linspace(1, 2, BLOCK)[:, None]
+        )
+    pool.k[prompt - 1, 0] = torch.tensor([0.3, 0.1])
+    pool.v[:prompt, 0] = torch.randn(prompt, DIM)
+    backend.req_to_token_pool.req_to_token[0, : prompt + 2] = torch.arange(prompt + 2, dtype=torch.int32)
+    backend.req_to_token_pool.req_generation[0] = 5
+    layer = SimpleNamespace(layer_id=0, tp_q_head_num=1, qk_head_dim=DIM, v_head_dim=DIM, scaling=1.0,
+                            is_cross_attention=False)  # fmt: skip
+
+    def decode(position: int, query: torch.Tensor) -> torch.Tensor:
+        batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor([0]),
+                                seq_lens=torch.tensor([position + 1]), out_cache_loc=torch.tensor([position]))  # fmt: skip
+        backend._set_batch([0])
+        backend._admission = False
+        backend._admit_arrived(batch)
+        k, v = torch.tensor([[0.2, 0.2]]), torch.randn(1, DIM)
+        out = backend.forward_decode(query[None], k, v, layer, batch)
+        backend.finish_pending()
+        return out[0]
+
+    q = DIRECTIONS[2] * 10  # points at block 2
+    out = decode(prompt, q)
+
+    assert backend.working_sets.owner[0] == 5 and backend.stats.snapshot()["arrived_requests"] == 1
+    kmin, kmax = build_block_summaries(pool.k[: prompt + 1], BLOCK)
+    torch.testing.assert_close(backend.summaries.kmin[0, : kmin.shape[0]], kmin)
+    torch.testing.assert_close(backend.summaries.kmax[0, : kmax.shape[0]], kmax)
+    dense = torch.softmax(pool.k[: prompt + 1, 0] @ q, dim=0) @ pool.v[: prompt + 1, 0]
+    torch.testing.assert_close(out, dense)  # the first step attends every token
+    assert backend.working_sets.slot_block[0, 0, 0].tolist() == [2], (
+        "admission selected by the real summaries"
+    )
+
+    decode(prompt + 1, DIRECTIONS[1] * 10)  # an ordinary step: no second admission
+    assert backend.stats.snapshot()["arrived_requests"] == 1 and not backend._admission

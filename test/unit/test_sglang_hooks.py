@@ -75,6 +75,19 @@ CHECK = textwrap.dedent(
     assert failing.to_finish is not None and failing.to_finish.message == "boom", failing.to_finish
     assert int(failing.to_finish.status_code) == 500 and failing.skip_radix_cache_insert
     assert other.to_finish is None and backend.failed_requests == {}
+
+    # PD on the CPU engine: the sender attribute and the early-send switch are still what prefill reads.
+    import os
+    from sglang.srt.disaggregation import prefill
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
+    from sglang.srt.environ import envs
+    source = inspect.getsource(prefill)
+    assert f'"{hooks.HOST_INDICES_ATTRIBUTE}"' in source and hooks.EARLY_SEND_ENV in source
+    assert MooncakeKVSender.supports_host_tensor_indices is True
+    os.environ.pop(hooks.EARLY_SEND_ENV, None)
+    hooks.patch_cpu_disaggregation()
+    assert MooncakeKVSender.supports_host_tensor_indices is False
+    assert getattr(envs, hooks.EARLY_SEND_ENV).get() is False
     print("hooks-ok")
     """
 )

@@ -131,6 +131,31 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         elif mode.is_decode() or mode.is_target_verify():
             self.step += 1
             self.stats.add("decode_steps")
+            self._admit_arrived(forward_batch)
+
+    def _admit_arrived(self, forward_batch: ForwardBatch) -> None:
+        """Requests whose first forward here is a decode: their KV arrived from a prefill node (PD
+        disaggregation), not through an extend of this backend. They take their slots, their summaries
+        are caught up from the pool at this step (every position before the current token), and this
+        step attends them densely (nothing is covered yet); its selection is their admission (uncapped,
+        like after an extend)."""
+        generations = self.req_to_token_pool.req_generation[self._reqs].tolist()
+        owners = self.working_sets.owner
+        arrived = [
+            (req, int(gen)) for req, gen in zip(self._reqs, generations, strict=True) if owners[req] != gen
+        ]
+        if not arrived:
+            return
+        self.finish_pending()
+        seq_lens = forward_batch.seq_lens.tolist()
+        for req, generation in arrived:
+            self.stats.add("requests")
+            self.stats.add("arrived_requests")
+            self.slot_pages[req] = -1
+            self.working_sets.claim(req, generation)
+            self.summarised[req] = 0
+            self.prompt_len[req] = int(seq_lens[self._reqs.index(req)]) - 1
+        self._admission = True
 
     def _set_batch(self, reqs: list[int]) -> None:
         """The forward batch's request slots, as a list and as the index tensor the tables take."""
@@ -249,6 +274,8 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         self._wait(layer_id)
         pool = self.token_to_kv_pool
+        if self._admission:  # requests that arrived from a prefill node: summarise their KV first
+            self._catch_up_summaries(layer_id, forward_batch.seq_lens.cpu().to(torch.int64) - 1)
         if save_kv_cache and k is not None and v is not None:
             pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
             self._summarise(layer, forward_batch, k)

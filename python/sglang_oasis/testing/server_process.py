@@ -51,26 +51,43 @@ class ServerStartError(RuntimeError):
 
 
 class ServerProcess:
-    """``python -m sglang_oasis.launch_server <args> --host 127.0.0.1 --port <free>``, logged to a file."""
+    """``python -m sglang_oasis.launch_server <args> --host 127.0.0.1 --port <free>``, logged to a file
+    (``module`` runs another server module taking ``--host``/``--port``, e.g. SGLang's router; it is
+    ready when ``ready_path`` answers 200)."""
 
-    def __init__(self, args: Sequence[str], log_path: Path, env: dict[str, str] | None = None) -> None:
-        self.port = free_port()
+    def __init__(
+        self,
+        args: Sequence[str],
+        log_path: Path,
+        env: dict[str, str] | None = None,
+        *,
+        port: int | None = None,
+        module: str = "sglang_oasis.launch_server",
+        ready_path: str = "/health_generate",
+    ) -> None:
+        self.port = port or free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.log_path = log_path
-        self.command = [
-            sys.executable, "-m", "sglang_oasis.launch_server",
-            "--host", "127.0.0.1", "--port", str(self.port), *args,
-        ]  # fmt: skip
+        self.ready_path = ready_path
+        self.command = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port), *args]
         self.env = child_env({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})})
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float = 300.0) -> ServerProcess:
+        return self.spawn().wait_ready(timeout_s)
+
+    def spawn(self) -> ServerProcess:
+        """Start the process (its own process group) without waiting for it to be ready."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        log = open(self.log_path, "wb")  # noqa: SIM115 - owned by the child for its lifetime
+        log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
         self.process = subprocess.Popen(
             self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )
         log.close()
+        return self
+
+    def wait_ready(self, timeout_s: float = 300.0) -> ServerProcess:
+        assert self.process is not None, "spawn() first"
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.process.poll() is not None:
@@ -85,7 +102,7 @@ class ServerProcess:
 
     def _ready(self) -> bool:
         try:
-            with urllib.request.urlopen(self.url + "/health_generate", timeout=30) as response:
+            with urllib.request.urlopen(self.url + self.ready_path, timeout=30) as response:
                 return bool(response.status == 200)
         except (urllib.error.URLError, ConnectionError, TimeoutError):
             return False
@@ -113,6 +130,14 @@ class ServerProcess:
         """``GET /oasis/stats``: sglang-oasis's counters and gauges."""
         with urllib.request.urlopen(self.url + "/oasis/stats", timeout=30) as response:
             return dict(json.loads(response.read()))
+
+    def restart(self) -> ServerProcess:
+        """Start the process again after it exited (same command and port); what is left of its old
+        process group is killed first."""
+        if self.process is not None:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.process.pid, signal.SIGKILL)  # its group id is its pid (new session)
+        return self.spawn()
 
     def alive(self) -> bool:
         return self.process is not None and self.process.poll() is None

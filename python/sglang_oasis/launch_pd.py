@@ -1,0 +1,209 @@
+"""``python -m sglang_oasis.launch_pd``: prefill/decode disaggregation on one machine with one command.
+
+    python -m sglang_oasis.launch_pd --port 30000 [launch_server arguments for both servers ...]
+
+It starts, on 127.0.0.1 by default:
+
+- a prefill server and a decode server, each ``python -m sglang_oasis.launch_server`` (so ``--oasis-*``
+  options, the embedded default model and the CPU defaults apply to both) with
+  ``--disaggregation-mode prefill|decode`` and the Mooncake transfer backend (TCP with the CPU build);
+- SGLang's router (``sglang_router.launch_router --pd-disaggregation``) on ``--host``/``--port``, which
+  sends each request to both: the prefill server computes the prompt's KV and the first token, the
+  decode server receives the KV over Mooncake and decodes the rest.
+
+Clients talk to the router exactly as to one SGLang server (OpenAI API, ``/generate``). If the prefill or
+the decode server dies, the launcher starts it again (same port; at most ``--max-restarts`` times each):
+requests already decoding keep going (their KV is on the decode server), requests that needed the dead
+server fail with an error, and the router sends new requests to the restarted one. Ctrl-C or SIGTERM
+stops all three; so does the router exiting. Each process logs to ``--log-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from sglang_oasis.disaggregation.mooncake_builds import CPU_BUILD, check_single_mooncake_build
+from sglang_oasis.launch_server import given
+from sglang_oasis.testing.server_process import ServerProcess, ServerStartError, free_port
+
+PROG = "python -m sglang_oasis.launch_pd"
+OWN_OPTIONS = ("--disaggregation-mode", "--disaggregation-bootstrap-port", "--host", "--port")
+
+
+@dataclass
+class PDCluster:
+    prefill: ServerProcess
+    decode: ServerProcess
+    router: ServerProcess
+    bootstrap_port: int
+
+    @property
+    def processes(self) -> dict[str, ServerProcess]:
+        return {"prefill": self.prefill, "decode": self.decode, "router": self.router}
+
+    def describe(self) -> dict[str, object]:
+        info: dict[str, object] = {"url": self.router.url, "bootstrap_port": self.bootstrap_port}
+        for name, server in self.processes.items():
+            info[name] = {"url": server.url, "pid": server.process.pid if server.process else None,
+                          "log": str(server.log_path)}  # fmt: skip
+        return info
+
+    def stop(self) -> None:
+        for server in (self.router, self.decode, self.prefill):
+            server.stop()
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        allow_abbrev=False,
+    )
+    parser.add_argument("--host", default="127.0.0.1", help="the router's address")
+    parser.add_argument("--port", type=int, default=30000, help="the router's port (clients connect here)")
+    for name in ("prefill", "decode", "bootstrap"):
+        parser.add_argument(
+            f"--{name}-port", type=int, default=None, help=f"{name} port (default: a free one)"
+        )
+    parser.add_argument(
+        "--transfer-backend", default="mooncake", help="SGLang's --disaggregation-transfer-backend"
+    )
+    parser.add_argument(
+        "--prefill-args",
+        default="",
+        help='extra arguments for the prefill server only (one quoted string; write --prefill-args="...")',
+    )
+    parser.add_argument(
+        "--decode-args",
+        default="",
+        help='extra arguments for the decode server only (one quoted string, --decode-args="...")',
+    )
+    parser.add_argument(
+        "--router-args",
+        default="",
+        help='extra arguments for sglang_router (one quoted string, --router-args="...")',
+    )
+    parser.add_argument("--log-dir", type=Path, default=None, help="logs of the three processes")
+    parser.add_argument(
+        "--ready-file", type=Path, default=None, help="write URLs and pids here (JSON) when ready"
+    )
+    parser.add_argument(
+        "--startup-timeout", type=float, default=600.0, help="seconds to wait for the servers"
+    )
+    parser.add_argument(
+        "--max-restarts", type=int, default=3, help="restarts of a dead prefill/decode server"
+    )
+    return parser
+
+
+def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
+    parser = build_parser()
+    args, server_args = parser.parse_known_args(list(argv))
+    for option in OWN_OPTIONS:
+        if given(server_args, option):
+            parser.error(f"{option}: set by {PROG} for each server (see --help)")
+    return args, server_args
+
+
+def server_env() -> dict[str, str]:
+    env = {"MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
+    if check_single_mooncake_build() == CPU_BUILD:
+        env["MC_FORCE_TCP"] = os.environ.get("MC_FORCE_TCP", "1")
+    return env
+
+
+def start_cluster(args: argparse.Namespace, server_args: list[str]) -> PDCluster:
+    log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="sglang-oasis-pd-"))
+    bootstrap = args.bootstrap_port or free_port()
+    common = [*server_args, "--disaggregation-transfer-backend", args.transfer_backend,
+              "--disaggregation-bootstrap-port", str(bootstrap)]  # fmt: skip
+    env = server_env()
+    servers = {}
+    for role, port, extra in (("prefill", args.prefill_port, args.prefill_args),
+                              ("decode", args.decode_port, args.decode_args)):  # fmt: skip
+        role_args = [*common, "--disaggregation-mode", role, *shlex.split(extra)]
+        if not given(role_args, "--nccl-port"):  # two servers on one machine must not share SGLang's default
+            role_args += ["--nccl-port", str(free_port())]
+        servers[role] = ServerProcess(
+            role_args, log_dir / f"{role}.log", env, port=port, ready_path="/health"
+        )
+    for server in servers.values():
+        server.spawn()
+    prefill, decode = servers["prefill"], servers["decode"]
+    router = ServerProcess(
+        ["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap), "--decode", decode.url,
+         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *shlex.split(args.router_args)],
+        log_dir / "router.log", port=args.port, module="sglang_router.launch_router", ready_path="/health",
+    )  # fmt: skip
+    router.command[router.command.index("--host") + 1] = args.host
+    cluster = PDCluster(prefill, decode, router, bootstrap)
+    try:
+        for server in servers.values():
+            server.wait_ready(args.startup_timeout)
+        router.spawn().wait_ready(120)
+    except (ServerStartError, KeyboardInterrupt):
+        cluster.stop()
+        raise
+    return cluster
+
+
+def main(argv: Sequence[str] | None = None) -> None:
+    args, server_args = parse(sys.argv[1:] if argv is None else argv)
+    started = time.monotonic()
+    try:
+        cluster = start_cluster(args, server_args)
+    except ServerStartError as error:
+        sys.exit(f"{PROG}: error: {error}")
+    info = cluster.describe()
+    if args.ready_file is not None:
+        args.ready_file.write_text(json.dumps(info, indent=2) + "\n")
+    print(f"[sglang-oasis] PD ready in {time.monotonic() - started:.0f} s: {json.dumps(info)}", flush=True)
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)
+    try:
+        status = supervise(cluster, args.max_restarts)
+    except (KeyboardInterrupt, SystemExit):
+        status = 0
+    finally:
+        cluster.stop()
+    sys.exit(status)
+
+
+def supervise(cluster: PDCluster, max_restarts: int, period_s: float = 1.0) -> int:
+    """Restart a dead prefill or decode server; returns (exit status 1) when the router exits or a
+    server died more than ``max_restarts`` times."""
+    restarts = {"prefill": 0, "decode": 0}
+    while cluster.router.alive():
+        for name in restarts:
+            server = cluster.processes[name]
+            if server.alive():
+                continue
+            restarts[name] += 1
+            if restarts[name] > max_restarts:
+                print(f"[sglang-oasis] the {name} server died {restarts[name]} times; stopping (log: "
+                      f"{server.log_path})", file=sys.stderr, flush=True)  # fmt: skip
+                return 1
+            print(f"[sglang-oasis] the {name} server exited; restarting it ({restarts[name]}/{max_restarts})",
+                  file=sys.stderr, flush=True)  # fmt: skip
+            server.restart()
+        time.sleep(period_s)
+    print("[sglang-oasis] the router exited; stopping the servers", file=sys.stderr, flush=True)
+    return 1
+
+
+if __name__ == "__main__":
+    main()

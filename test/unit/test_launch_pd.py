@@ -1,0 +1,48 @@
+"""``python -m sglang_oasis.launch_pd``'s argument handling and supervision (the cluster itself runs in
+test/integration/test_pd.py)."""
+
+from __future__ import annotations
+
+import pytest
+
+from sglang_oasis import launch_pd
+
+
+def test_server_arguments_pass_through_and_own_options_stay() -> None:
+    args, server_args = launch_pd.parse(
+        ["--port", "31000", "--model-path", "/m", "--oasis-top-k", "8", "--router-args=--disable-retries"]
+    )
+    assert (args.host, args.port, args.router_args) == ("127.0.0.1", 31000, "--disable-retries")
+    assert server_args == ["--model-path", "/m", "--oasis-top-k", "8"]
+
+
+@pytest.mark.parametrize("option", ["--disaggregation-mode", "--disaggregation-bootstrap-port"])
+def test_options_the_launcher_sets_per_server_are_refused(
+    option: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        launch_pd.parse([option, "prefill"])
+    assert exit_info.value.code == 2
+    assert option in capsys.readouterr().err
+
+
+class FakeServer:
+    """Pure logic stand-in for ServerProcess: dies on cue, counts restarts."""
+
+    def __init__(self, lives: int) -> None:
+        self.lives, self.restarts, self.log_path = lives, 0, "log"
+
+    def alive(self) -> bool:
+        self.lives -= 1
+        return self.lives > 0
+
+    def restart(self) -> None:
+        self.restarts += 1
+        self.lives = 3
+
+
+def test_supervise_restarts_dead_servers_and_gives_up_after_max_restarts() -> None:
+    prefill, decode, router = FakeServer(2), FakeServer(10**6), FakeServer(10**6)
+    cluster = launch_pd.PDCluster(prefill, decode, router, 1)  # type: ignore[arg-type]
+    assert launch_pd.supervise(cluster, max_restarts=2, period_s=0) == 1
+    assert prefill.restarts == 2 and decode.restarts == 0
