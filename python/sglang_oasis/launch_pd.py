@@ -144,15 +144,18 @@ def start_cluster(args: argparse.Namespace, server_args: list[str]) -> PDCluster
     router = ServerProcess(
         ["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap), "--decode", decode.url,
          "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *shlex.split(args.router_args)],
-        log_dir / "router.log", port=args.port, module="sglang_router.launch_router", ready_path="/health",
+        log_dir / "router.log", port=args.port, module="sglang_router.launch_router", ready_path="/readiness",
     )  # fmt: skip
+    # /readiness answers 200 once the router has registered healthy workers (/health answers earlier).
     router.command[router.command.index("--host") + 1] = args.host
     cluster = PDCluster(prefill, decode, router, bootstrap)
     try:
         for server in servers.values():
             server.wait_ready(args.startup_timeout)
-        router.spawn().wait_ready(120)
-    except (ServerStartError, KeyboardInterrupt):
+        router.spawn().wait_ready(args.startup_timeout)
+    except (ServerStartError, KeyboardInterrupt, SystemExit):
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         cluster.stop()
         raise
     return cluster
@@ -161,6 +164,11 @@ def start_cluster(args: argparse.Namespace, server_args: list[str]) -> PDCluster
 def main(argv: Sequence[str] | None = None) -> None:
     args, server_args = parse(sys.argv[1:] if argv is None else argv)
     started = time.monotonic()
+
+    def stop(signum: int, _frame: object) -> None:
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, stop)  # from here on, SIGTERM stops what was started
     try:
         cluster = start_cluster(args, server_args)
     except ServerStartError as error:
@@ -170,15 +178,14 @@ def main(argv: Sequence[str] | None = None) -> None:
         args.ready_file.write_text(json.dumps(info, indent=2) + "\n")
     print(f"[sglang-oasis] PD ready in {time.monotonic() - started:.0f} s: {json.dumps(info)}", flush=True)
 
-    def stop(signum: int, _frame: object) -> None:
-        raise SystemExit(128 + signum)
-
-    signal.signal(signal.SIGTERM, stop)
     try:
         status = supervise(cluster, args.max_restarts)
     except (KeyboardInterrupt, SystemExit):
         status = 0
     finally:
+        # A second Ctrl-C or SIGTERM must not cut the clean-up short and orphan a server.
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
         cluster.stop()
     sys.exit(status)
 

@@ -67,7 +67,7 @@ class PDLaunch:
     def stop(self) -> None:
         if self.process.poll() is None:
             os.killpg(self.process.pid, signal.SIGTERM)  # the launcher stops its three children
-            self.process.wait(timeout=120)
+            self.process.wait(timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +83,8 @@ def pd(smollm2_6l_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "--oasis-device-kv-tokens",
             "16384",
             "--router-args=--disable-retries --disable-circuit-breaker",
+            "--prefill-args=--enable-metrics",  # sglang:kv_transfer_total_mb: bytes sent per request
+            "--decode-args=--disaggregation-decode-enable-radix-cache",
         ],
         tmp_path_factory.mktemp("pd"),
     )
@@ -103,6 +105,40 @@ def test_pd_sparse_serving_equals_dense(pd: PDLaunch, smollm2_dense_server: Serv
     assert after["arrived_requests"] - before["arrived_requests"] >= len(PROMPTS)
     assert after["decode_steps"] > before["decode_steps"]
     assert after["blocks_loaded"] > before["blocks_loaded"]
+
+
+def transferred_mb(pd: PDLaunch) -> tuple[float, int]:
+    """(sum, count) of the prefill server's ``sglang:kv_transfer_total_mb`` histogram."""
+    with urllib.request.urlopen(pd.info["prefill"]["url"] + "/metrics", timeout=30) as response:
+        text = response.read().decode()
+    total, count = 0.0, 0
+    for line in text.splitlines():
+        if line.startswith("sglang:kv_transfer_total_mb_sum"):
+            total += float(line.rsplit(" ", 1)[1])
+        elif line.startswith("sglang:kv_transfer_total_mb_count"):
+            count += int(float(line.rsplit(" ", 1)[1]))
+    return total, count
+
+
+def transfer_of_next_request(pd: PDLaunch, ids: list[int], reference: ServerProcess) -> float:
+    """MB the prefill server sent for one request (whose output must equal the reference's)."""
+    total, count = transferred_mb(pd)
+    assert pd.router.generate(ids, 8)["output_ids"] == reference.generate(ids, 8)["output_ids"]
+    deadline = time.monotonic() + 60
+    while transferred_mb(pd)[1] == count:  # recorded once the prefill side sees the transfer done
+        assert time.monotonic() < deadline, "no transfer recorded"
+        time.sleep(0.5)
+    return transferred_mb(pd)[0] - total
+
+
+def test_a_prefix_the_decode_radix_cache_holds_is_not_transferred_again(
+    pd: PDLaunch, smollm2_dense_server: ServerProcess
+) -> None:
+    shared = prompt(800, 11)
+    first = transfer_of_next_request(pd, [*shared, *prompt(40, 12)], smollm2_dense_server)
+    second = transfer_of_next_request(pd, [*shared, *prompt(40, 13)], smollm2_dense_server)
+    # 840 tokens the first time; the second sends only what follows the 800 shared ones (whole pages)
+    assert first > 0 and second < first / 4, (first, second)
 
 
 def test_openai_chat_through_the_router(pd: PDLaunch, smollm2_dense_server: ServerProcess) -> None:
