@@ -234,6 +234,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "selection_query": "previous (the step's own query)",
             "seconds": round(time.monotonic() - started, 1),
         },
+        "longest_context": headline(rows),
         "results": rows,
     }
     args.json.write_text(json.dumps(report, indent=2) + "\n")
@@ -241,6 +242,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.plot is not None:
         plot(rows, args.plot)
     return report
+
+
+def headline(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """The longest context without a cached prefix: its ratios per fetch ratio."""
+    longest = max(r["context_tokens"] for r in rows)
+    cold = [r for r in rows if r["context_tokens"] == longest and r["cached_prefix_tokens"] == 0]
+    out: dict[str, Any] = {"context_tokens": longest, "admission_ratio": cold[0]["admission_ratio"]}
+    for r in cold:
+        out[f"total_ratio_fetch_{r['fetch_ratio']}"] = r["total_ratio"]
+        out[f"host_memory_ratio_fetch_{r['fetch_ratio']}"] = r["host_memory_ratio"]
+    return out
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:

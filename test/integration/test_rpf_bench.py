@@ -25,6 +25,9 @@ def run(tmp_path: Path, top_k: int) -> list[dict]:
                     "--num-layers", str(LAYERS), "--fetch-ratios", "0.25", "1.0", "--prefix-share", "0.5"])  # fmt: skip
     report = json.loads(out.read_text())
     assert report["settings"]["num_layers"] == LAYERS
+    cold = [r for r in report["results"] if r["cached_prefix_tokens"] == 0]
+    assert report["longest_context"]["admission_ratio"] == cold[0]["admission_ratio"]
+    assert report["longest_context"]["total_ratio_fetch_0.25"] == cold[0]["total_ratio"]
     return report["results"]
 
 
