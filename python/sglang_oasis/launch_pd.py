@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shlex
 import signal
 import sys
@@ -32,7 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from sglang_oasis.disaggregation.mooncake_builds import CPU_BUILD, check_single_mooncake_build
+from sglang_oasis.disaggregation.transfer_engine import engine_env_defaults
 from sglang_oasis.launch_server import given
 from sglang_oasis.testing.server_process import ServerProcess, ServerStartError, free_port
 
@@ -116,19 +115,12 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, server_args
 
 
-def server_env() -> dict[str, str]:
-    env = {"MC_LOG_LEVEL": os.environ.get("MC_LOG_LEVEL", "ERROR")}
-    if check_single_mooncake_build() == CPU_BUILD:
-        env["MC_FORCE_TCP"] = os.environ.get("MC_FORCE_TCP", "1")
-    return env
-
-
 def start_cluster(args: argparse.Namespace, server_args: list[str]) -> PDCluster:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="sglang-oasis-pd-"))
     bootstrap = args.bootstrap_port or free_port()
     common = [*server_args, "--disaggregation-transfer-backend", args.transfer_backend,
               "--disaggregation-bootstrap-port", str(bootstrap)]  # fmt: skip
-    env = server_env()
+    env = engine_env_defaults()
     servers = {}
     for role, port, extra in (("prefill", args.prefill_port, args.prefill_args),
                               ("decode", args.decode_port, args.decode_args)):  # fmt: skip
@@ -144,10 +136,9 @@ def start_cluster(args: argparse.Namespace, server_args: list[str]) -> PDCluster
     router = ServerProcess(
         ["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap), "--decode", decode.url,
          "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *shlex.split(args.router_args)],
-        log_dir / "router.log", port=args.port, module="sglang_router.launch_router", ready_path="/readiness",
+        log_dir / "router.log", host=args.host, port=args.port, module="sglang_router.launch_router",
+        ready_path="/readiness",  # 200 once it has registered healthy workers (/health answers earlier)
     )  # fmt: skip
-    # /readiness answers 200 once the router has registered healthy workers (/health answers earlier).
-    router.command[router.command.index("--host") + 1] = args.host
     cluster = PDCluster(prefill, decode, router, bootstrap)
     try:
         for server in servers.values():

@@ -141,20 +141,20 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         like after an extend)."""
         generations = self.req_to_token_pool.req_generation[self._reqs].tolist()
         owners = self.working_sets.owner
-        arrived = [
-            (req, int(gen)) for req, gen in zip(self._reqs, generations, strict=True) if owners[req] != gen
-        ]
+        arrived = [row for row, (req, gen) in enumerate(zip(self._reqs, generations, strict=True))
+                   if owners[req] != gen]  # fmt: skip
         if not arrived:
             return
         self.finish_pending()
         seq_lens = forward_batch.seq_lens.tolist()
-        for req, generation in arrived:
+        for row in arrived:
+            req = self._reqs[row]
             self.stats.add("requests")
             self.stats.add("arrived_requests")
             self.slot_pages[req] = -1
-            self.working_sets.claim(req, generation)
+            self.working_sets.claim(req, int(generations[row]))
             self.summarised[req] = 0
-            self.prompt_len[req] = int(seq_lens[self._reqs.index(req)]) - 1
+            self.prompt_len[req] = int(seq_lens[row]) - 1
         self._admission = True
 
     def _set_batch(self, reqs: list[int]) -> None:

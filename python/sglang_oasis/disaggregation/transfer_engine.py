@@ -38,6 +38,16 @@ class RemoteReadError(RuntimeError):
         self.session = session
 
 
+def engine_env_defaults() -> dict[str, str]:
+    """The ``MC_*`` settings every Mooncake engine of the project runs with (ours and SGLang's in the
+    servers ``launch_pd`` starts): the environment's values where set, else ``MC_LOG_LEVEL=ERROR`` and,
+    with the CPU build, ``MC_FORCE_TCP=1``."""
+    defaults = {"MC_LOG_LEVEL": "ERROR"}
+    if check_single_mooncake_build() == CPU_BUILD:
+        defaults["MC_FORCE_TCP"] = "1"
+    return {name: os.environ.get(name, value) for name, value in defaults.items()}
+
+
 class MooncakeEndpoint:
     """A transfer engine on ``host`` that registers local tensors and reads peers' registered memory."""
 
@@ -48,9 +58,7 @@ class MooncakeEndpoint:
                 "no Mooncake build is installed: pip install sglang-oasis[mooncake-cpu] (no GPU) or "
                 "sglang-oasis[mooncake-cuda]"
             )
-        if build == CPU_BUILD:
-            os.environ.setdefault("MC_FORCE_TCP", "1")
-        os.environ.setdefault("MC_LOG_LEVEL", "ERROR")
+        os.environ.update(engine_env_defaults())
         os.environ.setdefault("MC_TRANSFER_TIMEOUT", "30")
         from mooncake.engine import TransferEngine
 

@@ -52,7 +52,7 @@ class ServerStartError(RuntimeError):
 
 class ServerProcess:
     """``python -m sglang_oasis.launch_server <args> --host 127.0.0.1 --port <free>``, logged to a file
-    (``module`` runs another server module taking ``--host``/``--port``, e.g. SGLang's router; it is
+    (``host``/``port`` override the address; ``module`` runs another server module taking ``--host``/``--port``, e.g. SGLang's router; it is
     ready when ``ready_path`` answers 200)."""
 
     def __init__(
@@ -61,15 +61,16 @@ class ServerProcess:
         log_path: Path,
         env: dict[str, str] | None = None,
         *,
+        host: str = "127.0.0.1",
         port: int | None = None,
         module: str = "sglang_oasis.launch_server",
         ready_path: str = "/health_generate",
     ) -> None:
         self.port = port or free_port()
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
         self.log_path = log_path
         self.ready_path = ready_path
-        self.command = [sys.executable, "-m", module, "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.command = [sys.executable, "-m", module, "--host", host, "--port", str(self.port), *args]
         self.env = child_env({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})})
         self.process: subprocess.Popen[bytes] | None = None
 
