@@ -135,6 +135,24 @@ class OasisConfig:
             "choices": PREFETCH_MODES,
         },
     )
+    remote_fetch: bool = field(
+        default=True,
+        metadata={
+            "help": "Remote partial fetching under PD disaggregation (sparse mode, mooncake transfer "
+            "backend, both servers): the prefill node keeps each request's full KV staged in its host "
+            "memory and the decode node reads only the blocks its working sets use (at admission the "
+            "union over KV heads of the first selection, plus the block summaries; later misses when "
+            "first needed). 'false': SGLang transfers the whole KV. Prefill and decode servers must "
+            "agree.",
+        },
+    )
+    remote_fetch_ttl: int = field(
+        default=3600,
+        metadata={
+            "help": "Seconds a prefill node keeps a request's staged KV when the decode node never "
+            "releases it (it releases when the request finishes); remote partial fetching only.",
+        },
+    )
     cpu_defaults: bool = field(
         default=True,
         metadata={
@@ -160,7 +178,7 @@ class OasisConfig:
                 raise OasisConfigError(
                     f"{_option(name)}: {getattr(self, name)!r} is not one of {', '.join(choices)}"
                 )
-        for name in ("block_size", "top_k", "device_kv_tokens", "cpu_max_total_tokens"):
+        for name in ("block_size", "top_k", "device_kv_tokens", "cpu_max_total_tokens", "remote_fetch_ttl"):
             if getattr(self, name) <= 0:
                 raise OasisConfigError(f"{_option(name)}: must be positive, got {getattr(self, name)}")
         if not 0 < self.fetch_ratio <= 1:

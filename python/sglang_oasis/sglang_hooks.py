@@ -27,10 +27,29 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
    forward stream (not a ``torch.Stream`` on CPU). On the CPU engine the first is turned off (the
    indices are host tensors already) and so is the second
    (``SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX=0``; the regular send then carries the prefix).
+6. Remote partial fetching under PD disaggregation (``disaggregation/pd_partial.py``; sparse mode with
+   ``--oasis-remote-fetch``). SGLang's KV sender has no notion of a partial payload, so four places:
+   - ``SchedulerDisaggregationPrefillMixin.send_kv_chunk`` (prefill): the only place that knows a
+     send's request (its slot, prompt length and the decode node's cached prefix); the hook hands them
+     to the request's Mooncake sender.
+   - ``CommonKVSender._prepare_send_indices`` (prefill): where every send's pages are decided. For a
+     staged request, chunks before the last send nothing; the last stages the whole prompt's KV
+     (``PrefillStager.stage``) and sends only the request's last page, so SGLang's protocol (aux data,
+     completion, failure handling) runs unchanged. A staging failure fails the request's transfer.
+   - ``CommonKVBootstrapServer._setup_routes`` (prefill's HTTP process): adds ``GET/PUT
+     /oasis/remote_fetch_endpoint``, where the prefill scheduler registers its hand-off URL and decode
+     nodes look it up (decode nodes know a request's bootstrap address, nothing else of the prefill).
+   - ``DecodeTransferQueue._commit_transfer_to_req`` (decode): after SGLang commits a transferred
+     request, its admission blocks are read (``DecodeFetcher.admit``); a failure aborts the request
+     the way SGLang aborts a corrupted transfer. With the decode radix cache on, the queue's tree
+     cache's ``checkpoint`` (which inserts a finished request) is wrapped on that instance so a
+     request's still-remote blocks are read before its KV becomes a shared prefix; if that fails the
+     request is not inserted.
 """
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -43,8 +62,14 @@ PROCESS_RESULT_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_r
 MOONCAKE_SENDER_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender"
 HOST_INDICES_ATTRIBUTE = "supports_host_tensor_indices"
 EARLY_SEND_ENV = "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"
+PREFILL_SEND_TARGET = "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.send_kv_chunk"
+SEND_INDICES_TARGET = "sglang.srt.disaggregation.common.conn.CommonKVSender._prepare_send_indices"
+BOOTSTRAP_ROUTES_TARGET = "sglang.srt.disaggregation.common.conn.CommonKVBootstrapServer._setup_routes"
+DECODE_COMMIT_TARGET = "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req"
 BACKEND_NAME = "oasis"
 REJECTED_DRAFT = -1  # no token id: never equal to the target's prediction
+
+logger = logging.getLogger(__name__)
 
 
 def draft_extend_backend(original: Callable[..., Any], factory: Any, *args: Any, **kwargs: Any) -> Any:
@@ -113,10 +138,193 @@ def abort_failed_transfers(
     return original(scheduler, batch, *args, **kwargs)
 
 
+def _backend(scheduler: Any) -> Any:
+    return getattr(getattr(getattr(scheduler, "tp_worker", None), "model_runner", None), "attn_backend", None)
+
+
+def mark_staged_send(
+    original: Callable[..., Any], scheduler: Any, req: Any, last_chunk: bool = False, end_idx: Any = None
+) -> Any:
+    """AROUND hook (prefill): a request sent by remote partial fetching carries, on its Mooncake sender,
+    the stager and (last chunk) what to stage."""
+    stager = getattr(_backend(scheduler), "stager", None)
+    sender: Any = getattr(req, "disagg_kv_sender", None)
+    if stager is not None and stager.ready.is_set() and _is_mooncake_sender(sender):
+        sender._oasis_stager = stager
+        if last_chunk:
+            tokens = end_idx if end_idx is not None else min(req.extend_end, len(req.origin_input_ids))
+            sender._oasis_stage = (int(req.kv.req_pool_idx), int(tokens), int(req.disagg_decode_prefix_len))
+    return original(scheduler, req, last_chunk=last_chunk, end_idx=end_idx)
+
+
+def _is_mooncake_sender(sender: Any) -> bool:
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
+
+    return isinstance(sender, MooncakeKVSender)
+
+
+def send_last_page_only(
+    original: Callable[..., Any], sender: Any, kv_indices: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND hook (prefill): a staged request's chunks send nothing but its last page (see hook 6)."""
+    kv_indices, index_slice, is_last, skip = original(sender, kv_indices, *args, **kwargs)
+    stager = getattr(sender, "_oasis_stager", None)
+    if skip or stager is None:
+        return kv_indices, index_slice, is_last, skip
+    if len(kv_indices):
+        sender._oasis_last_page = kv_indices[-1]
+    if not is_last:
+        return kv_indices[:0], slice(index_slice.stop, index_slice.stop), is_last, False
+    room = int(sender.bootstrap_room)
+    try:
+        stager.stage(room, *sender._oasis_stage)
+        last = sender._oasis_last_page
+    except Exception as error:  # the request fails, the server goes on
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        logger.exception("oasis: staging bootstrap room %d failed", room)
+        sender.kv_mgr.record_failure(
+            room, f"oasis: staging the KV for remote partial fetching failed: {error}"
+        )
+        sender.kv_mgr.update_status(room, KVPoll.Failed)
+        return kv_indices[:0], index_slice, is_last, True
+    end = index_slice.stop
+    return _one_page(kv_indices, last), slice(end - 1, end), True, False
+
+
+def _one_page(kv_indices: Any, page: Any) -> Any:
+    import numpy as np
+
+    return np.asarray([page], dtype=np.asarray(kv_indices).dtype)
+
+
+def remote_fetch_routes(original: Callable[..., Any], server: Any) -> Any:
+    """AROUND hook (prefill bootstrap server): ``/oasis/remote_fetch_endpoint`` (see hook 6)."""
+    from aiohttp import web
+
+    from sglang_oasis.disaggregation.pd_partial import ENDPOINT_ROUTE
+
+    result = original(server)
+    endpoints: dict[int, str] = {}
+
+    async def handle(request: web.Request) -> web.Response:
+        if request.method == "PUT":
+            data = await request.json()
+            endpoints[int(data["engine_rank"])] = str(data["url"])
+            return web.json_response({})
+        url = endpoints.get(int(request.query.get("engine_rank", 0)))
+        if url is None:
+            return web.json_response({"error": "this prefill node does not stage KV"}, status=404)
+        return web.json_response({"url": url})
+
+    server.app.router.add_route("*", ENDPOINT_ROUTE, handle)
+    return result
+
+
+def fetch_admission_blocks(original: Callable[..., Any], queue: Any, decode_req: Any) -> Any:
+    """AROUND hook (decode): after SGLang commits a transferred request, read what its first working sets
+    need from the prefill node (see hook 6)."""
+    result = original(queue, decode_req)
+    remote = getattr(_backend(queue.scheduler), "remote", None)
+    req = decode_req.req
+    if remote is None or req.finished() or getattr(req, "bootstrap_room", None) is None:
+        return result
+    if getattr(req, "bootstrap_host", None) == _fake_bootstrap_host():
+        return result
+    from sglang_oasis.disaggregation.pd_partial import RemoteFetchError
+
+    slot = int(req.kv.req_pool_idx)
+    generation = int(queue.scheduler.req_to_token_pool.req_generation[slot])
+    try:
+        staged = remote.admit(
+            slot, generation, req.bootstrap_host, int(req.bootstrap_port), int(req.bootstrap_room)
+        )
+    except Exception as error:  # the request fails, the server goes on
+        if not isinstance(error, RemoteFetchError):
+            logger.exception("oasis: admitting request %s failed", req.rid)
+        from http import HTTPStatus
+
+        from sglang.srt.disaggregation.utils import prepare_abort
+
+        req.skip_radix_cache_insert = True
+        prepare_abort(
+            req,
+            f"oasis: remote partial fetching failed ({error})",
+            status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
+        )
+        return result
+    if staged:
+        _complete_before_caching(queue.tree_cache, remote)
+    return result
+
+
+def refuse_staged_requests(original: Callable[..., Any], queue: Any, decode_req: Any) -> Any:
+    """AROUND hook (a decode server without remote partial fetching): a request from a prefill node that
+    staged its KV (so sent only its last page) fails with a message naming the mismatch, instead of
+    decoding over KV that never arrived."""
+    result = original(queue, decode_req)
+    req = decode_req.req
+    host, port = getattr(req, "bootstrap_host", None), getattr(req, "bootstrap_port", None)
+    if req.finished() or host is None or port is None or host == _fake_bootstrap_host():
+        return result
+    from sglang_oasis.disaggregation.pd_partial import prefill_stages
+
+    if prefill_stages(host, int(port)):
+        from http import HTTPStatus
+
+        from sglang.srt.disaggregation.utils import prepare_abort
+
+        req.skip_radix_cache_insert = True
+        prepare_abort(
+            req,
+            f"oasis: the prefill node at {host}:{port} stages KV for remote partial fetching (sends only "
+            "what the decode node reads) but this decode server does not fetch it: start both servers "
+            "with --oasis-mode sparse and the same --oasis-remote-fetch",
+            status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
+        )
+    return result
+
+
+def _fake_bootstrap_host() -> str | None:
+    try:
+        from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+    except ImportError:
+        return None
+    return str(FAKE_BOOTSTRAP_HOST)
+
+
+def _complete_before_caching(tree_cache: Any, remote: Any) -> None:
+    """With the decode radix cache on, wrap this tree cache's ``checkpoint`` (once) so a finishing
+    request's still-remote blocks are read before its KV is inserted (not inserted if that fails)."""
+    from sglang.srt.runtime_context import get_disagg
+
+    if not get_disagg().disaggregation_decode_enable_radix_cache or getattr(
+        tree_cache, "_oasis_wrapped", False
+    ):
+        return
+    checkpoint = tree_cache.checkpoint
+
+    def checkpoint_complete(req: Any, *args: Any, **kwargs: Any) -> Any:
+        slot = req.kv.req_pool_idx
+        try:
+            complete = slot is None or remote.complete(int(slot))
+        except Exception:  # a failed read must not stop the server: the KV is just not shared
+            logger.exception("oasis: completing request %s before caching failed", req.rid)
+            complete = False
+        if not complete:
+            return None  # never share KV with blocks missing
+        return checkpoint(req, *args, **kwargs)
+
+    tree_cache.checkpoint = checkpoint_complete
+    tree_cache._oasis_wrapped = True
+
+
 def register(config: OasisConfig) -> None:
     """Register the hooks this configuration needs (SGLang applies them after all plugins load)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
+    if config.mode != "sparse" or not config.remote_fetch:
+        HookRegistry.register(DECODE_COMMIT_TARGET, refuse_staged_requests, HookType.AROUND)
     if config.mode != "sparse":
         return
     HookRegistry.register(DRAFT_EXTEND_TARGET, draft_extend_backend, HookType.AROUND)
@@ -124,6 +332,11 @@ def register(config: OasisConfig) -> None:
     HookRegistry.register(PROCESS_RESULT_TARGET, abort_failed_transfers, HookType.AROUND)
     if config.lookahead != "previous" and config.draft_policy == "reject":
         HookRegistry.register(VERIFY_GREEDY_TARGET, reject_drafts, HookType.AROUND)
+    if config.remote_fetch:
+        HookRegistry.register(PREFILL_SEND_TARGET, mark_staged_send, HookType.AROUND)
+        HookRegistry.register(SEND_INDICES_TARGET, send_last_page_only, HookType.AROUND)
+        HookRegistry.register(BOOTSTRAP_ROUTES_TARGET, remote_fetch_routes, HookType.AROUND)
+        HookRegistry.register(DECODE_COMMIT_TARGET, fetch_admission_blocks, HookType.AROUND)
 
 
 def patch_cpu_disaggregation() -> None:

@@ -34,6 +34,18 @@ COUNTERS = {
     "warm_starts": "requests whose first working sets started from another request's resident blocks",
     "blocks_reused": "resident blocks a warm start kept (no host transfer; one block of one KV head "
     "in one layer counts once)",
+    "staged_requests": "PD prefill node: requests whose full KV was staged for remote partial fetching",
+    "remote_requests": "PD decode node: requests admitted by remote partial fetching",
+    "remote_admission_bytes": "PD decode node: KV bytes read from prefill nodes at admission (the union "
+    "over KV heads of each request's first selection)",
+    "remote_admission_blocks": "PD decode node: (block, layer) pairs read at admission (K and V of every "
+    "KV head)",
+    "remote_summary_bytes": "PD decode node: block-summary bytes read from prefill nodes at admission",
+    "remote_miss_bytes": "PD decode node: KV bytes read from prefill nodes after admission (first use of "
+    "a block by a working set, or before a finished request's KV enters the radix cache)",
+    "remote_cached_blocks": "PD decode node: (block, layer) pairs not read because the decode radix cache "
+    "held them",
+    "remote_failed_reads": "PD decode node: requests failed by a failed remote read after admission",
 }
 GAUGES = {
     "host_tokens_used": "tokens of the host KV tier in use",
@@ -42,6 +54,7 @@ GAUGES = {
     "device_working_set_bytes": "bytes reserved for device working sets",
     "device_summary_bytes": "bytes of block summaries in device memory",
     "running_requests": "requests holding a working set",
+    "staged_bytes": "PD prefill node: bytes of staged KV and summaries held for decode nodes",
 }
 FIELDS = (*COUNTERS, *GAUGES)
 

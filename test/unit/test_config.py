@@ -28,18 +28,26 @@ def test_cli_parses_every_field() -> None:
             "--oasis-cpu-defaults",
             "false",
             "--oasis-cpu-max-total-tokens=1234",
+            "--oasis-remote-fetch",
+            "false",
             "--port",
             "9",
         ]
     )
-    assert config == OasisConfig(mode="dense", cpu_defaults=False, cpu_max_total_tokens=1234)
+    assert config == OasisConfig(
+        mode="dense", cpu_defaults=False, cpu_max_total_tokens=1234, remote_fetch=False
+    )
     assert OasisConfig().mode == "sparse"
     assert rest == ["--port", "9"]
 
 
 @pytest.mark.parametrize(
     ("kwargs", "option"),
-    [({"mode": "bogus"}, "--oasis-mode"), ({"cpu_max_total_tokens": 0}, "--oasis-cpu-max-total-tokens")],
+    [
+        ({"mode": "bogus"}, "--oasis-mode"),
+        ({"cpu_max_total_tokens": 0}, "--oasis-cpu-max-total-tokens"),
+        ({"remote_fetch_ttl": 0}, "--oasis-remote-fetch-ttl"),
+    ],
 )
 def test_invalid_values_name_the_option(kwargs: dict, option: str) -> None:
     with pytest.raises(OasisConfigError, match=option):

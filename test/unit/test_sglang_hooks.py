@@ -88,6 +88,85 @@ CHECK = textwrap.dedent(
     hooks.patch_cpu_disaggregation()
     assert MooncakeKVSender.supports_host_tensor_indices is False
     assert getattr(envs, hooks.EARLY_SEND_ENV).get() is False
+
+    # Hook 6 (remote partial fetching): targets, and what the hooks read of SGLang's objects.
+    remote_fetch = {
+        hooks.PREFILL_SEND_TARGET: ["self", "req", "last_chunk", "end_idx"],
+        hooks.SEND_INDICES_TARGET: ["self", "kv_indices", "state_indices"],
+        hooks.BOOTSTRAP_ROUTES_TARGET: ["self"],
+        hooks.DECODE_COMMIT_TARGET: ["self", "decode_req"],
+        "sglang.srt.disaggregation.utils.prepare_abort": ["req", "error_message", "status_code"],
+        "sglang.srt.mem_cache.common.release_kv_cache": ["req", "tree_cache"],
+    }
+    for target, params in remote_fetch.items():
+        found = list(inspect.signature(pkgutil.resolve_name(target)).parameters)
+        assert found[: len(params)] == params, (target, found)
+    from sglang.srt.disaggregation.common.conn import CommonKVManager, CommonKVSender
+    from sglang.srt.disaggregation.decode import DecodeTransferQueue
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+    from sglang.srt.mem_cache.common import release_kv_cache
+    assert "self._prepare_send_indices(" in inspect.getsource(CommonKVSender.send)
+    assert "self.curr_idx == self.num_kv_indices" in inspect.getsource(CommonKVSender._prepare_send_indices)
+    assert callable(CommonKVManager.record_failure) and callable(CommonKVManager.update_status)
+    send_source = inspect.getsource(prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk)
+    assert "req.extend_end" in send_source and "req.disagg_decode_prefix_len" in send_source
+    assert "self.tree_cache = tree_cache" in inspect.getsource(DecodeTransferQueue.__init__)
+    assert "tree_cache.checkpoint(req, up_to=" in inspect.getsource(release_kv_cache)
+    assert FAKE_BOOTSTRAP_HOST == "2.2.2.2"
+
+    # send_last_page_only: earlier chunks send nothing, the last stages and sends only the last page.
+    import numpy as np
+    staged = []
+    stager = NS(stage=lambda *args: staged.append(args))
+    sender = NS(_oasis_stager=stager, _oasis_stage=(5, 40, 16), bootstrap_room=9)
+    def chunk(kv, sl, last):
+        return hooks.send_last_page_only(lambda s, k, *a: (k, sl, last, False), sender, np.asarray(kv, dtype=np.int32))
+    kv, sl, last, skip = chunk([10, 11], slice(0, 2), False)
+    assert len(kv) == 0 and sl == slice(2, 2) and not last and not skip and staged == []
+    kv, sl, last, skip = chunk([], slice(2, 2), True)  # a last chunk without new pages
+    assert kv.tolist() == [11] and sl == slice(1, 2) and last and not skip, (kv, sl)
+    assert staged == [(9, 5, 40, 16)]
+    plain = NS(bootstrap_room=3)  # not staged: untouched
+    out = hooks.send_last_page_only(lambda s, k, *a: (k, slice(0, 2), True, False), plain, np.asarray([1, 2]))
+    assert out[0].tolist() == [1, 2] and out[1] == slice(0, 2)
+    failures, statuses = {}, []
+    def broken(*args):
+        raise RuntimeError("no memory")
+    failing = NS(_oasis_stager=NS(stage=broken), _oasis_stage=(1, 2, 0), bootstrap_room=4,
+                 kv_mgr=NS(record_failure=failures.__setitem__, update_status=lambda r, s: statuses.append((r, s))))
+    out = hooks.send_last_page_only(lambda s, k, *a: (k, slice(0, 1), True, False), failing, np.asarray([7]))
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    assert out[3] is True and "no memory" in failures[4] and statuses == [(4, KVPoll.Failed)]
+    # the bootstrap server's extra route
+    from aiohttp import web
+    from sglang_oasis.disaggregation.pd_partial import ENDPOINT_ROUTE
+    server = NS(app=web.Application())
+    hooks.remote_fetch_routes(lambda s: None, server)
+    assert ENDPOINT_ROUTE in [route.resource.canonical for route in server.app.router.routes()]
+    # a decode server that does not fetch refuses requests from a staging prefill node, by name
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+    class Bootstrap(BaseHTTPRequestHandler):
+        def do_GET(self):
+            staging = self.path.startswith(ENDPOINT_ROUTE) and self.server.server_port == staging_port
+            self.send_response(200 if staging else 404)
+            self.end_headers()
+            self.wfile.write(b'{"url": "http://127.0.0.1:1"}' if staging else b"{}")
+        def log_message(self, *args):
+            pass
+    servers = [ThreadingHTTPServer(("127.0.0.1", 0), Bootstrap) for _ in range(2)]
+    for http in servers:
+        threading.Thread(target=http.serve_forever, daemon=True).start()
+    staging_port, plain_port = (http.server_port for http in servers)
+    def decode_request(port):
+        return NS(req=NS(bootstrap_host="127.0.0.1", bootstrap_port=port, finished=lambda: False,
+                         return_logprob=False, finished_reason=None, skip_radix_cache_insert=False))
+    refused, accepted = decode_request(staging_port), decode_request(plain_port)
+    for decode_req in (refused, accepted):
+        assert hooks.refuse_staged_requests(lambda q, d: "committed", NS(), decode_req) == "committed"
+    reason = refused.req.finished_reason
+    assert reason is not None and "--oasis-remote-fetch" in reason.message and int(reason.status_code) == 500
+    assert accepted.req.finished_reason is None
     print("hooks-ok")
     """
 )

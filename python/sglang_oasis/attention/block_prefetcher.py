@@ -77,6 +77,10 @@ class BlockPrefetcher:
         self.sink_blocks = sink_blocks
         self.num_slots = top_k + sink_blocks
         self.num_kv_heads = num_kv_heads
+        # Prefill node of remote partial fetching: slot -> layer -> [kv_heads, N] admission selection.
+        self.record_admissions: dict[int, dict[int, torch.Tensor]] | None = None
+        # Decode node of remote partial fetching: reads blocks still on the prefill node before loads.
+        self.remote: Any = None
 
     def run(self, job: SelectionJob) -> JobResult:
         """Prediction -> selection -> transfer for one layer of a batch (runs in the pipeline)."""
@@ -88,6 +92,10 @@ class BlockPrefetcher:
             return JobResult(job.layer_id, job.admission, len(job.reqs),
                              0, 0, 0, 0, 0, 0, {})  # fmt: skip
         selected, priority = self._choose(job)
+        if job.admission and self.record_admissions is not None:
+            for row, req in enumerate(job.reqs.tolist()):
+                layers = self.record_admissions.setdefault(req, {})
+                layers[job.layer_id] = selected[row, :, : int(job.full[row])].clone()
         chosen = time.perf_counter_ns()
         plan = self.working_sets.plan_selections(
             job.reqs, job.layer_id, selected, job.step, job.cap, fresh_from, priority
@@ -133,17 +141,19 @@ class BlockPrefetcher:
         own transfer fails are returned (slot -> message) to be failed alone."""
         pool = self.kv_pool
         k_buffer, v_buffer = pool.get_key_buffer(job.layer_id), pool.get_value_buffer(job.layer_id)
+        failed: dict[int, str] = {}
+        if self.remote is not None and plan.num_loads:
+            plan, failed = self._read_remote(job, plan)
         try:
             self._check_injected(job, plan.batch_rows)
             self.working_sets.load(plan, job.reqs, job.layer_id, job.pages, k_buffer, v_buffer)
-            return {}
+            return failed
         except Exception as error:
             logger.warning(
                 "oasis: batched transfer of layer %d failed (%s); retrying request by request",
                 job.layer_id,
                 error,
             )
-        failed = {}
         for row, req in enumerate(job.reqs.tolist()):
             mine = plan.batch_rows == row
             own = TransferPlan(
@@ -154,6 +164,32 @@ class BlockPrefetcher:
                 self.working_sets.load(own, job.reqs, job.layer_id, job.pages, k_buffer, v_buffer)
             except Exception as error:
                 failed[req] = f"layer {job.layer_id}: {type(error).__name__}: {error}"
+        return failed
+
+    def _read_remote(self, job: SelectionJob, plan: TransferPlan) -> tuple[TransferPlan, dict[int, str]]:
+        """Remote partial fetching: the planned blocks still on the prefill node are read into the host
+        tier first (all requests of the batch at once). Requests whose reads fail are returned and their
+        loads dropped from the plan."""
+        reqs = job.reqs.tolist()
+        wanted = {req: plan.blocks[plan.batch_rows == row] for row, req in enumerate(reqs)}
+        try:
+            failed = self._ensure_remote(job, wanted)
+        except Exception as error:  # never the process: every request of the batch with reads fails
+            logger.exception("oasis: remote reads of layer %d failed", job.layer_id)
+            failed = {req: f"remote KV read for layer {job.layer_id} failed: {error}"
+                      for req, blocks in wanted.items() if blocks.numel()}  # fmt: skip
+        if not failed:
+            return plan, {}
+        keep = torch.tensor([reqs[row] not in failed for row in plan.batch_rows.tolist()], dtype=torch.bool)
+        kept = TransferPlan(
+            plan.batch_rows[keep], plan.heads[keep], plan.slots[keep], plan.blocks[keep], plan.deferred
+        )
+        return kept, failed
+
+    def _ensure_remote(self, job: SelectionJob, wanted: dict[int, torch.Tensor]) -> dict[int, str]:
+        failed: dict[int, str] = self.remote.ensure(
+            job.layer_id, {req: blocks for req, blocks in wanted.items() if blocks.numel()}
+        )
         return failed
 
     def _check_injected(self, job: SelectionJob, rows: torch.Tensor) -> None:

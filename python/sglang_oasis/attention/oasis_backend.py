@@ -33,6 +33,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sgl_kernel_oasis import ops, sparse_decode_attention
 from sglang_oasis.attention.block_prefetcher import INJECT_ENV, BlockPrefetcher, JobResult, SelectionJob
 from sglang_oasis.config import OasisConfig
+from sglang_oasis.disaggregation.pd_partial import Arrival, DecodeFetcher, PrefillStager
 from sglang_oasis.memory.prefetch_pipeline import PrefetchPipeline
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.memory.working_set import WorkingSetPool
@@ -105,6 +106,11 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         self.failed_requests: dict[int, tuple[int, str]] = {}
         self._failed_lock = threading.Lock()
         self._reported_failures: dict[int, int] = {}  # slot -> generation already reported
+        # Remote partial fetching under PD disaggregation (disaggregation/pd_partial.py).
+        self.stager: PrefillStager | None = None
+        self.remote: DecodeFetcher | None = None
+        self._admission_selections: dict[int, dict[int, torch.Tensor]] = {}  # slot -> layer -> [H, N]
+        self._setup_remote_fetch(model_runner)
         # Gauges change when requests finish, which no forward pass sees while the server is idle.
         self._gauge_thread = threading.Thread(target=self._refresh_gauges, name="oasis-gauges", daemon=True)
         self._gauge_thread.start()
@@ -114,6 +120,40 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             self.block_size, config.top_k, config.sink_blocks, sorted(self.dense_layers) or "none",
             self.working_sets.nbytes / 2**20, max_requests, self.summaries.nbytes / 2**20,
         )  # fmt: skip
+
+    def _setup_remote_fetch(self, model_runner: Any) -> None:
+        args = model_runner.server_args
+        mode = str(getattr(args, "disaggregation_mode", "null"))
+        if not self.config.remote_fetch or mode not in ("prefill", "decode"):
+            return
+        if str(getattr(args, "disaggregation_transfer_backend", "mooncake")) != "mooncake":
+            logger.warning("oasis: remote partial fetching needs the mooncake transfer backend; off")
+            return
+        if int(getattr(args, "tp_size", 1)) != 1:
+            logger.warning("oasis: remote partial fetching supports --tp-size 1 only; off")
+            return
+        host = str(args.host)
+        if mode == "prefill":
+            self.prefetcher.record_admissions = self._admission_selections
+            port = int(args.disaggregation_bootstrap_port)
+            self.stager = PrefillStager(self, host, port, engine_rank=0, ttl_s=self.config.remote_fetch_ttl)
+            logger.info("oasis remote partial fetching: prefill hand-offs at %s", self.stager.url)
+        else:
+            self.remote = DecodeFetcher(self, host)
+            self.prefetcher.remote = self.remote
+            logger.info(
+                "oasis remote partial fetching: decode reads through %s", self.remote.endpoint.session_id
+            )
+
+    def admission_selection(self, req: int, num_tokens: int) -> torch.Tensor:
+        """``[layers, kv_heads, full blocks]`` bool: request slot ``req``'s first working sets, as its last
+        extend selected them (dense layers and layers it was not recorded for: every block)."""
+        full = num_tokens // self.block_size
+        selection = torch.ones((self.token_to_kv_pool.layer_num, self.num_kv_heads, full), dtype=torch.bool)
+        for layer, selected in self._admission_selections.get(req, {}).items():
+            if layer not in self.dense_layers and selected.shape[-1] == full:
+                selection[layer] = selected
+        return selection
 
     # --- per forward batch ------------------------------------------------------------------------
 
@@ -153,9 +193,43 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             self.stats.add("arrived_requests")
             self.slot_pages[req] = -1
             self.working_sets.claim(req, int(generations[row]))
-            self.summarised[req] = 0
             self.prompt_len[req] = int(seq_lens[row]) - 1
-        self._admission = True
+            fetched = self.remote.take_arrival(req, int(generations[row])) if self.remote else None
+            if fetched is not None and fetched.num_tokens == self.prompt_len[req]:
+                self._start_from_handoff(req, fetched)
+            else:
+                if fetched is not None:  # cannot happen unless SGLang's hand-off changed: fail the request
+                    message = (f"oasis: request slot {req} arrived with {fetched.num_tokens} staged tokens for "
+                               f"a {self.prompt_len[req]}-token prompt")  # fmt: skip
+                    logger.error(message)
+                    with self._failed_lock:
+                        self.failed_requests[req] = (int(generations[row]), message)
+                self.summarised[req] = 0
+                self._admission = True
+
+    def _start_from_handoff(self, req: int, arrival: Arrival) -> None:
+        """A request admitted by remote partial fetching: its summaries and its first selection's blocks
+        are here (read at admission); its working sets are that selection, exactly as an extend here
+        would have left them, so its first decode step is an ordinary sparse step."""
+        self.summarised[req] = arrival.num_tokens
+        full = arrival.selection.shape[2]
+        reqs = torch.tensor([req], dtype=torch.int64)
+        block = self.block_size
+        pages = self.req_to_token_pool.req_to_token[reqs, 0 : full * block : block].to(torch.int64) // block
+        pool = self.token_to_kv_pool
+        for layer in range(pool.layer_num):
+            if layer in self.dense_layers:
+                continue
+            self.working_sets.covered[req, layer] = full
+            if full:
+                plan = self.working_sets.plan_selections(
+                    reqs, layer, arrival.selection[layer][None], self.step
+                )
+                self.working_sets.load(
+                    plan, reqs, layer, pages, pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+                )
+                self.stats.add("blocks_loaded", plan.num_loads)
+                self.stats.add("bytes_host_to_device", plan.num_loads * self.working_sets.bytes_per_block)
 
     def _set_batch(self, reqs: list[int]) -> None:
         """The forward batch's request slots, as a list and as the index tensor the tables take."""
@@ -243,6 +317,11 @@ class OasisAttnBackend(TorchNativeAttnBackend):
                 if self.allocator is not None:
                     used = self.token_to_kv_pool.size - self.allocator.available_size()
                     self.stats.set("host_tokens_used", int(used))
+                if self.remote is not None:
+                    self.remote.release_finished(
+                        set(self.req_to_token_pool.free_slots),
+                        self.req_to_token_pool.req_generation.tolist(),
+                    )
                 if self.export_metrics:
                     self.stats.publish_prometheus()
             except Exception:  # a gauge is not worth a crash; read again next period

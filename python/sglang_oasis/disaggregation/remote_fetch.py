@@ -91,10 +91,12 @@ class RemotePartialFetcher:
         local_pages: torch.Tensor,
         selected: torch.Tensor,
         cached_blocks: int = 0,
+        have_last: bool = False,
     ) -> None:
         """Starts request ``req`` (its local pages ``[pages]`` already allocated): reads its summaries and
         the blocks ``selected`` (bool ``[layers, pages]``, the union over KV heads of its first selection)
-        plus its last block, skipping the first ``cached_blocks`` (held locally through the radix cache).
+        plus its last block, skipping the first ``cached_blocks`` (held locally through the radix cache)
+        and, with ``have_last``, the last block (it came with SGLang's own transfer).
         Raises ``RemoteReadError`` if a read fails (the request must then fail)."""
         self._check_layout(layout)
         pages = layout.num_pages
@@ -105,6 +107,8 @@ class RemotePartialFetcher:
             )
         present = torch.zeros((layout.num_layers, pages), dtype=torch.bool)
         present[:, :cached_blocks] = True
+        if have_last:
+            present[:, -1] = True
         request = RemoteRequest(layout, local_pages.to(torch.int64).cpu(), present)
         with self._lock:
             self.requests[req] = request
@@ -156,6 +160,7 @@ class RemotePartialFetcher:
                 if request is None:
                     continue  # not a remote request (local prefill)
                 blocks = blocks.to(torch.int64).cpu().unique()
+                blocks = blocks[blocks < request.layout.num_pages]  # later blocks were decoded here
                 missing = blocks[~request.present[layer, blocks]]
                 if missing.numel():
                     todo[req] = (torch.full_like(missing, layer), missing)
@@ -176,7 +181,10 @@ class RemotePartialFetcher:
         with self._lock:
             for req in done:
                 layers, blocks = todo[req]
-                self.requests[req].present[layers, blocks] = True
+                request = self.requests.get(req)
+                if request is None:  # released meanwhile (its request finished)
+                    continue
+                request.present[layers, blocks] = True
                 self.counters.miss_blocks += len(blocks)
                 self._charge(req, len(blocks) * 2 * self.block_bytes)
             self.counters.miss_bytes += nbytes
@@ -202,7 +210,10 @@ class RemotePartialFetcher:
         """Reads K and V of each (layer, logical block) of each request, one batch per peer; returns bytes."""
         by_peer: dict[str, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
         for req, (layers, blocks) in todo.items():
-            request = self.requests[req]
+            with self._lock:
+                request = self.requests.get(req)
+            if request is None:  # released meanwhile (its request finished): nothing to read for it
+                continue
             layout = request.layout
             local, remote = by_peer[layout.session]
             for layer, block in zip(layers.tolist(), blocks.tolist(), strict=True):

@@ -1,0 +1,385 @@
+"""Remote partial fetching inside SGLang's PD disaggregation (``--oasis-remote-fetch``, sparse mode).
+
+SGLang's Mooncake sender would push a request's whole KV from the prefill node into the decode node's
+pool. With remote partial fetching the two nodes' sparse backends take over the payload::
+
+    prefill node (scheduler process)                    decode node (scheduler process)
+    extend -> last prompt token's selection             pre-allocates the request's pages as usual
+    last send: stage full KV + summaries (registered)   SGLang transfer completes (one page)
+      SGLang sends only the last page + aux data   -->  commit: GET the hand-off (layout, selection),
+      hand-off kept for GET /handoff/<room>               read the union over heads of the selected
+                                                          blocks + every summary (Mooncake reads)
+                                                        first decode step: working sets = selection
+                                                        later misses: read before their first load
+    DELETE /handoff/<room>: staging released     <--    request finished (or its slot reused)
+
+The hand-off travels over a small HTTP side channel in the prefill scheduler process (it owns the staged
+memory); the decode node finds it through the prefill's own bootstrap server, where the prefill
+registers the channel's URL per engine rank (a route sglang-oasis adds, hook 6 in ``sglang_hooks``).
+A prefill node that does not stage (dense mode, or ``--oasis-remote-fetch false``) registers nothing, and
+its requests arrive whole, as in plain SGLang.
+
+Blocks the decode node already holds through its radix cache (SGLang's ``decode_prefix_len``) are
+neither staged for reading nor read. With ``--disaggregation-decode-enable-radix-cache`` a finishing
+request's still-remote blocks are read before its KV enters the radix cache (a cached prefix is always
+complete); without it they are never read.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import logging
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+
+import numpy as np
+import torch
+
+from sglang_oasis.disaggregation.remote_fetch import RemotePartialFetcher
+from sglang_oasis.disaggregation.staging import KVStagingArea, StagedKVLayout
+from sglang_oasis.disaggregation.transfer_engine import MooncakeEndpoint, RemoteReadError
+
+logger = logging.getLogger(__name__)
+
+ENDPOINT_ROUTE = "/oasis/remote_fetch_endpoint"  # on the prefill's bootstrap server
+HTTP_TIMEOUT_S = 10.0
+
+
+class RemoteFetchError(RuntimeError):
+    """The hand-off of a request could not be obtained or read; the request fails alone."""
+
+
+@dataclass(frozen=True)
+class Handoff:
+    """What the prefill node hands the decode node for one request."""
+
+    layout: StagedKVLayout
+    selection: torch.Tensor  # bool [layers, kv_heads, full blocks]: the first working sets
+    decode_prefix_len: int  # tokens the decode node holds through its radix cache (never read)
+
+    def to_json(self) -> bytes:
+        bits = np.packbits(self.selection.numpy().astype(np.uint8).ravel())
+        return json.dumps(
+            {
+                "layout": self.layout.to_dict(),
+                "selection_shape": list(self.selection.shape),
+                "selection": base64.b64encode(bits.tobytes()).decode("ascii"),
+                "decode_prefix_len": self.decode_prefix_len,
+            }
+        ).encode()
+
+    @classmethod
+    def from_json(cls, body: bytes) -> Handoff:
+        data = json.loads(body)
+        shape = tuple(data["selection_shape"])
+        bits = np.frombuffer(base64.b64decode(data["selection"]), dtype=np.uint8)
+        count = int(np.prod(shape))
+        selection = torch.from_numpy(np.unpackbits(bits)[:count].astype(bool).reshape(shape))
+        return cls(StagedKVLayout.from_dict(data["layout"]), selection, int(data["decode_prefix_len"]))
+
+
+def prefill_stages(bootstrap_host: str, bootstrap_port: int) -> bool:
+    """Whether the prefill node at this bootstrap address stages KV for remote partial fetching (it has
+    registered its hand-off URL with its bootstrap server)."""
+    address = f"http://{bootstrap_host}:{bootstrap_port}{ENDPOINT_ROUTE}?engine_rank=0"
+    try:
+        with urllib.request.urlopen(address, timeout=HTTP_TIMEOUT_S) as response:
+            return response.status == 200
+    except (urllib.error.URLError, OSError):
+        return False
+
+
+# --- prefill node ------------------------------------------------------------------------------------
+
+
+class PrefillStager:
+    """Prefill side: stages finished prefills and serves their hand-offs until the decode node is done."""
+
+    def __init__(self, backend: Any, host: str, bootstrap_port: int, engine_rank: int, ttl_s: float) -> None:
+        self.backend = backend
+        self.ttl_s = ttl_s
+        self.endpoint = MooncakeEndpoint(host)
+        self.staging = KVStagingArea(self.endpoint, backend.block_size)
+        self._handoffs: dict[int, tuple[bytes, float]] = {}  # room -> (json, staged at)
+        self._lock = threading.Lock()
+        self._server = ThreadingHTTPServer((host, 0), self._handler())
+        self._server.daemon_threads = True
+        threading.Thread(target=self._server.serve_forever, name="oasis-handoff", daemon=True).start()
+        self.url = f"http://{host}:{self._server.server_address[1]}"
+        # Requests are staged only once decode nodes can find the hand-offs; until then they go whole.
+        self.ready = threading.Event()
+        threading.Thread(
+            target=self._register, args=(host, bootstrap_port, engine_rank), name="oasis-handoff-register",
+            daemon=True,
+        ).start()  # fmt: skip
+
+    def _register(self, host: str, bootstrap_port: int, engine_rank: int) -> None:
+        """Tell the prefill's bootstrap server (started after this process) where this rank's hand-offs
+        are served; retried until it answers."""
+        body = json.dumps({"engine_rank": engine_rank, "url": self.url}).encode()
+        address = f"http://{host}:{bootstrap_port}{ENDPOINT_ROUTE}"
+        started = time.monotonic()
+        while True:
+            try:
+                request = urllib.request.Request(address, data=body, method="PUT")
+                urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S).read()
+                self.ready.set()
+                logger.info("oasis: hand-offs registered at %s", address)
+                return
+            except (urllib.error.URLError, OSError) as error:
+                if time.monotonic() - started > 120:
+                    logger.warning(
+                        "oasis: cannot register hand-offs at %s yet (%s); requests go whole", address, error
+                    )
+                    started = time.monotonic()
+                time.sleep(0.5)
+
+    def stage(self, room: int, slot: int, num_tokens: int, decode_prefix_len: int) -> None:
+        """Stage request slot ``slot``'s first ``num_tokens`` tokens of KV and keep its hand-off."""
+        backend = self.backend
+        backend.finish_pending()  # the last extend's selection job may still be running
+        pool = backend.token_to_kv_pool
+        locations = backend.req_to_token_pool.req_to_token[slot, :num_tokens].to(torch.int64)
+        layers = range(pool.layer_num)
+        keys = torch.stack([pool.get_key_buffer(layer)[locations].cpu() for layer in layers])
+        values = torch.stack([pool.get_value_buffer(layer)[locations].cpu() for layer in layers])
+        layout = self.staging.stage(str(room), keys, values)
+        selection = backend.admission_selection(slot, num_tokens)
+        body = Handoff(layout, selection, decode_prefix_len).to_json()
+        now = time.monotonic()
+        with self._lock:
+            self._handoffs[room] = (body, now)
+            expired = [r for r, (_, at) in self._handoffs.items() if now - at > self.ttl_s]
+        for old in expired:
+            logger.warning(
+                "oasis: staged KV of bootstrap room %d expired unreleased after %.0f s", old, self.ttl_s
+            )
+            self.release(old)
+        backend.stats.add("staged_requests")
+        backend.stats.set("staged_bytes", self.staging.nbytes)
+
+    def release(self, room: int) -> bool:
+        with self._lock:
+            found = self._handoffs.pop(room, None) is not None
+        self.staging.release(str(room))
+        self.backend.stats.set("staged_bytes", self.staging.nbytes)
+        return found
+
+    def handoff(self, room: int) -> bytes | None:
+        with self._lock:
+            entry = self._handoffs.get(room)
+        return None if entry is None else entry[0]
+
+    def _handler(self) -> type[BaseHTTPRequestHandler]:
+        stager = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def _room(self) -> int | None:
+                prefix = "/handoff/"
+                if not self.path.startswith(prefix):
+                    self._reply(404, b'{"error": "unknown path"}')
+                    return None
+                try:
+                    return int(self.path[len(prefix) :])
+                except ValueError:
+                    self._reply(400, b'{"error": "bad bootstrap room"}')
+                    return None
+
+            def do_GET(self) -> None:
+                room = self._room()
+                if room is not None:
+                    body = stager.handoff(room)
+                    self._reply(200, body) if body is not None else self._reply(
+                        404, b'{"error": "not staged"}'
+                    )
+
+            def do_DELETE(self) -> None:
+                room = self._room()
+                if room is not None:
+                    self._reply(200 if stager.release(room) else 404, b"{}")
+
+            def _reply(self, code: int, body: bytes) -> None:
+                self.send_response(code)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args: Any) -> None:
+                pass
+
+        return Handler
+
+
+# --- decode node -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Arrival:
+    """A request admitted by remote fetching, waiting for its first decode step here."""
+
+    generation: int
+    selection: torch.Tensor  # [layers, kv_heads, full blocks]
+    num_tokens: int
+
+
+class DecodeFetcher:
+    """Decode side: admits arriving requests by reading what their first working sets need, and keeps
+    their staging alive on the prefill node until they finish."""
+
+    def __init__(self, backend: Any, host: str) -> None:
+        self.backend = backend
+        pool = backend.token_to_kv_pool
+        layers = range(pool.layer_num)
+        self.endpoint = MooncakeEndpoint(host)
+        self.fetcher = RemotePartialFetcher(
+            self.endpoint,
+            [pool.get_key_buffer(layer) for layer in layers],
+            [pool.get_value_buffer(layer) for layer in layers],
+            backend.block_size,
+            backend.summaries.kmin,
+            backend.summaries.kmax,
+        )
+        self.arrivals: dict[int, Arrival] = {}  # request slot -> arrival not yet claimed
+        self._staged: dict[int, tuple[int, str, int]] = {}  # slot -> (generation, handoff url, room)
+        self._endpoints: dict[tuple[str, int], str | None] = {}  # bootstrap address -> handoff URL
+        self._lock = threading.Lock()
+        self._miss_bytes_seen = 0
+
+    def _handoff_url(self, bootstrap_host: str, bootstrap_port: int, fresh: bool = False) -> str | None:
+        """The hand-off URL of the prefill node at this bootstrap address; None if it does not stage."""
+        key = (bootstrap_host, int(bootstrap_port))
+        url = None if fresh else self._endpoints.get(key)
+        if url is None:
+            address = f"http://{bootstrap_host}:{bootstrap_port}{ENDPOINT_ROUTE}?engine_rank=0"
+            try:
+                with urllib.request.urlopen(address, timeout=HTTP_TIMEOUT_S) as response:
+                    url = self._endpoints[key] = json.loads(response.read())["url"]
+            except urllib.error.HTTPError as error:
+                if error.code != 404:
+                    raise RemoteFetchError(f"bootstrap server {address} answered {error.code}") from None
+                return None  # a prefill node that does not stage: its requests arrive whole
+            except (urllib.error.URLError, OSError) as error:
+                raise RemoteFetchError(f"bootstrap server {address} unreachable: {error}") from None
+        return url
+
+    def _get_handoff(self, bootstrap_host: str, bootstrap_port: int, room: int) -> tuple[str, Handoff] | None:
+        url = self._handoff_url(bootstrap_host, bootstrap_port)
+        if url is None:
+            return None
+        for attempt in range(2):
+            try:
+                with urllib.request.urlopen(f"{url}/handoff/{room}", timeout=HTTP_TIMEOUT_S) as response:
+                    return url, Handoff.from_json(response.read())
+            except urllib.error.HTTPError as error:
+                raise RemoteFetchError(f"no hand-off for bootstrap room {room} at {url}: {error}") from None
+            except (urllib.error.URLError, OSError, ValueError, KeyError) as error:
+                if attempt:  # a restarted prefill node serves hand-offs at a new URL: look it up once
+                    raise RemoteFetchError(
+                        f"no hand-off for bootstrap room {room} at {url}: {error}"
+                    ) from None
+                url = self._handoff_url(bootstrap_host, bootstrap_port, fresh=True)
+                if url is None:
+                    return None
+        return None
+
+    def admit(self, slot: int, generation: int, bootstrap_host: str, bootstrap_port: int, room: int) -> bool:
+        """Reads the hand-off of the request in ``slot`` and its admission blocks and summaries. Returns
+        False for a request that arrived whole; raises ``RemoteFetchError`` if it cannot be admitted."""
+        self.release_slot(slot)  # the slot's previous request, if its release is still pending
+        found = self._get_handoff(bootstrap_host, bootstrap_port, room)
+        if found is None:
+            return False
+        url, handoff = found
+        layout = handoff.layout
+        block = self.backend.block_size
+        req_to_token = self.backend.req_to_token_pool.req_to_token
+        local_pages = req_to_token[slot, 0 : layout.num_pages * block : block].to(torch.int64) // block
+        selection = handoff.selection
+        wanted = torch.zeros((layout.num_layers, layout.num_pages), dtype=torch.bool)
+        wanted[:, : selection.shape[2]] = selection.any(dim=1)
+        cached_blocks = handoff.decode_prefix_len // block
+        counters = self.fetcher.counters
+        before = (
+            counters.admission_bytes,
+            counters.summary_bytes,
+            counters.cached_blocks,
+            counters.admission_blocks,
+        )
+        try:
+            self.fetcher.admit(slot, layout, local_pages, wanted, cached_blocks, have_last=True)
+        except RemoteReadError as error:
+            self._release_remote(url, room)
+            raise RemoteFetchError(f"admission read failed: {error}") from None
+        with self._lock:
+            self._staged[slot] = (generation, url, room)
+            self.arrivals[slot] = Arrival(generation, selection, layout.num_tokens)
+        stats = self.backend.stats
+        stats.add("remote_requests")
+        stats.add("remote_admission_bytes", counters.admission_bytes - before[0])
+        stats.add("remote_summary_bytes", counters.summary_bytes - before[1])
+        stats.add("remote_cached_blocks", counters.cached_blocks - before[2])
+        stats.add("remote_admission_blocks", counters.admission_blocks - before[3])
+        summaries = self.backend.summaries
+        summaries.epoch[local_pages[cached_blocks:]] += 1  # these pages now hold other KV
+        return True
+
+    def take_arrival(self, slot: int, generation: int) -> Arrival | None:
+        with self._lock:
+            arrival = self.arrivals.get(slot)
+            if arrival is None or arrival.generation != generation:
+                return None
+            return self.arrivals.pop(slot)
+
+    def ensure(self, layer: int, wanted: dict[int, torch.Tensor]) -> dict[int, str]:
+        """Before a layer's working-set loads: read the blocks still remote (see ``RemotePartialFetcher``)."""
+        failed = self.fetcher.ensure(layer, wanted)
+        with self._lock:  # runs in the pipeline's thread and (``complete``) in the scheduler's
+            stats = self.backend.stats
+            misses = self.fetcher.counters.miss_bytes
+            stats.add("remote_miss_bytes", misses - self._miss_bytes_seen)
+            self._miss_bytes_seen = misses
+            if failed:
+                stats.add("remote_failed_reads", len(failed))
+        return failed
+
+    def complete(self, slot: int) -> bool:
+        """Reads every still-remote block of the request in ``slot`` (before its KV enters the radix
+        cache); False if that failed."""
+        request = self.fetcher.requests.get(slot)
+        if request is None:
+            return True
+        full = torch.arange(request.layout.num_pages)
+        return all(not self.ensure(layer, {slot: full}) for layer in range(request.layout.num_layers))
+
+    def release_slot(self, slot: int) -> None:
+        with self._lock:
+            staged = self._staged.pop(slot, None)
+            self.arrivals.pop(slot, None)
+        self.fetcher.release(slot)
+        if staged is not None:
+            self._release_remote(staged[1], staged[2])
+
+    def release_finished(self, free_slots: set[int], generations: list[int]) -> None:
+        """Releases the staging of requests whose slot is free or taken by a newer request."""
+        with self._lock:
+            done = [
+                slot for slot, (generation, _, _) in self._staged.items()
+                if slot in free_slots or generations[slot] != generation
+            ]  # fmt: skip
+        for slot in done:
+            self.release_slot(slot)
+
+    @staticmethod
+    def _release_remote(url: str, room: int) -> None:
+        try:
+            request = urllib.request.Request(f"{url}/handoff/{room}", method="DELETE")
+            urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S).read()
+        except (urllib.error.URLError, OSError) as error:  # the prefill node is gone: nothing to release
+            logger.info("oasis: releasing bootstrap room %d at %s failed: %s", room, url, error)

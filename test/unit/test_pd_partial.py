@@ -1,0 +1,28 @@
+"""The hand-off of remote partial fetching (``disaggregation/pd_partial.py``): what the prefill node
+serves the decode node survives the trip exactly."""
+
+from __future__ import annotations
+
+import torch
+
+from sglang_oasis.disaggregation.pd_partial import Handoff
+from sglang_oasis.disaggregation.staging import StagedKVLayout
+
+
+def test_handoff_round_trips_layout_selection_and_prefix() -> None:
+    layout = StagedKVLayout(
+        session="127.0.0.1:12345", kv_address=2**40 + 64, summary_address=2**41, num_layers=5,
+        num_tokens=1000, block_size=16, num_kv_heads=3, head_dim=64, itemsize=2,
+    )  # fmt: skip
+    generator = torch.Generator().manual_seed(0)
+    selection = torch.rand((5, 3, 62), generator=generator) < 0.3  # 930 bits: not a whole number of bytes
+    back = Handoff.from_json(Handoff(layout, selection, decode_prefix_len=320).to_json())
+    assert back.layout == layout
+    assert back.selection.dtype == torch.bool and torch.equal(back.selection, selection)
+    assert back.decode_prefix_len == 320
+
+
+def test_handoff_of_a_prompt_without_full_blocks() -> None:
+    layout = StagedKVLayout("h:1", 0, 0, 2, 9, 16, 1, 8, 4)
+    back = Handoff.from_json(Handoff(layout, torch.zeros((2, 1, 0), dtype=torch.bool), 0).to_json())
+    assert back.selection.shape == (2, 1, 0)
