@@ -71,6 +71,7 @@ KNOWN_BENCHMARKS = (
     "bench_overhead",
     "bench_prefix",
     "bench_rpf",
+    "bench_pd",
 )
 FULL = Scale(
     bench_args={
@@ -80,6 +81,7 @@ FULL = Scale(
         "bench_fetch_cap": [],
         "bench_prefix": ["--num-layers", "6"],
         "bench_rpf": [],
+        "bench_pd": [],
     },
     bench_timeout_s=3 * 3600,
     passkey_contexts=(1000, 2000, 4000, 7000),
@@ -102,6 +104,7 @@ QUICK = Scale(
         "bench_fetch_cap": QUICK_FETCH_CAP,
         "bench_prefix": ["--num-layers", "6", "--groups", "2", "--questions", "2", "--prefix-tokens", "1024"],
         "bench_rpf": ["--num-layers", "6", "--contexts", "1024", "2048", "--steps", "16"],
+        "bench_pd": ["--contexts", "1024", "2048", "--new-tokens", "16"],
     },
     bench_timeout_s=900,
     passkey_contexts=(1000, 2000),

@@ -45,6 +45,8 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
      cache's ``checkpoint`` (which inserts a finished request) is wrapped on that instance so a
      request's still-remote blocks are read before its KV becomes a shared prefix; if that fails the
      request is not inserted.
+   A decode server without remote fetching (dense mode or ``--oasis-remote-fetch false``) wraps the same
+   commit to refuse, by name, requests whose prefill node staged them (their KV never arrives whole).
 """
 
 from __future__ import annotations

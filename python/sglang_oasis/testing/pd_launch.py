@@ -19,6 +19,7 @@ class PDLaunch:
     """``launch_pd`` in its own process group; its ready file names the three processes."""
 
     def __init__(self, args: list[str], log_dir: Path, env: dict[str, str] | None = None) -> None:
+        log_dir.mkdir(parents=True, exist_ok=True)
         self.ready_file = log_dir / "ready.json"
         self.launcher_log = log_dir / "launcher.log"
         log = open(self.launcher_log, "wb")  # noqa: SIM115 - owned by the child
