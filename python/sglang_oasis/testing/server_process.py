@@ -98,8 +98,33 @@ class ServerProcess:
             if self._ready():
                 return self
             time.sleep(1.0)
+        stacks = self._stack_dumps()
         self.stop()
-        raise ServerStartError(f"server not ready after {timeout_s:.0f} s:\n{self.log_tail()}")
+        raise ServerStartError(f"server not ready after {timeout_s:.0f} s:\n{self.log_tail()}\n{stacks}")
+
+    def _stack_dumps(self) -> str:
+        """Where each process of the server's group is stuck (``py-spy dump``, when installed), and the
+        machine's free memory: for a start-up that never finishes."""
+        import shutil
+
+        spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
+        out = []
+        with contextlib.suppress(OSError):
+            out.append(Path("/proc/meminfo").read_text().splitlines()[2])  # MemAvailable
+        assert self.process is not None
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                if os.getpgid(int(entry.name)) != self.process.pid:
+                    continue
+                dump = subprocess.run(
+                    [spy, "dump", "--pid", entry.name], capture_output=True, text=True, timeout=30
+                )
+                out.append(f"--- pid {entry.name}:\n{dump.stdout[-3000:]}{dump.stderr[-500:]}")
+            except (OSError, subprocess.SubprocessError):
+                continue
+        return "\n".join(out)
 
     def _ready(self) -> bool:
         try:
