@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
+import pytest
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
@@ -168,3 +169,36 @@ def test_a_request_whose_kv_arrived_from_a_prefill_node_is_summarised_and_admitt
 
     decode(prompt + 1, DIRECTIONS[1] * 10)  # an ordinary step: no second admission
     assert backend.stats.snapshot()["arrived_requests"] == 1 and not backend._admission
+
+
+@pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY])
+def test_a_remotely_fetched_arrival_starts_from_the_prefill_selection(mode: ForwardMode) -> None:
+    """PD with remote partial fetching: the first working set is the prefill node's selection (no dense
+    step, no catch-up), whether the first forward is a decode (its seq_len counts the token it computes)
+    or a verify (it does not); a staged length that does not match the prompt fails the request."""
+    from sglang_oasis.disaggregation.pd_partial import Arrival
+
+    pool = TinyKVPool(64)
+    backend = _backend(pool, top_k=2)
+    prompt = 4 * BLOCK + 1
+    backend.req_to_token_pool.req_to_token[:2, : prompt + 2] = torch.arange(prompt + 2, dtype=torch.int32)
+    backend.req_to_token_pool.req_generation[:2] = torch.tensor([5, 6])
+    selection = torch.tensor([[[False, True, False, True]]])  # [layers, kv heads, full blocks]
+    arrivals = {0: Arrival(5, selection, prompt), 1: Arrival(6, selection, prompt + 1)}
+    backend.remote = SimpleNamespace(take_arrival=lambda slot, generation: arrivals.pop(slot, None))
+    seq_len = prompt + (1 if mode == ForwardMode.DECODE else 0)
+
+    def arrive(slot: int) -> None:
+        batch = SimpleNamespace(forward_mode=mode, req_pool_indices=torch.tensor([slot]),
+                                seq_lens=torch.tensor([seq_len]))  # fmt: skip
+        backend._set_batch([slot])
+        backend._admission = False
+        backend._admit_arrived(batch)
+
+    arrive(0)
+    assert not backend._admission, "no dense first step for the fetched request"
+    assert backend.summarised[0, 0] == prompt and backend.working_sets.covered[0, 0] == 4
+    assert sorted(backend.working_sets.slot_block[0, 0, 0].tolist()) == [1, 3]
+    assert backend.take_failed_request(0, 5) is None
+    arrive(1)
+    assert backend.take_failed_request(1, 6) is not None, "a mismatched hand-off fails its request"

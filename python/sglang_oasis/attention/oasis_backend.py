@@ -187,13 +187,15 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             return
         self.finish_pending()
         seq_lens = forward_batch.seq_lens.tolist()
+        # Tokens already committed: a decode's seq_len counts the token it computes, a verify's does not.
+        current = 0 if forward_batch.forward_mode.is_target_verify() else 1
         for row in arrived:
             req = self._reqs[row]
             self.stats.add("requests")
             self.stats.add("arrived_requests")
             self.slot_pages[req] = -1
             self.working_sets.claim(req, int(generations[row]))
-            self.prompt_len[req] = int(seq_lens[row]) - 1
+            self.prompt_len[req] = int(seq_lens[row]) - current
             fetched = self.remote.take_arrival(req, int(generations[row])) if self.remote else None
             if fetched is not None and fetched.num_tokens == self.prompt_len[req]:
                 self._start_from_handoff(req, fetched)
