@@ -84,7 +84,7 @@ def summary_bytes(tokens: int) -> int:
 def test_pd_sparse_serving_equals_non_disaggregated_sparse_and_reads_only_selected_blocks(
     pd: PDLaunch, smollm2_dense_server: ServerProcess, sparse_reference: ServerProcess
 ) -> None:
-    before, sent_before = pd.decode.oasis_stats(), transferred_mb(pd)
+    before, sent_before = pd.decode.oasis_stats(), pd.transferred_mb()
     short, long = prompt(PROMPTS["short"], 0), prompt(PROMPTS["long"], 1)
     got = pd.router.generate(short, 24)["output_ids"]
     assert got == smollm2_dense_server.generate(short, 24)["output_ids"], "K covers every block: dense"
@@ -107,7 +107,7 @@ def test_pd_sparse_serving_equals_non_disaggregated_sparse_and_reads_only_select
     long_blocks = delta(after, after_short, "remote_admission_blocks")
     assert LAYERS * TOP_K <= long_blocks <= LAYERS * (1100 // BLOCK), long_blocks
     # SGLang's own transfer carried one page per request, not the KV (1100 tokens: 10.2 MB)
-    sent, count = transferred_mb(pd)
+    sent, count = pd.transferred_mb()
     assert count - sent_before[1] == 2
     assert (sent - sent_before[0]) * 2**20 <= 2 * 1.05 * 2 * LAYERS * BLOCK_BYTES, sent - sent_before[0]
     # the prefill node released the staged KV once the decode node was done
@@ -116,10 +116,6 @@ def test_pd_sparse_serving_equals_non_disaggregated_sparse_and_reads_only_select
         assert time.monotonic() < deadline, "staged KV never released"
         time.sleep(0.5)
     assert pd.prefill.oasis_stats()["staged_requests"] >= 2
-
-
-def transferred_mb(pd: PDLaunch) -> tuple[float, int]:
-    return pd.transferred_mb()
 
 
 def remote_bytes(stats: dict[str, Any]) -> int:

@@ -172,12 +172,12 @@ class BlockPrefetcher:
         loads dropped from the plan."""
         reqs = job.reqs.tolist()
         wanted = {req: plan.blocks[plan.batch_rows == row] for row, req in enumerate(reqs)}
+        wanted = {req: blocks for req, blocks in wanted.items() if blocks.numel()}
         try:
-            failed = self._ensure_remote(job, wanted)
+            failed: dict[int, str] = self.remote.ensure(job.layer_id, wanted)
         except Exception as error:  # never the process: every request of the batch with reads fails
             logger.exception("oasis: remote reads of layer %d failed", job.layer_id)
-            failed = {req: f"remote KV read for layer {job.layer_id} failed: {error}"
-                      for req, blocks in wanted.items() if blocks.numel()}  # fmt: skip
+            failed = {req: f"remote KV read for layer {job.layer_id} failed: {error}" for req in wanted}
         if not failed:
             return plan, {}
         keep = torch.tensor([reqs[row] not in failed for row in plan.batch_rows.tolist()], dtype=torch.bool)
@@ -185,12 +185,6 @@ class BlockPrefetcher:
             plan.batch_rows[keep], plan.heads[keep], plan.slots[keep], plan.blocks[keep], plan.deferred
         )
         return kept, failed
-
-    def _ensure_remote(self, job: SelectionJob, wanted: dict[int, torch.Tensor]) -> dict[int, str]:
-        failed: dict[int, str] = self.remote.ensure(
-            job.layer_id, {req: blocks for req, blocks in wanted.items() if blocks.numel()}
-        )
-        return failed
 
     def _check_injected(self, job: SelectionJob, rows: torch.Tensor) -> None:
         if job.fail_reqs and rows.numel():

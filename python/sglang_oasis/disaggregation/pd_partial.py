@@ -84,14 +84,29 @@ class Handoff:
         return cls(StagedKVLayout.from_dict(data["layout"]), selection, int(data["decode_prefix_len"]))
 
 
-def prefill_stages(bootstrap_host: str, bootstrap_port: int) -> bool:
-    """Whether the prefill node at this bootstrap address stages KV for remote partial fetching (it has
-    registered its hand-off URL with its bootstrap server)."""
+def handoff_endpoint(bootstrap_host: str, bootstrap_port: int) -> str | None:
+    """The hand-off URL the prefill node at this bootstrap address registered with its bootstrap server;
+    None if it does not stage KV (its requests arrive whole). Raises ``RemoteFetchError`` if the bootstrap
+    server cannot answer."""
     address = f"http://{bootstrap_host}:{bootstrap_port}{ENDPOINT_ROUTE}?engine_rank=0"
     try:
         with urllib.request.urlopen(address, timeout=HTTP_TIMEOUT_S) as response:
-            return response.status == 200
-    except (urllib.error.URLError, OSError):
+            return str(json.loads(response.read())["url"])
+    except (ValueError, KeyError) as error:
+        raise RemoteFetchError(f"bootstrap server {address} answered without a URL: {error}") from None
+    except urllib.error.HTTPError as error:
+        if error.code != 404:
+            raise RemoteFetchError(f"bootstrap server {address} answered {error.code}") from None
+        return None
+    except (urllib.error.URLError, OSError) as error:
+        raise RemoteFetchError(f"bootstrap server {address} unreachable: {error}") from None
+
+
+def prefill_stages(bootstrap_host: str, bootstrap_port: int) -> bool:
+    """Whether the prefill node at this bootstrap address stages KV for remote partial fetching."""
+    try:
+        return handoff_endpoint(bootstrap_host, bootstrap_port) is not None
+    except RemoteFetchError:
         return False
 
 
@@ -257,16 +272,9 @@ class DecodeFetcher:
         key = (bootstrap_host, int(bootstrap_port))
         url = None if fresh else self._endpoints.get(key)
         if url is None:
-            address = f"http://{bootstrap_host}:{bootstrap_port}{ENDPOINT_ROUTE}?engine_rank=0"
-            try:
-                with urllib.request.urlopen(address, timeout=HTTP_TIMEOUT_S) as response:
-                    url = self._endpoints[key] = json.loads(response.read())["url"]
-            except urllib.error.HTTPError as error:
-                if error.code != 404:
-                    raise RemoteFetchError(f"bootstrap server {address} answered {error.code}") from None
-                return None  # a prefill node that does not stage: its requests arrive whole
-            except (urllib.error.URLError, OSError) as error:
-                raise RemoteFetchError(f"bootstrap server {address} unreachable: {error}") from None
+            url = handoff_endpoint(bootstrap_host, bootstrap_port)
+            if url is not None:
+                self._endpoints[key] = url
         return url
 
     def _get_handoff(self, bootstrap_host: str, bootstrap_port: int, room: int) -> tuple[str, Handoff] | None:
