@@ -43,6 +43,8 @@ COUNTERS = {
     "remote_summary_bytes": "PD decode node: block-summary bytes read from prefill nodes at admission",
     "remote_miss_bytes": "PD decode node: KV bytes read from prefill nodes after admission (first use of "
     "a block by a working set, or before a finished request's KV enters the radix cache)",
+    "remote_draft_bytes": "PD decode node: bytes of the EAGLE-3 draft model's KV read from prefill nodes "
+    "at admission (all of it: the draft attends every token)",
     "remote_cached_blocks": "PD decode node: (block, layer) pairs not read because the decode radix cache "
     "held them",
     "remote_failed_reads": "PD decode node: requests failed by a failed remote read after admission",

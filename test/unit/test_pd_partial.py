@@ -20,6 +20,14 @@ def test_handoff_round_trips_layout_selection_and_prefix() -> None:
     assert back.layout == layout
     assert back.selection.dtype == torch.bool and torch.equal(back.selection, selection)
     assert back.decode_prefix_len == 320
+    assert back.draft is None
+
+
+def test_handoff_carries_the_draft_models_layout() -> None:
+    layout = StagedKVLayout("h:1", 4096, 8192, 30, 300, 16, 3, 64, 2)
+    draft = StagedKVLayout("h:1", 2**33, 2**34, 1, 300, 16, 3, 64, 2)
+    back = Handoff.from_json(Handoff(layout, torch.ones((30, 3, 18), dtype=torch.bool), 0, draft).to_json())
+    assert back.draft == draft and back.layout == layout
 
 
 def test_handoff_of_a_prompt_without_full_blocks() -> None:

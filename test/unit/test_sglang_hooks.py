@@ -147,7 +147,9 @@ CHECK = textwrap.dedent(
     import threading
     from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
     class Bootstrap(BaseHTTPRequestHandler):
+        asked = []
         def do_GET(self):
+            Bootstrap.asked.append(self.server.server_port)
             staging = self.path.startswith(ENDPOINT_ROUTE) and self.server.server_port == staging_port
             self.send_response(200 if staging else 404)
             self.end_headers()
@@ -167,6 +169,10 @@ CHECK = textwrap.dedent(
     reason = refused.req.finished_reason
     assert reason is not None and "--oasis-remote-fetch" in reason.message and int(reason.status_code) == 500
     assert accepted.req.finished_reason is None
+    # asked once per prefill node, not once per request
+    again = decode_request(staging_port)
+    hooks.refuse_staged_requests(lambda q, d: "committed", NS(), again)
+    assert again.req.finished_reason is not None and sorted(Bootstrap.asked) == sorted([staging_port, plain_port])
     print("hooks-ok")
     """
 )

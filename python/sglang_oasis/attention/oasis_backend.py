@@ -33,7 +33,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sgl_kernel_oasis import ops, sparse_decode_attention
 from sglang_oasis.attention.block_prefetcher import INJECT_ENV, BlockPrefetcher, JobResult, SelectionJob
 from sglang_oasis.config import OasisConfig
-from sglang_oasis.disaggregation.pd_partial import Arrival, DecodeFetcher, PrefillStager
+from sglang_oasis.disaggregation.pd_partial import Arrival, DecodeFetcher, PrefillStager, register_draft_pool
 from sglang_oasis.memory.prefetch_pipeline import PrefetchPipeline
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.memory.working_set import WorkingSetPool
@@ -656,3 +656,7 @@ def create_oasis_backend(model_runner: Any) -> TorchNativeAttnBackend:
 
 class DraftAttnBackend(TorchNativeAttnBackend):
     """Dense attention for the draft model of ``--oasis-lookahead eagle3`` (one layer, its own KV)."""
+
+    def __init__(self, model_runner: Any) -> None:
+        super().__init__(model_runner)
+        register_draft_pool(model_runner.token_to_kv_pool)  # PD remote fetching moves it whole

@@ -19,6 +19,10 @@ registers the channel's URL per engine rank (a route sglang-oasis adds, hook 6 i
 A prefill node that does not stage (dense mode, or ``--oasis-remote-fetch false``) registers nothing, and
 its requests arrive whole, as in plain SGLang.
 
+With ``--oasis-lookahead eagle3`` the draft model's own KV (one layer, which attends every token) is
+staged beside the target's and read whole at admission: SGLang's transfer would carry it with the
+target's pages, and only the last page goes that way here.
+
 Blocks the decode node already holds through its radix cache (SGLang's ``decode_prefix_len``) are
 neither staged for reading nor read. With ``--disaggregation-decode-enable-radix-cache`` a finishing
 request's still-remote blocks are read before its KV enters the radix cache (a cached prefix is always
@@ -55,6 +59,27 @@ class RemoteFetchError(RuntimeError):
     """The hand-off of a request could not be obtained or read; the request fails alone."""
 
 
+_DRAFT_POOL: list[Any] = []  # [pool] once this process's EAGLE-3 draft model has its attention backend
+
+
+def register_draft_pool(pool: Any) -> None:
+    """The draft model's KV pool of this process (its attention backend registers it)."""
+    _DRAFT_POOL[:] = [pool]
+
+
+def draft_pool() -> Any | None:
+    return _DRAFT_POOL[0] if _DRAFT_POOL else None
+
+
+def pool_buffers(pool: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """A KV pool's per-layer K and V buffers (``[tokens, kv_heads, head_dim]``), in layer order."""
+    start = int(getattr(pool, "start_layer", 0) or 0)
+    layers = range(start, start + pool.layer_num)
+    return [pool.get_key_buffer(layer) for layer in layers], [
+        pool.get_value_buffer(layer) for layer in layers
+    ]
+
+
 @dataclass(frozen=True)
 class Handoff:
     """What the prefill node hands the decode node for one request."""
@@ -62,6 +87,7 @@ class Handoff:
     layout: StagedKVLayout
     selection: torch.Tensor  # bool [layers, kv_heads, full blocks]: the first working sets
     decode_prefix_len: int  # tokens the decode node holds through its radix cache (never read)
+    draft: StagedKVLayout | None = None  # the EAGLE-3 draft model's KV (no summaries needed)
 
     def to_json(self) -> bytes:
         bits = np.packbits(self.selection.numpy().astype(np.uint8).ravel())
@@ -71,6 +97,7 @@ class Handoff:
                 "selection_shape": list(self.selection.shape),
                 "selection": base64.b64encode(bits.tobytes()).decode("ascii"),
                 "decode_prefix_len": self.decode_prefix_len,
+                "draft": None if self.draft is None else self.draft.to_dict(),
             }
         ).encode()
 
@@ -81,7 +108,13 @@ class Handoff:
         bits = np.frombuffer(base64.b64decode(data["selection"]), dtype=np.uint8)
         count = int(np.prod(shape))
         selection = torch.from_numpy(np.unpackbits(bits)[:count].astype(bool).reshape(shape))
-        return cls(StagedKVLayout.from_dict(data["layout"]), selection, int(data["decode_prefix_len"]))
+        draft = data.get("draft")
+        return cls(
+            StagedKVLayout.from_dict(data["layout"]),
+            selection,
+            int(data["decode_prefix_len"]),
+            None if draft is None else StagedKVLayout.from_dict(draft),
+        )
 
 
 def handoff_endpoint(bootstrap_host: str, bootstrap_port: int) -> str | None:
@@ -102,12 +135,24 @@ def handoff_endpoint(bootstrap_host: str, bootstrap_port: int) -> str | None:
         raise RemoteFetchError(f"bootstrap server {address} unreachable: {error}") from None
 
 
+STAGES_ANSWER_TTL_S = 10.0  # how long a decode server trusts a prefill node's "I stage" / "I do not"
+_stages_answers: dict[tuple[str, int], tuple[bool, float]] = {}  # bootstrap address -> (stages, asked at)
+
+
 def prefill_stages(bootstrap_host: str, bootstrap_port: int) -> bool:
-    """Whether the prefill node at this bootstrap address stages KV for remote partial fetching."""
+    """Whether the prefill node at this bootstrap address stages KV for remote partial fetching. Asked
+    at most once per ``STAGES_ANSWER_TTL_S`` per address (it runs on the decode scheduler's thread, once
+    per arriving request); an unreachable bootstrap server counts as not staging and is asked again."""
+    key, now = (bootstrap_host, int(bootstrap_port)), time.monotonic()
+    cached = _stages_answers.get(key)
+    if cached is not None and now - cached[1] < STAGES_ANSWER_TTL_S:
+        return cached[0]
     try:
-        return handoff_endpoint(bootstrap_host, bootstrap_port) is not None
+        stages = handoff_endpoint(bootstrap_host, bootstrap_port) is not None
     except RemoteFetchError:
         return False
+    _stages_answers[key] = (stages, now)
+    return stages
 
 
 # --- prefill node ------------------------------------------------------------------------------------
@@ -159,14 +204,20 @@ class PrefillStager:
         """Stage request slot ``slot``'s first ``num_tokens`` tokens of KV and keep its hand-off."""
         backend = self.backend
         backend.finish_pending()  # the last extend's selection job may still be running
-        pool = backend.token_to_kv_pool
         locations = backend.req_to_token_pool.req_to_token[slot, :num_tokens].to(torch.int64)
-        layers = range(pool.layer_num)
-        keys = torch.stack([pool.get_key_buffer(layer)[locations].cpu() for layer in layers])
-        values = torch.stack([pool.get_value_buffer(layer)[locations].cpu() for layer in layers])
-        layout = self.staging.stage(str(room), keys, values)
+
+        def gathered(pool: Any) -> tuple[torch.Tensor, torch.Tensor]:
+            k_buffers, v_buffers = pool_buffers(pool)
+            return (
+                torch.stack([buffer[locations].cpu() for buffer in k_buffers]),
+                torch.stack([buffer[locations].cpu() for buffer in v_buffers]),
+            )
+
+        layout = self.staging.stage(str(room), *gathered(backend.token_to_kv_pool))
+        draft = draft_pool()  # the draft shares the target's token locations
+        draft_layout = None if draft is None else self.staging.stage(f"{room}/draft", *gathered(draft))
         selection = backend.admission_selection(slot, num_tokens)
-        body = Handoff(layout, selection, decode_prefix_len).to_json()
+        body = Handoff(layout, selection, decode_prefix_len, draft_layout).to_json()
         now = time.monotonic()
         with self._lock:
             self._handoffs[room] = (body, now)
@@ -183,6 +234,7 @@ class PrefillStager:
         with self._lock:
             found = self._handoffs.pop(room, None) is not None
         self.staging.release(str(room))
+        self.staging.release(f"{room}/draft")
         self.backend.stats.set("staged_bytes", self.staging.nbytes)
         return found
 
@@ -261,6 +313,7 @@ class DecodeFetcher:
             backend.summaries.kmin,
             backend.summaries.kmax,
         )
+        self._draft_fetcher: RemotePartialFetcher | None = None  # made at the first draft hand-off
         self.arrivals: dict[int, Arrival] = {}  # request slot -> arrival not yet claimed
         self._staged: dict[int, tuple[int, str, int]] = {}  # slot -> (generation, handoff url, room)
         self._endpoints: dict[tuple[str, int], str | None] = {}  # bootstrap address -> handoff URL
@@ -322,7 +375,9 @@ class DecodeFetcher:
         )
         try:
             self.fetcher.admit(slot, layout, local_pages, wanted, cached_blocks, have_last=True)
+            draft_bytes = self._admit_draft(slot, handoff, local_pages, cached_blocks)
         except RemoteReadError as error:
+            self.fetcher.release(slot)
             self._release_remote(url, room)
             raise RemoteFetchError(f"admission read failed: {error}") from None
         with self._lock:
@@ -334,9 +389,28 @@ class DecodeFetcher:
         stats.add("remote_summary_bytes", counters.summary_bytes - before[1])
         stats.add("remote_cached_blocks", counters.cached_blocks - before[2])
         stats.add("remote_admission_blocks", counters.admission_blocks - before[3])
+        stats.add("remote_draft_bytes", draft_bytes)
         summaries = self.backend.summaries
         summaries.epoch[local_pages[cached_blocks:]] += 1  # these pages now hold other KV
         return True
+
+    def _admit_draft(self, slot: int, handoff: Handoff, local_pages: torch.Tensor, cached_blocks: int) -> int:
+        """Reads the request's whole draft-model KV (but its cached blocks and the last page, which came
+        with SGLang's transfer) into the local draft pool; returns the bytes read. Nothing to read if
+        either node runs no EAGLE-3 draft model."""
+        local = draft_pool()
+        if handoff.draft is None or local is None:
+            return 0
+        if self._draft_fetcher is None:
+            self._draft_fetcher = RemotePartialFetcher(
+                self.endpoint, *pool_buffers(local), self.backend.block_size
+            )
+        fetcher = self._draft_fetcher
+        before = fetcher.counters.admission_bytes
+        everything = torch.ones((handoff.draft.num_layers, handoff.draft.num_pages), dtype=torch.bool)
+        fetcher.admit(slot, handoff.draft, local_pages, everything, cached_blocks, have_last=True)
+        fetcher.release(slot)  # all present: nothing to read later
+        return fetcher.counters.admission_bytes - before
 
     def take_arrival(self, slot: int, generation: int) -> Arrival | None:
         with self._lock:
