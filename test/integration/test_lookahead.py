@@ -135,9 +135,19 @@ CHAT_PROMPTS = [
 
 @pytest.fixture(scope="module")
 def eagle3_verify_default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """The README's default server with the shipped head and normal acceptance (K=128 covers these chats)."""
-    args = ["--oasis-lookahead", "eagle3", "--oasis-draft-policy", "verify"]
+    """The README's default server with the shipped head and normal acceptance (K=128 covers these chats),
+    in float32: SGLang's ``auto`` serves this model in float16, where a verify step's numerics differ
+    from a decode step's and a near-tie can flip a greedy token."""
+    args = ["--oasis-lookahead", "eagle3", "--oasis-draft-policy", "verify", "--dtype", "float32"]
     yield from _module_server(args, "default-eagle3-verify", tmp_path_factory)
+
+
+@pytest.fixture(scope="module")
+def default_dense_fp32_server(
+    default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    args = ["--model-path", str(default_model_dir), "--oasis-mode", "dense", "--dtype", "float32"]
+    yield from _module_server([*args, "--max-total-tokens", "8192"], "default-dense-fp32", tmp_path_factory)
 
 
 def generate_chat(server: ServerProcess, text: str) -> dict:
@@ -153,11 +163,14 @@ def generate_chat(server: ServerProcess, text: str) -> dict:
     "server took 4 min to prefill and then stalled (not reproduced alone: passes in ~2 min)",
 )
 def test_shipped_eagle3_head_accepts_drafts_and_matches_dense(
-    eagle3_verify_default_server: ServerProcess, default_dense_server: ServerProcess, default_model_dir: Path
+    eagle3_verify_default_server: ServerProcess,
+    default_dense_fp32_server: ServerProcess,
+    default_model_dir: Path,
 ) -> None:
     """Greedy answers to chat prompts equal dense SGLang's (K covers every block), and the shipped head's
     drafts are accepted: SGLang's acceptance (completion tokens per verify step) clearly above a useless
-    head's 1.0. Measured 1.24 on these prompts (2026-11-29); the issue's target is 1.3, not yet met."""
+    head's 1.0. Measured 1.299 on these 8 prompts at 64 tokens in float32 (2026-11-30; the previous head:
+    1.24); benchmark/bench_acceptance.py measures the issue's 1.3 goal on 24 prompts: 1.352."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(default_model_dir)
@@ -167,11 +180,11 @@ def test_shipped_eagle3_head_accepts_drafts_and_matches_dense(
             [{"role": "user", "content": prompt}], tokenize=False, add_generation_prompt=True
         )
         speculative = generate_chat(eagle3_verify_default_server, text)
-        assert speculative["text"] == generate_chat(default_dense_server, text)["text"]
+        assert speculative["text"] == generate_chat(default_dense_fp32_server, text)["text"]
         verify_steps += speculative["meta_info"]["spec_verify_ct"]
         tokens += speculative["meta_info"]["completion_tokens"]
     acceptance = tokens / verify_steps
     print(
         f"shipped EAGLE-3 head: {acceptance:.3f} tokens per verify step on {len(CHAT_PROMPTS)} chat prompts"
     )
-    assert acceptance > 1.15
+    assert acceptance > 1.2
