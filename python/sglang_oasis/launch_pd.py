@@ -135,7 +135,7 @@ def start_cluster(args: argparse.Namespace, server_args: list[str]) -> PDCluster
     prefill, decode = servers["prefill"], servers["decode"]
     router = ServerProcess(
         ["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap), "--decode", decode.url,
-         "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()), *shlex.split(args.router_args)],
+         "--prometheus-host", "127.0.0.1", *shlex.split(args.router_args)],
         log_dir / "router.log", host=args.host, port=args.port, module="sglang_router.launch_router",
         ready_path="/readiness",  # 200 once it has registered healthy workers (/health answers earlier)
     )  # fmt: skip
@@ -143,6 +143,8 @@ def start_cluster(args: argparse.Namespace, server_args: list[str]) -> PDCluster
     try:
         for server in servers.values():
             server.wait_ready(args.startup_timeout)
+        # its metrics port is chosen only now, right before it binds it (not ~50 s earlier)
+        router.command += ["--prometheus-port", str(free_port())]
         router.spawn().wait_ready(args.startup_timeout)
     except (ServerStartError, KeyboardInterrupt, SystemExit):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)

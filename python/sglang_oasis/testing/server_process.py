@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -40,7 +41,26 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
     return {**inherited, **(extra or {})}
 
 
+def _ephemeral_ports_start() -> int:
+    try:
+        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
+
+
 def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now, below the kernel's ephemeral range where it can be: a port the
+    kernel hands out (bind to 0) goes back to that range when released, where any outgoing connection
+    (an HTTP client, ZMQ, Mooncake) may take it before the server that was given it binds it (seen in CI:
+    the PD router's metrics port, chosen ~50 s before the router started)."""
+    low, high = 20000, _ephemeral_ports_start()
+    for _ in range(200 if high - low >= 1000 else 0):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+            try:
+                sock.bind(("127.0.0.1", random.randrange(low, high)))
+            except OSError:
+                continue
+            return int(sock.getsockname()[1])
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind(("127.0.0.1", 0))
         return int(sock.getsockname()[1])
