@@ -302,13 +302,10 @@ class DecodeFetcher:
 
     def __init__(self, backend: Any, host: str) -> None:
         self.backend = backend
-        pool = backend.token_to_kv_pool
-        layers = range(pool.layer_num)
         self.endpoint = MooncakeEndpoint(host)
         self.fetcher = RemotePartialFetcher(
             self.endpoint,
-            [pool.get_key_buffer(layer) for layer in layers],
-            [pool.get_value_buffer(layer) for layer in layers],
+            *pool_buffers(backend.token_to_kv_pool),
             backend.block_size,
             backend.summaries.kmin,
             backend.summaries.kmax,
