@@ -22,6 +22,7 @@ import pytest
 import requests
 import torch
 
+from sglang_oasis.evaluation.chat_prompts import CHAT_PROMPTS as ALL_CHAT_PROMPTS
 from sglang_oasis.models.tiny_models import TinyModelSpec, build_tiny_eagle3_head
 from sglang_oasis.testing.server_process import ServerProcess
 
@@ -121,16 +122,7 @@ def test_ngram_verify_equals_dense_and_accepts_drafts(
 
 # --- the shipped EAGLE-3 head on the default model (SmolLM2-135M-Instruct, all 30 layers) -------------
 
-CHAT_PROMPTS = [
-    "What is the capital of France?",
-    "Give me three tips for staying focused while studying.",
-    "Explain what a hash table is in two sentences.",
-    "Write a short poem about the sea.",
-    "How do I boil an egg?",
-    "What are the benefits of regular exercise?",
-    "Summarise the plot of Romeo and Juliet.",
-    "Why is the sky blue?",
-]
+CHAT_PROMPTS = ALL_CHAT_PROMPTS[:8]
 
 
 @pytest.fixture(scope="module")
