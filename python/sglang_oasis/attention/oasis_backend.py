@@ -219,13 +219,16 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         block = self.block_size
         pages = self.req_to_token_pool.req_to_token[reqs, 0 : full * block : block].to(torch.int64) // block
         pool = self.token_to_kv_pool
+        # An extend here would have selected one step before this one: blocks this step does not
+        # reselect must rank below the ones it loads for LRU eviction, as they would have.
+        admission_step = self.step - 1
         for layer in range(pool.layer_num):
             if layer in self.dense_layers:
                 continue
             self.working_sets.covered[req, layer] = full
             if full:
                 plan = self.working_sets.plan_selections(
-                    reqs, layer, arrival.selection[layer][None], self.step
+                    reqs, layer, arrival.selection[layer][None], admission_step
                 )
                 self.working_sets.load(
                     plan, reqs, layer, pages, pool.get_key_buffer(layer), pool.get_value_buffer(layer)
