@@ -6,8 +6,11 @@ from __future__ import annotations
 import threading
 
 import pytest
+import torch
 
 from sglang_oasis.memory.prefetch_pipeline import PrefetchPipeline
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run by benchmark/gpu_check.sh)")
 
 
 def test_a_layer_waits_only_for_its_own_job() -> None:
@@ -23,7 +26,7 @@ def test_a_layer_waits_only_for_its_own_job() -> None:
     pipeline.submit(0, slow)
     started.wait(10)
     pipeline.submit(1, lambda: "layer 1")  # queued behind layer 0's job on the one worker
-    assert not pipeline._pending[0].done()
+    assert not pipeline._pending[0].future.done()
     release.set()
     assert pipeline.wait(0) == ["layer 0"]
     assert pipeline.wait(1) == ["layer 1"]
@@ -58,6 +61,43 @@ def test_an_escaping_error_surfaces_at_the_layers_wait() -> None:
     assert pipeline.wait(1) == [None]
     with pytest.raises(OSError, match="copy failed"):
         pipeline.wait(2)
+    pipeline.shutdown()
+
+
+@cuda
+def test_cuda_jobs_run_on_a_side_stream_ordered_by_events() -> None:
+    """A job's kernels go to the side stream after the foreground's work up to its submission, and the
+    foreground's kernels after ``wait`` come after the job's, without the host waiting for either: each
+    side is held back by a GPU sleep that an unordered read would overtake."""
+    pipeline: PrefetchPipeline[object] = PrefetchPipeline(asynchronous=True, device="cuda")
+    foreground = torch.cuda.current_stream()
+    layers, n = 4, 1 << 16
+    source = torch.zeros((layers, n), device="cuda")
+    seen = torch.zeros((layers, n), device="cuda")  # what each job read of its layer's source
+    written = torch.zeros((layers, n), device="cuda")  # what each job wrote after a sleep
+    streams = []
+
+    def job(layer: int) -> object:
+        streams.append(torch.cuda.current_stream())
+        seen[layer].copy_(source[layer])
+        torch.cuda._sleep(50_000_000)  # ~25 ms: the foreground's read below must wait for it
+        written[layer].fill_(layer + 1.0)
+        return layer
+
+    for layer in range(layers):
+        torch.cuda._sleep(50_000_000)  # the producer of the job's input is slow
+        source[layer].fill_(layer + 1.0)
+        pipeline.submit(layer, lambda layer=layer: job(layer))
+    after = []
+    for layer in range(layers):
+        assert pipeline.wait(layer) == [layer]
+        after.append(written[layer].clone())  # queued on the foreground stream after the wait
+    torch.cuda.synchronize()
+    for layer in range(layers):
+        assert bool((seen[layer] == layer + 1.0).all()), f"layer {layer}'s job read its input too early"
+        assert bool((after[layer] == layer + 1.0).all()), f"layer {layer}: the foreground read too early"
+    assert all(stream == pipeline.side_stream for stream in streams)
+    assert pipeline.side_stream != foreground
     pipeline.shutdown()
 
 

@@ -92,7 +92,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         self._reqs: list[int] = []
         self._req_index = torch.zeros(0, dtype=torch.int64)
         self._admission = False
-        self.pipeline: PrefetchPipeline[JobResult] = PrefetchPipeline(config.prefetch == "async")
+        self.pipeline: PrefetchPipeline[JobResult] = PrefetchPipeline(config.prefetch == "async", self.device)
         self.prefetcher = BlockPrefetcher(
             self.working_sets, self.summaries, pool, config.top_k, config.sink_blocks, self.num_kv_heads
         )
