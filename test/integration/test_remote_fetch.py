@@ -165,6 +165,33 @@ def test_batches_hold_at_most_max_batch_requests(prefill: KVStagingArea) -> None
         assert torch.equal(tier.page(2, int(local[block]))[0], want[0])
 
 
+def test_kv_staged_without_summaries_is_read_whole_by_a_fetcher_without_summaries(
+    prefill: KVStagingArea, decode_endpoint: MooncakeEndpoint
+) -> None:
+    """The EAGLE-3 draft model's KV: staged without summaries (nothing is selected over it)."""
+    keys, values = seeded_kv(8, 0, 1, TOKENS, HEADS, DIM)
+    before = prefill.nbytes
+    layout = prefill.stage("draft", keys, values, summaries=False)
+    assert layout.summary_address == 0
+    assert prefill.nbytes - before == layout.kv_bytes  # the KV only
+    k = [torch.full((POOL_PAGES * B, HEADS, DIM), -7.0)]
+    v = [torch.full((POOL_PAGES * B, HEADS, DIM), -7.0)]
+    fetcher = RemotePartialFetcher(decode_endpoint, k, v, B)
+    local = torch.tensor([9, 1, 33, 4, 12])
+    fetcher.admit(0, layout, local, torch.ones(1, 5, dtype=torch.bool))
+    for block in range(5):
+        rows = slice(int(local[block]) * B, (int(local[block]) + 1) * B)
+        want_k, want_v = expected_page(keys, values, 0, block)
+        assert torch.equal(k[0][rows], want_k) and torch.equal(v[0][rows], want_v)
+    assert fetcher.counters.summary_bytes == 0
+    with pytest.raises(ValueError, match="has no summaries"):
+        DecodeTier(decode_endpoint, layers=1).fetcher.admit(
+            1, layout, local, torch.ones(1, 5, dtype=torch.bool)
+        )
+    prefill.release("draft")
+    assert prefill.nbytes == before
+
+
 def test_layout_mismatch_is_refused(prefill: KVStagingArea, decode_endpoint: MooncakeEndpoint) -> None:
     keys, values = seeded_kv(5, 0, LAYERS + 1, TOKENS, HEADS, DIM)
     layout = prefill.stage("mismatch", keys, values)

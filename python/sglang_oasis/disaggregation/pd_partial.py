@@ -215,7 +215,9 @@ class PrefillStager:
 
         layout = self.staging.stage(str(room), *gathered(backend.token_to_kv_pool))
         draft = draft_pool()  # the draft shares the target's token locations
-        draft_layout = None if draft is None else self.staging.stage(f"{room}/draft", *gathered(draft))
+        draft_layout = (
+            None if draft is None else self.staging.stage(f"{room}/draft", *gathered(draft), summaries=False)
+        )
         selection = backend.admission_selection(slot, num_tokens)
         body = Handoff(layout, selection, decode_prefix_len, draft_layout).to_json()
         now = time.monotonic()

@@ -99,6 +99,8 @@ class RemotePartialFetcher:
         and, with ``have_last``, the last block (it came with SGLang's own transfer).
         Raises ``RemoteReadError`` if a read fails (the request must then fail)."""
         self._check_layout(layout)
+        if self.kmin is not None and layout.summary_address == 0:
+            raise ValueError(f"the KV staged at {layout.session} has no summaries; this fetcher reads them")
         pages = layout.num_pages
         if local_pages.shape != (pages,) or selected.shape != (layout.num_layers, pages):
             raise ValueError(

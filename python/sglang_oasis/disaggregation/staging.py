@@ -29,7 +29,7 @@ class StagedKVLayout:
 
     session: str  # the prefill node's transfer engine ("host:port")
     kv_address: int
-    summary_address: int
+    summary_address: int  # 0: staged without summaries
     num_layers: int
     num_tokens: int
     block_size: int
@@ -86,12 +86,15 @@ class KVStagingArea:
     def __init__(self, endpoint: MooncakeEndpoint, block_size: int) -> None:
         self.endpoint = endpoint
         self.block_size = block_size
-        self._staged: dict[str, tuple[torch.Tensor, torch.Tensor, StagedKVLayout]] = {}
+        self._staged: dict[str, tuple[torch.Tensor, torch.Tensor | None, StagedKVLayout]] = {}
         self._lock = threading.Lock()
 
-    def stage(self, rid: str, keys: torch.Tensor, values: torch.Tensor) -> StagedKVLayout:
+    def stage(
+        self, rid: str, keys: torch.Tensor, values: torch.Tensor, summaries: bool = True
+    ) -> StagedKVLayout:
         """Copies one request's KV (``keys``/``values``: ``[layers, tokens, kv_heads, head_dim]``) into
-        registered host memory with its block summaries; returns the layout to hand to the decode node."""
+        registered host memory with its block summaries (unless ``summaries`` is False: KV the decode node
+        reads whole, like the EAGLE-3 draft model's); returns the layout to hand to the decode node."""
         if keys.shape != values.shape or keys.dim() != 4:
             raise ValueError(f"keys and values must both be [layers, tokens, heads, dim], got "
                              f"{tuple(keys.shape)} and {tuple(values.shape)}")  # fmt: skip
@@ -101,13 +104,15 @@ class KVStagingArea:
         kv = torch.zeros((layers, 2, pages * b, heads, dim), dtype=keys.dtype)
         kv[:, 0, :tokens] = keys
         kv[:, 1, :tokens] = values
-        summaries = torch.empty((layers, 2, pages, heads, dim), dtype=keys.dtype)
-        for layer in range(layers):
-            summaries[layer, 0], summaries[layer, 1] = build_block_summaries(keys[layer].cpu(), b)
+        summary = None
+        if summaries:
+            summary = torch.empty((layers, 2, pages, heads, dim), dtype=keys.dtype)
+            for layer in range(layers):
+                summary[layer, 0], summary[layer, 1] = build_block_summaries(keys[layer].cpu(), b)
         layout = StagedKVLayout(
             session=self.endpoint.session_id,
             kv_address=self.endpoint.register(kv),
-            summary_address=self.endpoint.register(summaries),
+            summary_address=0 if summary is None else self.endpoint.register(summary),
             num_layers=layers,
             num_tokens=tokens,
             block_size=b,
@@ -118,7 +123,7 @@ class KVStagingArea:
         with self._lock:
             if rid in self._staged:
                 self._release(rid)
-            self._staged[rid] = (kv, summaries, layout)
+            self._staged[rid] = (kv, summary, layout)
         return layout
 
     def release(self, rid: str) -> None:
@@ -130,12 +135,13 @@ class KVStagingArea:
         staged = self._staged.pop(rid, None)
         if staged is not None:
             self.endpoint.unregister(staged[0])
-            self.endpoint.unregister(staged[1])
+            if staged[1] is not None:
+                self.endpoint.unregister(staged[1])
 
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(kv.nbytes + s.nbytes for kv, s, _ in self._staged.values())
+            return sum(kv.nbytes + (0 if s is None else s.nbytes) for kv, s, _ in self._staged.values())
 
     def __len__(self) -> int:
         return len(self._staged)
