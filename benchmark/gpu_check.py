@@ -16,6 +16,9 @@ Decode step (per layer: QKV projection, attention, output projection, SwiGLU MLP
   and, in the ``+fetch`` column, the capped fetch: ceil(0.05 K) blocks per KV head and request copied from
   pinned host memory (``copy_blocks_to_slots``), run in line (the pipeline overlaps it; this is the
   serial upper bound).
+
+Prefetch pipeline (``gpu_pipeline.py``): the same stack with the runtime's own ``PrefetchPipeline`` and
+``BlockPrefetcher`` (side stream, pinned host pool, capped delta plans), modes none / sync / async.
 """
 
 from __future__ import annotations
@@ -36,6 +39,7 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported
 
 import sgl_kernel_oasis as reference
+from gpu_pipeline import pipeline_rows
 from sgl_kernel_oasis import triton_kernels as tk
 
 
@@ -345,9 +349,8 @@ def sparse_step(
     return timed_step(stack, x, attend, device)
 
 
-def decode_step_rows(shape: Shape, batch: int, contexts: list[int], device: str) -> list[dict]:
-    s = shape
-    stack = Stack(shape, device)
+def decode_step_rows(stack: Stack, batch: int, contexts: list[int], device: str) -> list[dict]:
+    s = stack.s
     x = torch.randn(batch, s.hidden, device=device, dtype=DTYPE)
     h, d, slots = s.kv_heads, s.head_dim, s.top_k
     results = []
@@ -377,6 +380,7 @@ def main() -> None:
     parser.add_argument("--smoke", action="store_true", help="toy sizes (CPU: Triton interpreter)")
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768])
+    parser.add_argument("--pipeline-steps", type=int, default=8, help="timed steps per pipeline mode")
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     global QUICK, DTYPE
@@ -390,7 +394,9 @@ def main() -> None:
     started = time.time()
     bw = copy_bandwidth(device, 0.01 if args.smoke else 2.0)
     kernels = kernel_rows(shape, batch, max(contexts), device, bw)
-    steps = decode_step_rows(shape, batch, contexts, device)
+    stack = Stack(shape, device)
+    steps = decode_step_rows(stack, batch, contexts, device)
+    pipeline = pipeline_rows(stack, batch, contexts, device, 2 if args.smoke else args.pipeline_steps)
     report = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -398,6 +404,7 @@ def main() -> None:
         "bandwidth": bw,
         "kernels": kernels,
         "decode_steps": steps,
+        "pipeline": pipeline,
         "shape": shape.__dict__,
         "seconds": time.time() - started,
     }
@@ -422,6 +429,18 @@ def main() -> None:
     for r in steps:
         print(f"{r['context']:>8} {r['dense_ms']:>9.2f} {r['sparse_ms']:>10.2f} {r['sparse_fetch_ms']:>10.2f} "
               f"{r['speedup']:>8.2f} {r['speedup_with_fetch']:>9.2f} {r['dense_kv_gib']:>12.2f} {r['sparse_device_gib']:>14.2f}")  # fmt: skip
+    print(
+        f"\nprefetch pipeline in the step (runtime's PrefetchPipeline + BlockPrefetcher, host pool "
+        f"{'pinned' if device == 'cuda' else 'in memory'}, cap {pipeline[0]['cap_per_head']} blocks per KV head, "
+        "eager; ms per step)"
+    )
+    print(
+        f"{'context':>8} {'mode':>6} {'step ms':>8} {'wait ms':>8} {'job ms':>8} {'loads':>7} {'deferred':>9} {'copies ok':>9}"
+    )
+    for r in pipeline:
+        print(f"{r['context']:>8} {r['mode']:>6} {r['step_ms']:>8.2f} {r['wait_ms_per_step']:>8.2f} "
+              f"{r['job_ms_per_step']:>8.2f} {r['loads_per_step']:>7.0f} {r['deferred_per_step']:>9.0f} "
+              f"{r['copies_ok']!s:>9}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -1,5 +1,6 @@
 """benchmark/gpu_check.py at toy sizes (on CPU under Triton's interpreter): every kernel it times is first
-checked against its torch reference on the same inputs, and the decode step runs both ways."""
+checked against its torch reference on the same inputs, the decode step runs both ways, and the runtime's
+prefetch pipeline runs inside the step (sync and async) with every working-set copy checked."""
 
 from __future__ import annotations
 
@@ -32,3 +33,11 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     (step,) = report["decode_steps"]
     assert step["dense_ms"] > 0 and step["sparse_ms"] > 0
     assert "sparse attention" in result.stdout  # the table was printed
+    shape = report["shape"]
+    most = shape["layers"] * 2 * shape["kv_heads"] * report["pipeline"][0]["cap_per_head"]  # batch 2
+    rows = {row["mode"]: row for row in report["pipeline"]}
+    assert set(rows) == {"none", "sync", "async"}
+    assert all(row["copies_ok"] for row in rows.values()), rows  # every slot holds its host block
+    assert rows["none"]["loads_per_step"] == 0
+    for mode in ("sync", "async"):  # random predicting queries: capped loads every step, the rest deferred
+        assert 0 < rows[mode]["loads_per_step"] <= most and rows[mode]["deferred_per_step"] > 0, rows[mode]

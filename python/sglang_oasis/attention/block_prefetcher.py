@@ -129,7 +129,10 @@ class BlockPrefetcher:
         if bool(over.any()):
             kmin, kmax = self.summaries.kmin[job.layer_id], self.summaries.kmax[job.layer_id]
             device = kmin.device
-            queries, pages = job.queries[over][:, None].to(device), job.pages[over].to(device)
+            queries, pages = (
+                job.queries[over][:, None].to(device),
+                job.pages[over].to(device, non_blocking=True),
+            )
             scores = ops.score_paged_blocks(queries, kmin, kmax, pages)[:, 0].cpu()  # [n, H, N]
             sinks = (index < self.sink_blocks)[None, None, :]
             selected[over] = select_top_blocks(scores, self.top_k, sinks, valid[over][:, None, :])

@@ -488,16 +488,16 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         reqs = self._req_index
         pool = self.token_to_kv_pool
         ws_k, ws_v = self.working_sets.block_views()
-        device = ws_k.device
+        device = ws_k.device  # host-built index tensors: non_blocking, so the stream need not drain first
         return ops.headwise_decode_attention(
             q_rows,
             ws_k,
             ws_v,
-            self.working_sets.slot_rows(reqs, layer_id).to(device),
+            self.working_sets.slot_rows(reqs, layer_id).to(device, non_blocking=True),
             pool.get_key_buffer(layer_id),
             pool.get_value_buffer(layer_id),
-            tail_locs.to(device),
-            tail_valid.to(device),
+            tail_locs.to(device, non_blocking=True),
+            tail_valid.to(device, non_blocking=True),
             layer.scaling,
         )
 

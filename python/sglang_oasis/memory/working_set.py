@@ -184,9 +184,9 @@ class WorkingSetPool:
         pages = block_pages[plan.batch_rows, plan.blocks]
         device = self.k.device
         ws_k, ws_v = self.block_views()
-        ops.copy_blocks_to_slots(
-            ws_k, ws_v, rows.to(device), k_buffer, v_buffer, pages.to(device), plan.heads.to(device)
-        )
+        # non_blocking: a copy from pageable host memory is staged at once, and the stream need not drain
+        rows, pages, heads = (t.to(device, non_blocking=True) for t in (rows, pages, plan.heads))
+        ops.copy_blocks_to_slots(ws_k, ws_v, rows, k_buffer, v_buffer, pages, heads)
 
     def block_views(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as ``[requests * layers * heads * slots, B, head_dim]`` block rows."""
