@@ -4,9 +4,10 @@ sparse with K=32 blocks against dense.
 Measured (greedy, deterministic): ~2K tokens dense 5/5, sparse 4/5; ~4K tokens dense 5/5, sparse 0/5
 (K=64: 1/5; K=256, i.e. every block: 5/5). The 4K failure is not the timing of the selection: with the
 NGRAM draft query selecting the next step's blocks (--oasis-lookahead ngram) it is still 0/5, and so it
-is with layers 0-1 dense; benchmark/bench_lookahead.py measures the previous query already within ~1% of
-the true next query's top-K attention mass. 32 blocks of ~250 (min/max-bound scoring) are too few for
-SmolLM2 at 4K, so the 4K case stays a strict expected failure that documents the limit.
+is with layers 0-1 dense. benchmark/bench_selection.py finds the selector at fault, not K: 32 blocks chosen
+by true attention mass find the key in 4/5 cases at 4K, the min/max bound of 16-token blocks in 0/5 (2/5
+with the step's own query, 3/5 with 4-token boxes). The 4K case stays a strict expected failure that
+documents the limit of the min/max selector on this model.
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def answer(server: ServerProcess, case: PasskeyCase) -> str:
             4000,
             marks=pytest.mark.xfail(
                 strict=True,
-                reason="K=32 blocks of ~250 miss the key's blocks at 4K (with or without lookahead)",
+                reason="the min/max bound ranks the key's blocks out of the top 32 at 4K (oracle top-32: 4/5)",
             ),
         ),
     ],

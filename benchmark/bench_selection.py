@@ -1,0 +1,167 @@
+"""How good is the block selection itself? Passkey retrieval with the decode attention restricted, per
+layer and KV head, to the K blocks a selector picks (plus the active block), offline with the HF model.
+
+The model runs in transformers with an attention function that is dense for the prompt and, at each
+decode step, attends only the selected blocks of each KV head (full blocks of ``--block-size`` tokens;
+the partly filled last block is always attended). No fetch cap, no sinks: this measures the selector,
+not the pipeline. Selectors (``--selectors``):
+
+- ``dense``: every block (the reference);
+- ``oracle``: the K blocks holding most of the predicting query's true attention (softmax over the full
+  blocks, summed over the KV head's query heads): the best any selector can do at this K;
+- ``minmax``: the runtime's Quest bound over min/max summaries (``sgl_kernel_oasis.score_blocks``);
+- ``minmax-current``: the same, but selecting with the current step's own query (Quest's original,
+  not predictive; the runtime selects one step ahead);
+- ``minmax-sub<N>``: the bound over N min/max boxes per block (B/N tokens each), a block scoring its best
+  box: finer summaries (N times their memory) at the same transfer granularity.
+
+Every selector but ``minmax-current`` selects step t+1's blocks with step t's query (the runtime's
+timing; after the prompt, the last prompt token's query). The passkey cases are the test's (5 depths,
+seeds 0-4, ~``--context-tokens`` tokens of essays, greedy, 12 new tokens).
+
+    python benchmark/bench_selection.py --json selection.json [--context-tokens 4000] [--top-k 32]
+        [--block-size 16] [--selectors dense,oracle,minmax,minmax-current,minmax-sub4] [--model-dir DIR]
+
+Writes ``selectors.<name>.{hits, cases, answers}``, ``settings``, ``date`` and ``machine``; prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from common import machine_info, print_table
+from sgl_kernel_oasis import build_block_summaries, score_blocks
+from sglang_oasis.evaluation.passkey import essays_text, make_case
+
+DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
+
+
+class Selector:
+    """The attention function's state: which selector, K, B, and each layer's predicting query."""
+
+    def __init__(self, name: str, top_k: int, block_size: int) -> None:
+        self.name, self.top_k, self.block = name, top_k, block_size
+        self.previous: dict[int, torch.Tensor] = {}  # layer -> [q_heads, dim] last query
+
+    def scores(self, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+        """``[kv_heads, blocks]`` scores of the full blocks of ``keys`` ``[kv_heads, tokens, dim]`` for
+        ``query`` ``[q_heads, dim]``."""
+        kv_heads, tokens, dim = keys.shape
+        blocks = tokens // self.block
+        by_token = keys.transpose(0, 1)  # [tokens, kv_heads, dim]
+        if self.name == "oracle":
+            group = query.shape[0] // kv_heads
+            logits = torch.einsum("hgd,htd->hgt", query.float().view(kv_heads, group, dim), keys.float())
+            mass = (logits / math.sqrt(dim)).softmax(-1).view(kv_heads, group, blocks, self.block)
+            return mass.sum(dim=(1, 3))
+        if self.name.startswith("minmax-sub"):
+            boxes = int(self.name.removeprefix("minmax-sub"))
+            kmin, kmax = build_block_summaries(by_token, self.block // boxes)
+            box_scores = score_blocks(query[None], kmin, kmax)[0]  # [kv_heads, blocks * boxes]
+            return box_scores.view(kv_heads, blocks, boxes).amax(-1)
+        kmin, kmax = build_block_summaries(by_token, self.block)
+        return score_blocks(query[None], kmin, kmax)[0]
+
+    def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+               attention_mask: Any, scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> Any:  # fmt: skip
+        """transformers attention function: ``query [1, q_heads, q_len, dim]``, ``key``/``value``
+        ``[1, kv_heads, tokens, dim]`` (the cache included); returns ``([1, q_len, q_heads, dim], None)``."""
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        layer = module.layer_idx
+        q_heads, kv_heads, tokens = query.shape[1], key.shape[1], key.shape[2]
+        if self.name == "dense" or query.shape[2] > 1:  # the prompt attends densely
+            self.previous[layer] = query[0, :, -1]
+            return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
+                                          dropout=dropout, **kwargs)  # fmt: skip
+        now = query[0, :, 0]
+        predicting = now if self.name == "minmax-current" else self.previous[layer]
+        self.previous[layer] = now
+        full = (tokens - 1) // self.block  # full blocks before the current token's
+        visible = torch.ones((kv_heads, tokens), dtype=torch.bool)
+        if full > self.top_k:
+            chosen = self.scores(predicting, key[0, :, : full * self.block]).topk(self.top_k, dim=-1).indices
+            in_blocks = torch.zeros((kv_heads, full), dtype=torch.bool).scatter_(1, chosen, True)
+            visible[:, : full * self.block] = in_blocks.repeat_interleave(self.block, dim=1)
+        group = q_heads // kv_heads
+        out = torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1),
+            attn_mask=visible.repeat_interleave(group, 0)[None, :, None, :], scale=scaling,
+        )  # fmt: skip
+        return out.transpose(1, 2).contiguous(), None
+
+
+def run_selector(model: Any, tokenizer: Any, cases: list[Any], selector: Selector, new_tokens: int) -> dict:
+    from transformers import AttentionInterface
+
+    AttentionInterface.register("oasis_selection", selector.attend)
+    model.set_attn_implementation("oasis_selection")
+    answers = []
+    for case in cases:
+        ids = tokenizer.apply_chat_template(case.messages, add_generation_prompt=True, return_tensors="pt",
+                                            return_dict=True)["input_ids"]  # fmt: skip
+        selector.previous.clear()
+        with torch.no_grad():
+            out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+        answers.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    hits = [case.hit(answer) for case, answer in zip(cases, answers, strict=True)]
+    return {"hits": sum(hits), "cases": hits, "answers": answers}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--context-tokens", type=int, default=4000)
+    parser.add_argument("--top-k", type=int, default=32)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--selectors", default="dense,oracle,minmax,minmax-current,minmax-sub4")
+    parser.add_argument("--new-tokens", type=int, default=12)
+    parser.add_argument(
+        "--model-dir", type=Path, default=None, help="default: SmolLM2-135M-Instruct (30 layers)"
+    )
+    args = parser.parse_args()
+
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from sglang_oasis.models.default_model import prepare_default_model
+
+    model_dir = args.model_dir or prepare_default_model(None)
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    text = essays_text()
+    cases = [
+        make_case(tokenizer, args.context_tokens, depth, seed=i, text=text) for i, depth in enumerate(DEPTHS)
+    ]
+    results: dict[str, Any] = {
+        "settings": {"context_tokens": args.context_tokens, "top_k": args.top_k, "block_size": args.block_size,
+                     "prompt_tokens": [case.prompt_tokens for case in cases], "depths": list(DEPTHS),
+                     "model": str(model_dir)},
+        "selectors": {},
+    }  # fmt: skip
+    for name in args.selectors.split(","):
+        started = time.monotonic()
+        result = run_selector(
+            model, tokenizer, cases, Selector(name, args.top_k, args.block_size), args.new_tokens
+        )
+        results["selectors"][name] = {**result, "seconds": round(time.monotonic() - started, 1)}
+        print(f"[bench_selection] {name}: {result['hits']}/{len(cases)}", flush=True)
+    results["date"] = time.strftime("%Y-%m-%d")
+    results["machine"] = machine_info()
+    rows = [[name, f"{r['hits']}/{len(cases)}", " ".join("x" if hit else "." for hit in r["cases"])]
+            for name, r in results["selectors"].items()]  # fmt: skip
+    print_table(["selector", "passkey hits", f"by depth {' '.join(map(str, DEPTHS))}"], rows)
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()
