@@ -7,11 +7,13 @@ NGRAM draft query selecting the next step's blocks (--oasis-lookahead ngram) it 
 is with layers 0-1 dense. benchmark/bench_selection.py finds the selector at fault, not K: 32 blocks chosen
 by true attention mass find the key in 4/5 cases at 4K, the min/max bound of 16-token blocks in 0/5 (2/5
 with the step's own query, 3/5 with 4-token boxes). The 4K case stays a strict expected failure that
-documents the limit of the min/max selector on this model.
+documents the limit of the min/max selector on this model; it takes ~9 minutes, so it runs only with
+SGLANG_OASIS_SLOW_TESTS=1.
 """
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -64,10 +66,17 @@ def answer(server: ServerProcess, case: PasskeyCase) -> str:
         2000,
         pytest.param(
             4000,
-            marks=pytest.mark.xfail(
-                strict=True,
-                reason="the min/max bound ranks the key's blocks out of the top 32 at 4K (oracle top-32: 4/5)",
-            ),
+            marks=[
+                pytest.mark.xfail(
+                    strict=True,
+                    reason="the min/max bound ranks the key's blocks out of the top 32 at 4K (oracle top-32: 4/5)",
+                ),
+                # ~9 of CI's ~26 minutes for a known miss that bench_selection.py explains in ~1 minute per
+                # selector (test/unit/test_selection_bench.py tests that tool): run it where asked.
+                pytest.mark.skipif(
+                    not os.environ.get("SGLANG_OASIS_SLOW_TESTS"), reason="opt-in (SGLANG_OASIS_SLOW_TESTS=1)"
+                ),
+            ],
         ),
     ],
 )
