@@ -61,13 +61,11 @@ class Selector:
             logits = torch.einsum("hgd,htd->hgt", query.float().view(kv_heads, group, dim), keys.float())
             mass = (logits / math.sqrt(dim)).softmax(-1).view(kv_heads, group, blocks, self.block)
             return mass.sum(dim=(1, 3))
-        if self.name.startswith("minmax-sub"):
-            boxes = int(self.name.removeprefix("minmax-sub"))
-            kmin, kmax = build_block_summaries(by_token, self.block // boxes)
-            box_scores = score_blocks(query[None], kmin, kmax)[0]  # [kv_heads, blocks * boxes]
-            return box_scores.view(kv_heads, blocks, boxes).amax(-1)
-        kmin, kmax = build_block_summaries(by_token, self.block)
-        return score_blocks(query[None], kmin, kmax)[0]
+        # min/max selectors: a block scores its best box (one box per block but for ``minmax-sub<N>``)
+        boxes = int(self.name.removeprefix("minmax-sub")) if self.name.startswith("minmax-sub") else 1
+        kmin, kmax = build_block_summaries(by_token, self.block // boxes)
+        box_scores = score_blocks(query[None], kmin, kmax)[0]  # [kv_heads, blocks * boxes]
+        return box_scores.view(kv_heads, blocks, boxes).amax(-1)
 
     def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> Any:  # fmt: skip

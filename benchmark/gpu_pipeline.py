@@ -92,7 +92,9 @@ class PipelinedDecode:
     def attend(self, layer: int, q: torch.Tensor, new_k: torch.Tensor, new_v: torch.Tensor) -> torch.Tensor:
         ctx = self.ctx
         self.results.extend(self.pipeline.wait(layer))
-        slot_rows = self.working_sets.slot_rows(ctx["reqs"], layer).to(self.device)
+        slot_rows = self.working_sets.slot_rows(ctx["reqs"], layer).to(
+            self.device, non_blocking=True
+        )  # as the backend
         ws_k, ws_v = self.working_sets.block_views()
         ctx["tail_k"][layer][ctx["new_locs"]] = new_k  # the new token joins the active block and its summary
         ctx["tail_v"][layer][ctx["new_locs"]] = new_v

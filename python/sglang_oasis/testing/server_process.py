@@ -43,7 +43,7 @@ def child_env(extra: dict[str, str] | None = None) -> dict[str, str]:
 
 def _ephemeral_ports_start() -> int:
     try:
-        return int(open("/proc/sys/net/ipv4/ip_local_port_range").read().split()[0])
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     except (OSError, ValueError, IndexError):
         return 32768
 
