@@ -13,7 +13,9 @@ not the pipeline. Selectors (``--selectors``):
 - ``minmax-current``: the same, but selecting with the current step's own query (Quest's original,
   not predictive; the runtime selects one step ahead);
 - ``minmax-sub<N>``: the bound over N min/max boxes per block (B/N tokens each), a block scoring its best
-  box: finer summaries (N times their memory) at the same transfer granularity.
+  box: finer summaries (N times their memory) at the same transfer granularity;
+- ``minmax-center``: the same min/max summaries scored at the box's center, ``q . (kmin + kmax) / 2``
+  (an estimate of the block's mean key's score rather than a bound on its best key).
 
 Every selector but ``minmax-current`` selects step t+1's blocks with step t's query (the runtime's
 timing; after the prompt, the last prompt token's query). The passkey cases are the test's (5 depths,
@@ -61,6 +63,11 @@ class Selector:
             logits = torch.einsum("hgd,htd->hgt", query.float().view(kv_heads, group, dim), keys.float())
             mass = (logits / math.sqrt(dim)).softmax(-1).view(kv_heads, group, blocks, self.block)
             return mass.sum(dim=(1, 3))
+        if self.name == "minmax-center":
+            kmin, kmax = build_block_summaries(by_token, self.block)
+            group = query.shape[0] // kv_heads
+            center = (kmin.float() + kmax.float()).permute(1, 2, 0) / 2  # [kv_heads, dim, blocks]
+            return torch.matmul(query.float().view(kv_heads, group, dim), center).sum(dim=1)
         # min/max selectors: a block scores its best box (one box per block but for ``minmax-sub<N>``)
         boxes = int(self.name.removeprefix("minmax-sub")) if self.name.startswith("minmax-sub") else 1
         kmin, kmax = build_block_summaries(by_token, self.block // boxes)

@@ -30,13 +30,24 @@ def keys_with_aligned_blocks() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return keys, torch.stack([a, a]) * 2, torch.stack([b, b]) * 2
 
 
-@pytest.mark.parametrize("name", ["oracle", "minmax", "minmax-current", "minmax-sub2"])
+@pytest.mark.parametrize("name", ["oracle", "minmax", "minmax-current", "minmax-sub2", "minmax-center"])
 def test_each_selector_ranks_the_aligned_block_first(name: str) -> None:
     keys, a, b = keys_with_aligned_blocks()
     selector = Selector(name, top_k=1, block_size=B)
     full = keys[:, : BLOCKS * B]
     assert int(selector.scores(a, full).argmax()) == 1
     assert int(selector.scores(b, full).argmax()) == 3
+
+
+def test_center_scores_each_block_at_its_boxs_center() -> None:
+    """``minmax-center``: per KV head, the group's queries dotted with (min + max) / 2 of each block's
+    keys, summed over the group (2 KV heads of 3 query heads, 3 blocks of 4, random)."""
+    gen = torch.Generator().manual_seed(2)
+    keys, query = torch.randn(2, 12, DIM, generator=gen), torch.randn(6, DIM, generator=gen)
+    boxes = keys.view(2, 3, B, DIM)
+    center = (boxes.amin(dim=2) + boxes.amax(dim=2)) / 2  # [kv_heads, blocks, dim]
+    expected = torch.einsum("hgd,hbd->hb", query.view(2, 3, DIM), center)
+    torch.testing.assert_close(Selector("minmax-center", 1, B).scores(query, keys), expected)
 
 
 @pytest.mark.parametrize(("name", "block"), [("minmax", 1), ("oracle", 1), ("minmax-current", 3)])
@@ -67,5 +78,5 @@ def test_covering_k_decodes_exactly_like_dense(tiny_llama_dir: Path) -> None:
     text = essays_text()
     cases = [make_case(tokenizer, 150, depth, seed=i, text=text) for i, depth in enumerate(DEPTHS[:2])]
     dense = run_selector(model, tokenizer, cases, Selector("dense", 64, 16), 6)["answers"]
-    for name in ("oracle", "minmax", "minmax-current", "minmax-sub4"):
+    for name in ("oracle", "minmax", "minmax-current", "minmax-sub4", "minmax-center"):
         assert run_selector(model, tokenizer, cases, Selector(name, 64, 16), 6)["answers"] == dense, name
