@@ -13,7 +13,8 @@ not the pipeline. Selectors (``--selectors``):
 - ``minmax-current``: the same, but selecting with the current step's own query (Quest's original,
   not predictive; the runtime selects one step ahead);
 - ``minmax-sub<N>``: the bound over N min/max boxes per block (B/N tokens each), a block scoring its best
-  box: finer summaries (N times their memory) at the same transfer granularity;
+  box: finer summaries (N times their memory) at the same transfer granularity (at 4K, K = 32: N = 2, 4,
+  8, 16 find 1, 3, 4, 4 of 5 keys; N = B scores each block by its best key exactly);
 - ``minmax-center``: the same min/max summaries scored at the box's center, ``q . (kmin + kmax) / 2``
   (an estimate of the block's mean key's score rather than a bound on its best key).
 
