@@ -22,15 +22,22 @@ head per decode step; 1.0 = no cap), started one after another. On each, after a
     ``--passkey-depths`` (seed = the depth's index), over /v1/chat/completions (temperature 0,
     max_tokens 12), all cases concurrently.
 
+``--adaptive-ratios`` adds, for each ratio R listed, one more sparse server with
+``--oasis-adaptive-cap true`` (the cap follows the measured drift between ceil(R x K) and
+ceil(min(1, 4R) x K) blocks), measured the same way and written under ``adaptive.<r>``: with small
+blocks the fixed cap falls behind the drift and the adaptive one catches up.
+
     python benchmark/bench_fetch_cap.py --json fetch_cap.json [--ratios 0.01,0.02,0.05,0.1,0.25,1.0]
         [--top-k 32] [--num-layers N] [--context-tokens 2048] [--agreement-tokens 256]
-        [--passkey-depths 0.1,0.3,0.5,0.7,0.9] [--dtype auto] [--plot PNG]
+        [--passkey-depths 0.1,0.3,0.5,0.7,0.9] [--adaptive-ratios 0.05] [--block-size 16] [--dtype auto]
+        [--plot PNG]
 
 ``--dtype`` goes to every server (SGLang's ``auto`` serves this float32 checkpoint in float16).
 
 Writes ``ratios.<r>.{bytes_per_step, decode_tok_s, wait_share, deferred_per_step, prefix_agreement,
 position_agreement, passkey_hits}`` (plus ``blocks_loaded_per_step``, ``decode_steps``, ``cap_blocks``),
-``dense.{decode_tok_s, passkey_hits}``, ``settings``, ``date`` and ``machine``. A setting whose server or
+``adaptive.<r>.{...}`` (the same, ``cap_blocks`` being the bounds), ``dense.{decode_tok_s, passkey_hits}``,
+``settings``, ``date`` and ``machine``. A setting whose server or
 requests failed gets ``error`` (its other numbers are those measured before the failure) and the run goes
 on; the exit code is 1 only when nothing was measured. The plot (PNG, default: beside the JSON) shows
 bytes per step and decode tok/s against the ratio (log x), with dense's tok/s as a line.
@@ -40,7 +47,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 import tempfile
 import time
@@ -52,6 +58,7 @@ from typing import Any
 import requests
 
 from common import Stream, essay_prompts, machine_info, oasis_stats, print_table, stream_generate
+from sglang_oasis.config import OasisConfig
 from sglang_oasis.evaluation.passkey import essays_text, make_case
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.testing.server_process import ServerProcess
@@ -92,6 +99,19 @@ def mean_agreement(sparse: list[list[int]], dense: list[list[int]], n: int) -> d
         "prefix_agreement": sum(prefix_agreement(s, d, n) for s, d in pairs) / len(pairs),
         "position_agreement": sum(position_agreement(s, d, n) for s, d in pairs) / len(pairs),
     }
+
+
+def sparse_settings(
+    ratios: list[float], adaptive_ratios: list[float], top_k: int
+) -> list[tuple[str, float, bool, int | list[int] | None]]:
+    """(results section, ratio, adaptive, cap_blocks) of each sparse server, in run order: the fixed caps
+    (ceil(R x K) blocks; None: no cap), then the adaptive ones (cap_blocks = its [low, high] bounds)."""
+    settings: list[tuple[str, float, bool, int | list[int] | None]] = [
+        ("ratios", r, False, OasisConfig(top_k=top_k, fetch_ratio=r).fetch_cap) for r in ratios
+    ]
+    for r in adaptive_ratios:
+        settings.append(("adaptive", r, True, list(OasisConfig(top_k=top_k, fetch_ratio=r).fetch_cap_bounds)))
+    return settings
 
 
 def counter_deltas(before: dict[str, Any], after: dict[str, Any]) -> dict[str, int]:
@@ -177,11 +197,13 @@ def measure(
     return outputs
 
 
-def sparse_args(ratio: float, args: argparse.Namespace, model_args: list[str], host_tokens: int) -> list[str]:
+def sparse_args(
+    ratio: float, adaptive: bool, args: argparse.Namespace, model_args: list[str], host_tokens: int
+) -> list[str]:
     return [
         *model_args, "--oasis-mode", "sparse", "--oasis-top-k", str(args.top_k),
         "--oasis-block-size", str(args.block_size), "--oasis-fetch-ratio", str(ratio),
-        "--oasis-host-kv-tokens", str(host_tokens),
+        "--oasis-adaptive-cap", str(adaptive).lower(), "--oasis-host-kv-tokens", str(host_tokens),
         "--oasis-device-kv-tokens", str(8 * args.top_k * args.block_size),
     ]  # fmt: skip
 
@@ -203,6 +225,13 @@ def plot(results: dict[str, Any], ratios: list[float], path: Path) -> None:
                 title="bytes per step")  # fmt: skip
     xs = [r for r, v in points if v.get("decode_tok_s") is not None]
     axes[1].plot(xs, [results["ratios"][str(r)]["decode_tok_s"] for r in xs], "o-", label="sparse")
+    adaptive = [(float(r), v) for r, v in results["adaptive"].items() if v.get("decode_tok_s") is not None]
+    if adaptive:
+        axes[0].plot([r for r, _ in adaptive], [v["bytes_per_step"] / 1024 for _, v in adaptive], "x",
+                     markersize=9, label="adaptive cap")  # fmt: skip
+        axes[0].legend()
+        axes[1].plot([r for r, _ in adaptive], [v["decode_tok_s"] for _, v in adaptive], "x", markersize=9,
+                     label="adaptive cap")  # fmt: skip
     dense = results["dense"].get("decode_tok_s")
     if dense is not None:
         axes[1].axhline(dense, color="gray", linestyle="--", label="dense")
@@ -229,13 +258,17 @@ def main() -> int:
     parser.add_argument("--context-tokens", type=int, default=2048)
     parser.add_argument("--agreement-tokens", type=int, default=256)
     parser.add_argument("--passkey-depths", default="0.1,0.3,0.5,0.7,0.9")
+    parser.add_argument("--adaptive-ratios", default="", help="also run --oasis-adaptive-cap at these ratios")
     parser.add_argument("--dtype", default="auto", help="SGLang --dtype of every server")
     parser.add_argument("--plot", type=Path, default=None, help="PNG path (default: beside the JSON)")
     args = parser.parse_args()
     ratios = [float(r) for r in args.ratios.split(",")]
     depths = [float(d) for d in args.passkey_depths.split(",")]
+    adaptive_ratios = [float(r) for r in args.adaptive_ratios.split(",") if r]
     if any(not 0 < r <= 1 for r in ratios) or args.agreement_tokens < 2:
         parser.error("ratios must be in (0, 1] and --agreement-tokens >= 2")
+    if any(not 0 < r < 1 for r in adaptive_ratios):
+        parser.error("--adaptive-ratios must be in (0, 1) (1.0 has no cap to adapt)")
 
     from transformers import AutoTokenizer
 
@@ -250,7 +283,7 @@ def main() -> int:
     model_args = ["--model-path", str(model), "--context-length", str(context_length), "--dtype", args.dtype]
     results: dict[str, Any] = {
         "settings": {
-            "ratios": ratios, "top_k": args.top_k, "block_size": args.block_size,
+            "ratios": ratios, "adaptive_ratios": adaptive_ratios, "top_k": args.top_k, "block_size": args.block_size,
             "num_layers": args.num_layers or 30, "context_tokens": args.context_tokens,
             "agreement_tokens": args.agreement_tokens, "agreement_prompts": AGREEMENT_PROMPTS,
             "passkey_depths": depths, "passkey_cases": len(cases), "passkey_prompt_tokens": [c.prompt_tokens for c in cases],
@@ -260,6 +293,7 @@ def main() -> int:
         "machine": machine_info(),
         "dense": {},
         "ratios": {},
+        "adaptive": {},
     }  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="bench-fetch-cap-"))
     print(f"server logs in {logs}", flush=True)
@@ -274,13 +308,13 @@ def main() -> int:
     except Exception as exc:  # a failed server or request: record it and go on
         results["dense"]["error"] = f"{type(exc).__name__}: {exc}"[:2000]
 
-    for ratio in ratios:
-        print(f"[bench_fetch_cap] ratio {ratio} ...", flush=True)
-        entry: dict[str, Any] = {"cap_blocks": math.ceil(ratio * args.top_k) if ratio < 1 else None}
-        results["ratios"][str(ratio)] = entry
-        argv = sparse_args(ratio, args, model_args, host_tokens)
+    for section, ratio, adaptive, cap_blocks in sparse_settings(ratios, adaptive_ratios, args.top_k):
+        print(f"[bench_fetch_cap] ratio {ratio}{' adaptive' if adaptive else ''} ...", flush=True)
+        entry: dict[str, Any] = {"cap_blocks": cap_blocks}
+        results[section][str(ratio)] = entry
+        argv = sparse_args(ratio, adaptive, args, model_args, host_tokens)
         try:
-            with ServerProcess(argv, log_path=logs / f"sparse-{ratio}.log") as server:
+            with ServerProcess(argv, log_path=logs / f"{section}-{ratio}.log") as server:
                 outputs = measure(server, prompts, args.agreement_tokens, cases, entry, True)
         except Exception as exc:
             entry["error"] = f"{type(exc).__name__}: {exc}"[:2000]
@@ -293,11 +327,17 @@ def main() -> int:
         return "-" if value is None else f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
     rows = []
-    for name, r in [("dense", results["dense"]), *((f"sparse {k}", v) for k, v in results["ratios"].items())]:
+    named = [
+        ("dense", results["dense"]),
+        *((f"sparse {k}", v) for k, v in results["ratios"].items()),
+        *((f"adaptive {k}", v) for k, v in results["adaptive"].items()),
+    ]
+    for name, r in named:
         kib = r.get("bytes_per_step")
         hits = f"{r['passkey_hits']}/{len(cases)}" if "passkey_hits" in r else "-"
+        cap = r.get("cap_blocks")
         rows.append([
-            name, cell(r.get("cap_blocks")), cell(None if kib is None else kib / 1024, 1),
+            name, "..".join(map(str, cap)) if isinstance(cap, list) else cell(cap), cell(None if kib is None else kib / 1024, 1),
             cell(r.get("deferred_per_step")), cell(r.get("decode_tok_s")), cell(r.get("wait_share"), 3),
             cell(r.get("prefix_agreement"), 3), cell(r.get("position_agreement"), 3), hits,
             (r.get("error") or "")[:60].replace("\n", " "),
@@ -306,15 +346,19 @@ def main() -> int:
                "position_agr", "passkey", "error"]  # fmt: skip
     print_table(headers, rows)
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    results["ratios"] = {k: ordered(v, ENTRY_ORDER) for k, v in results["ratios"].items()}
-    results = ordered(results, ("dense", "ratios"))  # headline numbers first (run_all shows the first 8)
+    for section in ("ratios", "adaptive"):
+        results[section] = {k: ordered(v, ENTRY_ORDER) for k, v in results[section].items()}
+    results = ordered(
+        results, ("dense", "ratios", "adaptive")
+    )  # headline numbers first (run_all shows the first 8)
     args.json.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.json}")
     try:
         plot(results, ratios, args.plot or args.json.with_suffix(".png"))
     except Exception as exc:  # the numbers are written; a plot problem must not fail the run
         print(f"no plot: {type(exc).__name__}: {exc}")
-    measured = [r for r in (results["dense"], *results["ratios"].values()) if "decode_tok_s" in r]
+    everything = (results["dense"], *results["ratios"].values(), *results["adaptive"].values())
+    measured = [r for r in everything if "decode_tok_s" in r]
     return 0 if measured else 1
 
 

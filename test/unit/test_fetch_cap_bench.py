@@ -19,6 +19,7 @@ from bench_fetch_cap import (
     per_step,
     position_agreement,
     prefix_agreement,
+    sparse_settings,
 )
 from bench_overhead import covering_top_k, tpot_s
 
@@ -124,3 +125,16 @@ def test_tpot_and_covering_k() -> None:
         tpot_s([1.0])
     assert covering_top_k(1024, 64, 16) == 68 + 1
     assert covering_top_k(1000, 1, 16) == 63 + 1  # 1001 tokens: 62 full blocks and a partial one
+
+
+def test_sparse_settings_fixed_caps_then_adaptive_bounds() -> None:
+    # K = 128: ceil(0.05 x 128) = 7, ceil(0.25 x 128) = 32, 1.0 = no cap; the adaptive cap at 0.05 runs
+    # between ceil(0.05 x 128) = 7 and ceil(min(1, 0.2) x 128) = 26, at 0.3 between 39 and 128.
+    assert sparse_settings([0.05, 0.25, 1.0], [0.05, 0.3], 128) == [
+        ("ratios", 0.05, False, 7),
+        ("ratios", 0.25, False, 32),
+        ("ratios", 1.0, False, None),
+        ("adaptive", 0.05, True, [7, 26]),
+        ("adaptive", 0.3, True, [39, 128]),
+    ]
+    assert sparse_settings([0.01], [], 32) == [("ratios", 0.01, False, 1)]
