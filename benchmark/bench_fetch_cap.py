@@ -238,7 +238,8 @@ def plot(results: dict[str, Any], ratios: list[float], path: Path) -> None:
     axes[1].set(xscale="log", xlabel="fetch ratio", ylabel="decode tok/s (batch of 2)", title="decode speed")
     axes[1].legend()
     fig.suptitle(
-        f"fetch cap, K={results['settings']['top_k']}, ~{results['settings']['context_tokens']} tokens"
+        f"fetch cap, K={results['settings']['top_k']}, blocks of {results['settings']['block_size']}, "
+        f"~{results['settings']['context_tokens']} tokens"
     )
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
