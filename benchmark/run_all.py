@@ -79,7 +79,7 @@ FULL = Scale(
         "bench_capacity": ["--num-layers", "6"],
         "bench_lookahead": [],
         "bench_overhead": [],
-        "bench_fetch_cap": [],
+        "bench_fetch_cap": ["--adaptive-ratios", "0.05"],
         "bench_prefix": ["--num-layers", "6"],
         "bench_rpf": [],
         "bench_pd": [],
