@@ -37,9 +37,9 @@ blocks the fixed cap falls behind the drift and the adaptive one catches up.
 Writes ``ratios.<r>.{bytes_per_step, decode_tok_s, wait_share, deferred_per_step, prefix_agreement,
 position_agreement, passkey_hits}`` (plus ``blocks_loaded_per_step``, ``decode_steps``, ``cap_blocks``),
 ``adaptive.<r>.{...}`` (the same, ``cap_blocks`` being the bounds), ``dense.{decode_tok_s, passkey_hits}``,
-``settings``, ``date`` and ``machine``. A setting whose server or
-requests failed gets ``error`` (its other numbers are those measured before the failure) and the run goes
-on; the exit code is 1 only when nothing was measured. The plot (PNG, default: beside the JSON) shows
+``settings``, ``date`` and ``machine``. A setting whose server or requests failed gets ``error`` (its
+other numbers are those measured before the failure) and the run goes on; the exit code is 1 only when
+nothing was measured. The plot (PNG, default: beside the JSON) shows
 bytes per step and decode tok/s against the ratio (log x), with dense's tok/s as a line.
 """
 
@@ -349,9 +349,8 @@ def main() -> int:
     args.json.parent.mkdir(parents=True, exist_ok=True)
     for section in ("ratios", "adaptive"):
         results[section] = {k: ordered(v, ENTRY_ORDER) for k, v in results[section].items()}
-    results = ordered(
-        results, ("dense", "ratios", "adaptive")
-    )  # headline numbers first (run_all shows the first 8)
+    # headline numbers first (run_all shows the first 8)
+    results = ordered(results, ("dense", "ratios", "adaptive"))
     args.json.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.json}")
     try:
