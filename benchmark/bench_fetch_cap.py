@@ -55,11 +55,9 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import requests
-
 from common import Stream, essay_prompts, machine_info, oasis_stats, print_table, stream_generate
 from sglang_oasis.config import OasisConfig
-from sglang_oasis.evaluation.passkey import essays_text, make_case
+from sglang_oasis.evaluation.passkey import count_hits, essays_text, make_case
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.testing.server_process import ServerProcess
 
@@ -158,20 +156,6 @@ def generate_batch(url: str, prompts: list[list[int]], new_tokens: int) -> list[
     return streams
 
 
-def ask(url: str, messages: list[dict[str, str]]) -> str:
-    body: dict[str, Any] = {"model": "default", "messages": messages, "temperature": 0, "max_tokens": 12}
-    response = requests.post(url + "/v1/chat/completions", json=body, timeout=3600)
-    if response.status_code != 200:
-        raise RuntimeError(f"passkey request failed ({response.status_code}): {response.text[:300]}")
-    return str(response.json()["choices"][0]["message"]["content"])
-
-
-def passkey_hits(url: str, cases: list[Any]) -> int:
-    with ThreadPoolExecutor(len(cases)) as pool:
-        answers = list(pool.map(lambda case: ask(url, case.messages), cases))
-    return sum(case.hit(answer) for case, answer in zip(cases, answers, strict=True))
-
-
 def measure(
     server: ServerProcess,
     prompts: list[list[int]],
@@ -193,7 +177,7 @@ def measure(
         out["decode_steps"] = deltas["decode_steps"]
         out.update(per_step(deltas, wall))
     outputs = [s.output_ids for s in streams]
-    out["passkey_hits"] = passkey_hits(server.url, cases)
+    out["passkey_hits"] = count_hits(server.url, cases)
     return outputs
 
 

