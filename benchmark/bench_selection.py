@@ -16,14 +16,19 @@ not the pipeline. Selectors (``--selectors``):
   box: finer summaries (N times their memory) at the same transfer granularity (at 4K, K = 32: N = 2, 4,
   8, 16 find 1, 3, 4, 4 of 5 keys; N = B scores each block by its best key exactly);
 - ``minmax-center``: the same min/max summaries scored at the box's center, ``q . (kmin + kmax) / 2``
-  (an estimate of the block's mean key's score rather than a bound on its best key).
+  (an estimate of the block's mean key's score rather than a bound on its best key);
+- ``window``: the runtime's default (``--oasis-prefill-window``, ``--oasis-window-keep``): the first
+  step's blocks are the top-K by the exact attention mass of the prompt's last ``--window-tokens``
+  queries (known at prefill), the best ``ceil(--window-keep x K)`` of them stay selected at every step,
+  and the rest follow the min/max bound of the previous query.
 
 Every selector but ``minmax-current`` selects step t+1's blocks with step t's query (the runtime's
 timing; after the prompt, the last prompt token's query). The passkey cases are the test's (5 depths,
 seeds 0-4, ~``--context-tokens`` tokens of essays, greedy, 12 new tokens).
 
     python benchmark/bench_selection.py --json selection.json [--context-tokens 4000] [--top-k 32]
-        [--block-size 16] [--selectors dense,oracle,minmax,minmax-current,minmax-sub4] [--model-dir DIR]
+        [--block-size 16] [--selectors dense,oracle,minmax,minmax-current,minmax-sub4,window] [--model-dir DIR]
+        [--window-tokens 32] [--window-keep 0.25]
 
 Writes ``selectors.<name>.{hits, cases, answers}``, ``settings``, ``date`` and ``machine``; prints a table.
 """
@@ -40,7 +45,7 @@ from typing import Any
 import torch
 
 from common import machine_info, print_table
-from sgl_kernel_oasis import build_block_summaries, score_blocks
+from sgl_kernel_oasis import build_block_summaries, score_blocks, window_block_mass
 from sglang_oasis.evaluation.passkey import essays_text, make_case
 
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -49,9 +54,19 @@ DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 class Selector:
     """The attention function's state: which selector, K, B, and each layer's predicting query."""
 
-    def __init__(self, name: str, top_k: int, block_size: int) -> None:
+    def __init__(
+        self, name: str, top_k: int, block_size: int, window_tokens: int = 32, window_keep: float = 0.25
+    ) -> None:
         self.name, self.top_k, self.block = name, top_k, block_size
+        self.window_tokens, self.window_blocks = window_tokens, math.ceil(window_keep * top_k)
         self.previous: dict[int, torch.Tensor] = {}  # layer -> [q_heads, dim] last query
+        self.first: dict[int, torch.Tensor] = {}  # ``window``: layer -> [kv_heads, K] first blocks
+        self.pinned: dict[int, torch.Tensor] = {}  # ``window``: layer -> [kv_heads, P] kept blocks
+
+    def reset(self) -> None:
+        self.previous.clear()
+        self.first.clear()
+        self.pinned.clear()
 
     def scores(self, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """``[kv_heads, blocks]`` scores of the full blocks of ``keys`` ``[kv_heads, tokens, dim]`` for
@@ -85,6 +100,12 @@ class Selector:
         q_heads, kv_heads, tokens = query.shape[1], key.shape[1], key.shape[2]
         if self.name == "dense" or query.shape[2] > 1:  # the prompt attends densely
             self.previous[layer] = query[0, :, -1]
+            if self.name == "window" and tokens // self.block > self.top_k:
+                rows = min(self.window_tokens, query.shape[2])
+                mass = window_block_mass(query[0, :, -rows:].transpose(0, 1), key[0].transpose(0, 1),
+                                         self.block, scaling or query.shape[-1] ** -0.5)  # fmt: skip
+                self.first[layer] = mass.topk(self.top_k, dim=-1).indices
+                self.pinned[layer] = mass.topk(self.window_blocks, dim=-1).indices
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                           dropout=dropout, **kwargs)  # fmt: skip
         now = query[0, :, 0]
@@ -93,7 +114,13 @@ class Selector:
         full = (tokens - 1) // self.block  # full blocks before the current token's
         visible = torch.ones((kv_heads, tokens), dtype=torch.bool)
         if full > self.top_k:
-            chosen = self.scores(predicting, key[0, :, : full * self.block]).topk(self.top_k, dim=-1).indices
+            if layer in self.first:  # ``window``: the first step after the prompt
+                chosen = self.first.pop(layer)
+            else:
+                scores = self.scores(predicting, key[0, :, : full * self.block])
+                if layer in self.pinned:
+                    scores = scores.scatter(1, self.pinned[layer], float("inf"))
+                chosen = scores.topk(self.top_k, dim=-1).indices
             in_blocks = torch.zeros((kv_heads, full), dtype=torch.bool).scatter_(1, chosen, True)
             visible[:, : full * self.block] = in_blocks.repeat_interleave(self.block, dim=1)
         group = q_heads // kv_heads
@@ -113,7 +140,7 @@ def run_selector(model: Any, tokenizer: Any, cases: list[Any], selector: Selecto
     for case in cases:
         ids = tokenizer.apply_chat_template(case.messages, add_generation_prompt=True, return_tensors="pt",
                                             return_dict=True)["input_ids"]  # fmt: skip
-        selector.previous.clear()
+        selector.reset()
         with torch.no_grad():
             out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
         answers.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
@@ -129,8 +156,12 @@ def main() -> None:
     parser.add_argument("--context-tokens", type=int, default=4000)
     parser.add_argument("--top-k", type=int, default=32)
     parser.add_argument("--block-size", type=int, default=16)
-    parser.add_argument("--selectors", default="dense,oracle,minmax,minmax-current,minmax-sub4")
+    parser.add_argument("--selectors", default="dense,oracle,minmax,minmax-current,minmax-sub4,window")
     parser.add_argument("--new-tokens", type=int, default=12)
+    parser.add_argument("--window-tokens", type=int, default=32, help="the window selector's prompt tokens")
+    parser.add_argument(
+        "--window-keep", type=float, default=0.25, help="the window selector's kept share of K"
+    )
     parser.add_argument(
         "--model-dir", type=Path, default=None, help="default: SmolLM2-135M-Instruct (30 layers)"
     )
@@ -149,6 +180,7 @@ def main() -> None:
     ]
     results: dict[str, Any] = {
         "settings": {"context_tokens": args.context_tokens, "top_k": args.top_k, "block_size": args.block_size,
+                     "window_tokens": args.window_tokens, "window_keep": args.window_keep,
                      "prompt_tokens": [case.prompt_tokens for case in cases], "depths": list(DEPTHS),
                      "model": str(model_dir)},
         "selectors": {},
@@ -156,7 +188,11 @@ def main() -> None:
     for name in args.selectors.split(","):
         started = time.monotonic()
         result = run_selector(
-            model, tokenizer, cases, Selector(name, args.top_k, args.block_size), args.new_tokens
+            model,
+            tokenizer,
+            cases,
+            Selector(name, args.top_k, args.block_size, args.window_tokens, args.window_keep),
+            args.new_tokens,
         )
         results["selectors"][name] = {**result, "seconds": round(time.monotonic() - started, 1)}
         print(f"[bench_selection] {name}: {result['hits']}/{len(cases)}", flush=True)

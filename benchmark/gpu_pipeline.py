@@ -81,7 +81,7 @@ class PipelinedDecode:
 
     def job(self, layer: int, queries: torch.Tensor, admission: bool) -> SelectionJob:
         ctx = self.ctx
-        return SelectionJob(layer, ctx["reqs"], queries, ctx["full"], ctx["pages"], self.step, admission,
+        return SelectionJob(layer, ctx["reqs"], queries, None, None, ctx["full"], ctx["pages"], self.step, admission,
                             None if admission else ctx["cap"], ())  # fmt: skip
 
     def admit(self, layers: int, queries: torch.Tensor) -> None:

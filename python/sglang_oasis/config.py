@@ -78,6 +78,26 @@ class OasisConfig:
             "to budget // ((top-k + sink blocks) * block size) unless that is given.",
         },
     )
+    prefill_window: int = field(
+        default=32,
+        metadata={
+            "help": "Tokens at the end of a prompt whose exact attention, computed by the dense prefill, "
+            "chooses the first working set (sparse mode): each KV head starts from the top-K blocks by "
+            "the attention mass the prompt's last N queries give them (an observation window, as in "
+            "SnapKV; beyond the OasisKV paper), later steps select by the min/max summaries as usual. "
+            "0: the first working set is chosen like every other, by the summaries and the last "
+            "prompt token's query.",
+        },
+    )
+    window_keep: float = field(
+        default=0.25,
+        metadata={
+            "help": "Share of the top-K that the prefill window's best blocks keep for the whole request "
+            "(sparse mode, with --oasis-prefill-window): ceil(share x top-k) blocks per layer and KV "
+            "head stay selected at every decode step, the rest follow the summaries. 0: none stay "
+            "(the window only chooses the first working set).",
+        },
+    )
     lookahead: str = field(
         default="previous",
         metadata={
@@ -181,10 +201,13 @@ class OasisConfig:
         for name in ("block_size", "top_k", "device_kv_tokens", "cpu_max_total_tokens", "remote_fetch_ttl"):
             if getattr(self, name) <= 0:
                 raise OasisConfigError(f"{_option(name)}: must be positive, got {getattr(self, name)}")
+        if not 0 <= self.window_keep <= 1:
+            raise OasisConfigError(f"{_option('window_keep')}: must be in [0, 1], got {self.window_keep}")
         if not 0 < self.fetch_ratio <= 1:
             raise OasisConfigError(f"{_option('fetch_ratio')}: must be in (0, 1], got {self.fetch_ratio}")
-        if self.sink_blocks < 0:
-            raise OasisConfigError(f"{_option('sink_blocks')}: must be >= 0, got {self.sink_blocks}")
+        for name in ("sink_blocks", "prefill_window"):
+            if getattr(self, name) < 0:
+                raise OasisConfigError(f"{_option(name)}: must be >= 0, got {getattr(self, name)}")
         if self.host_kv_tokens is not None and self.host_kv_tokens < self.block_size:
             raise OasisConfigError(
                 f"{_option('host_kv_tokens')}: must hold at least one block ({self.block_size}), "
@@ -200,6 +223,11 @@ class OasisConfig:
     def fetch_cap(self) -> int | None:
         """Blocks per head and step the host tier may send (None: no cap)."""
         return None if self.fetch_ratio >= 1 else math.ceil(self.fetch_ratio * self.top_k)
+
+    @property
+    def window_blocks(self) -> int:
+        """Blocks per layer and KV head that the prefill window keeps selected for the whole request."""
+        return math.ceil(self.window_keep * self.top_k) if self.prefill_window else 0
 
     @property
     def fetch_cap_bounds(self) -> tuple[int, int]:

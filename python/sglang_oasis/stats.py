@@ -20,6 +20,8 @@ COUNTERS = {
     "decode_steps": "decode forward passes",
     "selections": "(request, layer) block selections made",
     "selection_changes": "blocks newly selected into a working set (the sum over selections)",
+    "window_selections": "(request, layer) first selections chosen by the prefill window's attention "
+    "(--oasis-prefill-window) rather than the block summaries",
     "blocks_loaded": "blocks copied host -> device (one block of one KV head counts once)",
     "bytes_host_to_device": "bytes copied host -> device into working sets",
     "decode_blocks_loaded": "blocks loaded host -> device at decode steps (admission excluded)",

@@ -5,7 +5,13 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sgl_kernel_oasis import append_block_summaries, build_block_summaries, score_blocks, select_top_blocks
+from sgl_kernel_oasis import (
+    append_block_summaries,
+    build_block_summaries,
+    score_blocks,
+    select_top_blocks,
+    window_block_mass,
+)
 
 
 def summaries_loop(keys: torch.Tensor, block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -186,3 +192,51 @@ def test_top_k_respects_padding_and_short_rows() -> None:
     selected = select_top_blocks(scores, 2, sinks, valid)
     assert selected[0, 0].tolist() == [True, False, True, False, True]  # sink + 9 and 8
     assert selected[1, 0].tolist() == [True, True, True, False, False]  # padding never wins
+
+
+def window_mass_loop(
+    queries: torch.Tensor, keys: torch.Tensor, block_size: int, scale: float
+) -> torch.Tensor:
+    window, num_q, _ = queries.shape
+    tokens, num_kv, _ = keys.shape
+    group = num_q // num_kv
+    out = torch.zeros(num_kv, tokens // block_size, dtype=torch.float64)
+    for i in range(window):
+        position = tokens - window + i
+        for qh in range(num_q):
+            kv = qh // group
+            logits = [
+                float(queries[i, qh].double() @ keys[t, kv].double()) * scale for t in range(position + 1)
+            ]
+            probs = torch.tensor(logits, dtype=torch.float64).softmax(dim=0)
+            for t in range(min(position + 1, out.shape[1] * block_size)):
+                out[kv, t // block_size] += probs[t]
+    return out
+
+
+@pytest.mark.parametrize(
+    ("tokens", "block_size", "window"), [(17, 16, 1), (63, 16, 7), (40, 5, 40), (101, 5, 32)]
+)
+@pytest.mark.parametrize(("num_q", "num_kv"), [(2, 2), (3, 1), (14, 2)])
+def test_window_block_mass_matches_loop(
+    tokens: int, block_size: int, window: int, num_q: int, num_kv: int
+) -> None:
+    g = torch.Generator().manual_seed(tokens * 100 + window + num_q)
+    queries = torch.randn(window, num_q, 8, generator=g) * 2
+    keys = torch.randn(tokens, num_kv, 8, generator=g)
+    got = window_block_mass(queries, keys, block_size, scale=0.3)
+    want = window_mass_loop(queries, keys, block_size, scale=0.3)
+    assert got.shape == (num_kv, tokens // block_size) and got.dtype == torch.float32
+    torch.testing.assert_close(got.double(), want, rtol=1e-5, atol=1e-6)
+
+
+def test_window_block_mass_is_all_the_mass_without_a_tail_and_finds_a_planted_key() -> None:
+    """Every window row's softmax sums to one per query head, so with no partial tail the blocks hold
+    group x window in all; a key equal to the window's query direction draws most of it."""
+    g = torch.Generator().manual_seed(7)
+    queries = torch.randn(4, 6, 16, generator=g)
+    keys = torch.randn(64, 2, 16, generator=g) * 0.1
+    keys[37, 0] = queries[:, :3].mean(dim=(0, 1)) * 4  # block 9 of KV head 0
+    mass = window_block_mass(queries, keys, block_size=4, scale=1.0)
+    torch.testing.assert_close(mass.sum(dim=1), torch.full((2,), 3.0 * 4))
+    assert int(mass[0].argmax()) == 9

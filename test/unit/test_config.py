@@ -47,6 +47,9 @@ def test_cli_parses_every_field() -> None:
         ({"mode": "bogus"}, "--oasis-mode"),
         ({"cpu_max_total_tokens": 0}, "--oasis-cpu-max-total-tokens"),
         ({"remote_fetch_ttl": 0}, "--oasis-remote-fetch-ttl"),
+        ({"sink_blocks": -1}, "--oasis-sink-blocks"),
+        ({"prefill_window": -1}, "--oasis-prefill-window"),
+        ({"window_keep": 1.5}, "--oasis-window-keep"),
     ],
 )
 def test_invalid_values_name_the_option(kwargs: dict, option: str) -> None:

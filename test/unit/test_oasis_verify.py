@@ -1,5 +1,6 @@
-"""The oasis backend's TARGET_VERIFY path on a constructed case, with small stand-in pools (pure logic:
-the real-server equivalence tests are in test/integration/test_lookahead.py).
+"""The oasis backend's TARGET_VERIFY path, PD arrivals and the prefill window's first selection on
+constructed cases, with small stand-in pools (pure logic: the real-server equivalence tests are in
+test/integration/test_lookahead.py, the window's passkey test in test/integration/test_passkey.py).
 
 One request, one KV head, head_dim 2, blocks of 4 tokens, K = 1. Block b's keys all point along one
 direction, so a query selects the block it points at. The real row's query points at block 0 and the
@@ -43,7 +44,7 @@ class TinyKVPool:
         self.v[locations] = v.view(-1, 1, DIM)
 
 
-def _backend(pool: TinyKVPool, top_k: int = 1) -> OasisAttnBackend:
+def _backend(pool: TinyKVPool, top_k: int = 1, **config: int) -> OasisAttnBackend:
     req_to_token = torch.zeros(2, 64, dtype=torch.int32)
     runner = SimpleNamespace(
         device="cpu",
@@ -53,7 +54,7 @@ def _backend(pool: TinyKVPool, top_k: int = 1) -> OasisAttnBackend:
         token_to_kv_pool=pool,
         server_args=SimpleNamespace(port=1, enable_metrics=False),
     )
-    return OasisAttnBackend(runner, OasisConfig(block_size=BLOCK, top_k=top_k))
+    return OasisAttnBackend(runner, OasisConfig(block_size=BLOCK, top_k=top_k, **config))
 
 
 def _verify_step(backend: OasisAttnBackend, seq_len: int, scaling: float) -> tuple[SimpleNamespace, ...]:
@@ -184,7 +185,8 @@ def test_a_remotely_fetched_arrival_starts_from_the_prefill_selection(mode: Forw
     backend.req_to_token_pool.req_to_token[:2, : prompt + 2] = torch.arange(prompt + 2, dtype=torch.int32)
     backend.req_to_token_pool.req_generation[:2] = torch.tensor([5, 6])
     selection = torch.tensor([[[False, True, False, True]]])  # [layers, kv heads, full blocks]
-    arrivals = {0: Arrival(5, selection, prompt), 1: Arrival(6, selection, prompt + 1)}
+    pinned = torch.tensor([[[False, False, False, True]]])  # the prefill window keeps block 3
+    arrivals = {0: Arrival(5, selection, prompt, pinned), 1: Arrival(6, selection, prompt + 1)}
     backend.remote = SimpleNamespace(take_arrival=lambda slot, generation: arrivals.pop(slot, None))
     seq_len = prompt + (1 if mode == ForwardMode.DECODE else 0)
 
@@ -199,6 +201,45 @@ def test_a_remotely_fetched_arrival_starts_from_the_prefill_selection(mode: Forw
     assert not backend._admission, "no dense first step for the fetched request"
     assert backend.summarised[0, 0] == prompt and backend.working_sets.covered[0, 0] == 4
     assert sorted(backend.working_sets.slot_block[0, 0, 0].tolist()) == [1, 3]
+    assert backend.pinned[0, 0, 0].tolist() == [3], "the prefill window's pins arrive with the hand-off"
+    assert torch.equal(backend.admission_pins(0, prompt), pinned)
     assert backend.take_failed_request(0, 5) is None
     arrive(1)
     assert backend.take_failed_request(1, 6) is not None, "a mismatched hand-off fails its request"
+
+
+@pytest.mark.parametrize(
+    ("window", "keep", "first", "later"), [(0, 0.5, 0, 0), (1, 0.0, 1, 0), (3, 1.0, 1, 1)]
+)
+def test_the_prefill_window_chooses_the_first_working_set_by_exact_attention(
+    window: int, keep: float, first: int, later: int
+) -> None:
+    """Block 0's keys spread over a wide box whose corner the query points at, though no key in it
+    does (q . k = 0); block 1's keys point along the query. The min/max bound ranks block 0 first, the
+    window's exact attention mass block 1; block 2 (small keys) neither. K = 1. At the next decode step
+    the summaries would pick block 0 again, unless the window's block stays pinned (--oasis-window-keep)."""
+    pool = TinyKVPool(64)
+    backend = _backend(pool, prefill_window=window, window_keep=keep)
+    seq_len = 3 * BLOCK + 1
+    pool.k[0:BLOCK:2, 0] = torch.tensor([5.0, -5.0])
+    pool.k[1:BLOCK:2, 0] = torch.tensor([-5.0, 5.0])
+    pool.k[BLOCK : 2 * BLOCK, 0] = torch.tensor([1.0, 1.0])
+    pool.k[2 * BLOCK : seq_len + 1, 0] = 0.1
+    backend.req_to_token_pool.req_to_token[0, : seq_len + 1] = torch.arange(seq_len + 1, dtype=torch.int32)
+    layer = SimpleNamespace(layer_id=0, tp_q_head_num=1, qk_head_dim=DIM, v_head_dim=DIM, scaling=1.0,
+                            is_cross_attention=False)  # fmt: skip
+    backend._set_batch([0])
+    backend._admission = True
+    backend.working_sets.claim(0, 0)
+    backend._catch_up_summaries(0, torch.tensor([seq_len]))
+    q_rows = torch.tensor([1.0, 1.0]).expand(seq_len, 1, DIM) * 2  # the prompt's queries, last row last
+    prior = backend._window_prior(layer, q_rows, [seq_len - 1], [seq_len], [seq_len])
+    assert (prior is None) == (window == 0)
+    backend._select(layer, q_rows[-1:], [seq_len], prior)
+    backend.finish_pending()
+    assert backend.working_sets.slot_block[0, 0, 0].tolist() == [first]
+
+    backend._admission = False  # a decode step, its query the same
+    backend._select(layer, q_rows[-1:], [seq_len + 1])
+    backend.finish_pending()
+    assert backend.working_sets.slot_block[0, 0, 0].tolist() == [later]

@@ -20,7 +20,10 @@ def test_handoff_round_trips_layout_selection_and_prefix() -> None:
     assert back.layout == layout
     assert back.selection.dtype == torch.bool and torch.equal(back.selection, selection)
     assert back.decode_prefix_len == 320
-    assert back.draft is None
+    assert back.draft is None and back.pinned is None
+    pinned = selection & (torch.rand(selection.shape, generator=generator) < 0.5)
+    back = Handoff.from_json(Handoff(layout, selection, 320, pinned=pinned).to_json())
+    assert back.pinned is not None and torch.equal(back.pinned, pinned)
 
 
 def test_handoff_carries_the_draft_models_layout() -> None:

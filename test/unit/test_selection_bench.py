@@ -80,3 +80,22 @@ def test_covering_k_decodes_exactly_like_dense(tiny_llama_dir: Path) -> None:
     dense = run_selector(model, tokenizer, cases, Selector("dense", 64, 16), 6)["answers"]
     for name in ("oracle", "minmax", "minmax-current", "minmax-sub4", "minmax-center"):
         assert run_selector(model, tokenizer, cases, Selector(name, 64, 16), 6)["answers"] == dense, name
+
+
+def test_window_starts_from_the_prompts_attention_and_keeps_its_best_block() -> None:
+    """``window``: the prompt's last queries point at block 3, the last prompt token's own query at
+    block 1: the first decode step attends block 3 (the window's choice, not the bound of the previous
+    query), and with the whole K kept the next step still does though its predicting query is ``a``."""
+    keys, a, b = keys_with_aligned_blocks()
+    values = torch.randn(keys.shape, generator=torch.Generator().manual_seed(1))
+    selector = Selector("window", top_k=1, block_size=B, window_tokens=2, window_keep=1.0)
+    module = SimpleNamespace(layer_idx=0, num_key_value_groups=2, is_causal=True, training=False)
+    prompt = torch.stack([b, b, a], dim=1)[None]  # [1, q_heads, 3 prompt tokens, dim]: window = (b, a)
+    prompt[0, :, 1] *= 5  # b dominates the window's mass
+    selector.attend(module, prompt, keys[None, :, :-1], values[None, :, :-1], None, scaling=0.5)
+    assert selector.first[0].tolist() == [[3]] and selector.pinned[0].tolist() == [[3]]
+    for _ in range(2):
+        out, _ = selector.attend(module, a[None, :, None, :], keys[None], values[None], None, scaling=0.5)
+        seen = [*range(3 * B, 4 * B), BLOCKS * B]
+        weights = (a[:, None, :] @ keys[0, seen].T[None] * 0.5).softmax(-1)
+        torch.testing.assert_close(out[0, 0], (weights @ values[0, seen])[:, 0])

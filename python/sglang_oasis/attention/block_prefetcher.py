@@ -37,6 +37,8 @@ class SelectionJob(NamedTuple):
     layer_id: int
     reqs: torch.Tensor  # [bs] request slots
     queries: torch.Tensor  # [bs, q_heads, dim] the predicting query rows
+    prior: torch.Tensor | None  # [bs, kv_heads, N] scores replacing the summaries' (prefill window)
+    pinned: torch.Tensor | None  # [bs, kv_heads, P] blocks always selected (prefill window), -1: none
     full: torch.Tensor  # [bs] full blocks of each request
     pages: torch.Tensor  # [bs, N] host page of each logical block
     step: int
@@ -119,7 +121,7 @@ class BlockPrefetcher:
 
     def _choose(self, job: SelectionJob) -> tuple[torch.Tensor, torch.Tensor]:
         """``[bs, kv_heads, N]``: the blocks each head should hold next step, and their priority (summary
-        score; sink blocks first)."""
+        score, or the job's prior where it has one; sink blocks first)."""
         num_blocks = job.pages.shape[1]
         index = torch.arange(num_blocks)
         valid = index[None, :] < job.full[:, None]  # [bs, N]
@@ -127,13 +129,21 @@ class BlockPrefetcher:
         priority = torch.zeros(selected.shape)
         over = job.full > self.num_slots
         if bool(over.any()):
-            kmin, kmax = self.summaries.kmin[job.layer_id], self.summaries.kmax[job.layer_id]
-            device = kmin.device
-            queries, pages = (
-                job.queries[over][:, None].to(device),
-                job.pages[over].to(device, non_blocking=True),
-            )
-            scores = ops.score_paged_blocks(queries, kmin, kmax, pages)[:, 0].cpu()  # [n, H, N]
+            if job.prior is not None:
+                scores = job.prior[over]  # [n, H, N]
+            else:
+                kmin, kmax = self.summaries.kmin[job.layer_id], self.summaries.kmax[job.layer_id]
+                device = kmin.device
+                queries, pages = (
+                    job.queries[over][:, None].to(device),
+                    job.pages[over].to(device, non_blocking=True),
+                )
+                scores = ops.score_paged_blocks(queries, kmin, kmax, pages)[:, 0].cpu()  # [n, H, N]
+            if job.pinned is not None:  # the window's blocks outrank every summary score
+                pinned = job.pinned[over]
+                forced = torch.zeros((*scores.shape[:-1], num_blocks + 1), dtype=torch.bool)
+                forced.scatter_(-1, torch.where(pinned >= 0, pinned, num_blocks), True)  # -1: column N
+                scores = scores.masked_fill(forced[..., :num_blocks], float("inf"))
             sinks = (index < self.sink_blocks)[None, None, :]
             selected[over] = select_top_blocks(scores, self.top_k, sinks, valid[over][:, None, :])
             priority[over] = scores.masked_fill(sinks, float("inf"))

@@ -5,8 +5,10 @@ KV; this backend keeps, beside it, the block summaries (``BlockSummaryStore``) a
 (``WorkingSetPool``) that stand for device memory. Per layer:
 
 - extend (prefill, or a suffix after a prefix hit): dense attention over the pool, exactly as SGLang's
-  torch_native backend; the new keys are folded into the summaries; the last prompt token's query
-  selects the first working set;
+  torch_native backend; the new keys are folded into the summaries; the first working set is each KV
+  head's top-K blocks by the exact attention of the last ``--oasis-prefill-window`` new tokens' queries
+  (the best ``--oasis-window-keep`` share of them stays selected at every later step), or with the
+  window off, by the summaries' scores for the last token's query;
 - decode step t: attention over each KV head's working set plus the active tail (tokens after the
   blocks the selection covered); then the step-t query (or, with lookahead, the draft token's) scores
   every full block's summary and its top-K is the prediction for step t+1. The blocks that changed load
@@ -30,7 +32,7 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sgl_kernel_oasis import ops, sparse_decode_attention
+from sgl_kernel_oasis import ops, sparse_decode_attention, window_block_mass
 from sglang_oasis.attention.block_prefetcher import INJECT_ENV, BlockPrefetcher, JobResult, SelectionJob
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.disaggregation.pd_partial import Arrival, DecodeFetcher, PrefillStager, register_draft_pool
@@ -96,6 +98,9 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         self.prefetcher = BlockPrefetcher(
             self.working_sets, self.summaries, pool, config.top_k, config.sink_blocks, self.num_kv_heads
         )
+        # Per request slot, layer and KV head: the blocks the prefill window keeps selected (-1: none).
+        self.window_blocks = config.window_blocks
+        self.pinned = torch.full((max_requests, num_layers, self.num_kv_heads, self.window_blocks), -1)
         self._caps: list[int | None] = [config.fetch_cap] * num_layers
         self._drift = [0.0] * num_layers
         self.prompt_len: dict[int, int] = {}  # request slot -> tokens after its last extend
@@ -155,6 +160,17 @@ class OasisAttnBackend(TorchNativeAttnBackend):
                 selection[layer] = selected
         return selection
 
+    def admission_pins(self, req: int, num_tokens: int) -> torch.Tensor | None:
+        """``[layers, kv_heads, full blocks]`` bool: the blocks the prefill window keeps selected for
+        request slot ``req`` (None: the window keeps none)."""
+        if not self.window_blocks:
+            return None
+        full = num_tokens // self.block_size
+        pins = self.pinned[req]  # [layers, kv_heads, P]
+        mask = torch.zeros((*pins.shape[:2], full + 1), dtype=torch.bool)
+        mask.scatter_(-1, torch.where((pins >= 0) & (pins < full), pins, full), True)
+        return mask[..., :full]
+
     # --- per forward batch ------------------------------------------------------------------------
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -194,6 +210,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             self.stats.add("requests")
             self.stats.add("arrived_requests")
             self.slot_pages[req] = -1
+            self.pinned[req] = -1  # no extend here, no window (a hand-off may bring its pins below)
             self.working_sets.claim(req, int(generations[row]))
             self.prompt_len[req] = int(seq_lens[row]) - current
             fetched = self.remote.take_arrival(req, int(generations[row])) if self.remote else None
@@ -225,6 +242,10 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         for layer in range(pool.layer_num):
             if layer in self.dense_layers:
                 continue
+            if arrival.pinned is not None and self.window_blocks:
+                kept = [b.nonzero().flatten()[: self.window_blocks] for b in arrival.pinned[layer]]
+                for head, blocks in enumerate(kept):
+                    self.pinned[req, layer, head, : len(blocks)] = blocks
             self.working_sets.covered[req, layer] = full
             if full:
                 plan = self.working_sets.plan_selections(
@@ -349,8 +370,41 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         self.summarised[self._req_index, layer_id] = forward_batch.seq_lens.cpu()
         q_rows = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         last = torch.cumsum(forward_batch.extend_seq_lens, 0) - 1  # last new token of each request
-        self._select(layer, q_rows[last], forward_batch.seq_lens.tolist())
+        seq_lens = forward_batch.seq_lens.tolist()
+        extend_lens = forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist()
+        prior = self._window_prior(layer, q_rows, last.tolist(), [int(n) for n in extend_lens], seq_lens)
+        self._select(layer, q_rows[last], seq_lens, prior)
         return out
+
+    def _window_prior(
+        self,
+        layer: RadixAttention,
+        q_rows: torch.Tensor,
+        last_rows: list[int],
+        extend_lens: list[int],
+        seq_lens: list[int],
+    ) -> torch.Tensor | None:
+        """``[bs, kv_heads, N]`` scores for the first working sets (``--oasis-prefill-window``): each full
+        block's exact attention mass from the last (up to) ``window`` new tokens' queries; None when the
+        window is off or every request keeps all its blocks anyway."""
+        window, block = self.config.prefill_window, self.block_size
+        full = [n // block for n in seq_lens]
+        if window == 0 or max(full, default=0) <= self.num_slots:
+            return None
+        keys = self.token_to_kv_pool.get_key_buffer(layer.layer_id)
+        req_to_token = self.req_to_token_pool.req_to_token
+        prior = torch.zeros((len(seq_lens), self.num_kv_heads, max(full)))
+        for row, (req, last, new, total) in enumerate(
+            zip(self._reqs, last_rows, extend_lens, seq_lens, strict=True)
+        ):
+            if full[row] <= self.num_slots:
+                continue  # keeps every block: nothing to rank
+            rows = min(window, new)
+            locs = req_to_token[req, :total].to(torch.int64)
+            mass = window_block_mass(q_rows[last - rows + 1 : last + 1], keys[locs], block, layer.scaling)
+            prior[row, :, : full[row]] = mass.cpu()
+            self.stats.add("window_selections")
+        return prior
 
     def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):
         layer_id = layer.layer_id
@@ -529,14 +583,21 @@ class OasisAttnBackend(TorchNativeAttnBackend):
 
     # --- selection and transfer (the prefetch pipeline) -----------------------------------------
 
-    def _select(self, layer: RadixAttention, queries: torch.Tensor, seq_lens: list[int]) -> None:
+    def _select(
+        self,
+        layer: RadixAttention,
+        queries: torch.Tensor,
+        seq_lens: list[int],
+        prior: torch.Tensor | None = None,
+    ) -> None:
         """Choose each request's working set for the next step from ``queries`` ``[bs, q_heads, dim]``
         and load the blocks that changed: a job for the prefetch pipeline (in the background unless
         ``--oasis-prefetch sync``), waited for at this layer's next attention.
 
         Requests with at most ``top_k + sink_blocks`` full blocks keep all of them; the others keep
-        their sink blocks plus the top-K blocks by summary score, per KV head. After an extend (the
-        admission) every selected block loads; at decode at most the fetch cap per head.
+        their sink blocks plus the top-K blocks by summary score (or by ``prior`` ``[bs, kv_heads, N]``,
+        the prefill window's attention mass), per KV head. After an extend (the admission) every
+        selected block loads; at decode at most the fetch cap per head.
         """
         layer_id = layer.layer_id
         if not seq_lens:
@@ -562,10 +623,18 @@ class OasisAttnBackend(TorchNativeAttnBackend):
                 torch.arange(num_blocks) < full[:, None], host_pages, -1
             )
             self.slot_epochs[reqs, :num_blocks] = self.summaries.epoch[host_pages]
+        pinned = None
+        if self.window_blocks:
+            if admission:  # the window's best blocks stay selected until the request's next extend
+                self.pinned[reqs, layer_id] = self._window_pins(prior, full)
+            else:
+                pinned = self.pinned[reqs, layer_id].clone()
         job = SelectionJob(
             layer_id=layer_id,
             reqs=reqs,
             queries=queries.detach().clone(),
+            prior=prior,
+            pinned=pinned,
             full=full,
             pages=pages,
             step=self.step,
@@ -575,6 +644,18 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         )
         for result in self.pipeline.submit(layer_id, lambda: self.prefetcher.run(job)):
             self._account(result)
+
+    def _window_pins(self, prior: torch.Tensor | None, full: torch.Tensor) -> torch.Tensor:
+        """``[bs, kv_heads, window_blocks]`` block ids the prefill window keeps selected (-1: none),
+        the best by ``prior`` for requests with more blocks than their working sets hold."""
+        pins = torch.full((len(full), self.num_kv_heads, self.window_blocks), -1, dtype=torch.int64)
+        if prior is None:
+            return pins
+        over = full > self.num_slots  # only these have a prior; they have more blocks than pins
+        valid = torch.arange(prior.shape[-1])[None, None, :] < full[:, None, None]
+        best = prior.masked_fill(~valid, float("-inf")).topk(self.window_blocks, dim=-1).indices
+        pins[over] = best[over]
+        return pins
 
     def finish_pending(self) -> None:
         """Wait for every layer's pending selection and transfer."""

@@ -88,14 +88,15 @@ class Handoff:
     selection: torch.Tensor  # bool [layers, kv_heads, full blocks]: the first working sets
     decode_prefix_len: int  # tokens the decode node holds through its radix cache (never read)
     draft: StagedKVLayout | None = None  # the EAGLE-3 draft model's KV (no summaries needed)
+    pinned: torch.Tensor | None = None  # bool, like selection: the prefill window's kept blocks
 
     def to_json(self) -> bytes:
-        bits = np.packbits(self.selection.numpy().astype(np.uint8).ravel())
         return json.dumps(
             {
                 "layout": self.layout.to_dict(),
                 "selection_shape": list(self.selection.shape),
-                "selection": base64.b64encode(bits.tobytes()).decode("ascii"),
+                "selection": _pack_bits(self.selection),
+                "pinned": None if self.pinned is None else _pack_bits(self.pinned),
                 "decode_prefix_len": self.decode_prefix_len,
                 "draft": None if self.draft is None else self.draft.to_dict(),
             }
@@ -105,16 +106,24 @@ class Handoff:
     def from_json(cls, body: bytes) -> Handoff:
         data = json.loads(body)
         shape = tuple(data["selection_shape"])
-        bits = np.frombuffer(base64.b64decode(data["selection"]), dtype=np.uint8)
-        count = int(np.prod(shape))
-        selection = torch.from_numpy(np.unpackbits(bits)[:count].astype(bool).reshape(shape))
-        draft = data.get("draft")
+        draft, pinned = data.get("draft"), data.get("pinned")
         return cls(
             StagedKVLayout.from_dict(data["layout"]),
-            selection,
+            _unpack_bits(data["selection"], shape),
             int(data["decode_prefix_len"]),
             None if draft is None else StagedKVLayout.from_dict(draft),
+            None if pinned is None else _unpack_bits(pinned, shape),
         )
+
+
+def _pack_bits(mask: torch.Tensor) -> str:
+    return base64.b64encode(np.packbits(mask.numpy().astype(np.uint8).ravel()).tobytes()).decode("ascii")
+
+
+def _unpack_bits(text: str, shape: tuple[int, ...]) -> torch.Tensor:
+    bits = np.frombuffer(base64.b64decode(text), dtype=np.uint8)
+    count = int(np.prod(shape))
+    return torch.from_numpy(np.unpackbits(bits)[:count].astype(bool).reshape(shape))
 
 
 def handoff_endpoint(bootstrap_host: str, bootstrap_port: int) -> str | None:
@@ -219,7 +228,8 @@ class PrefillStager:
             None if draft is None else self.staging.stage(f"{room}/draft", *gathered(draft), summaries=False)
         )
         selection = backend.admission_selection(slot, num_tokens)
-        body = Handoff(layout, selection, decode_prefix_len, draft_layout).to_json()
+        pinned = backend.admission_pins(slot, num_tokens)
+        body = Handoff(layout, selection, decode_prefix_len, draft_layout, pinned).to_json()
         now = time.monotonic()
         with self._lock:
             self._handoffs[room] = (body, now)
@@ -296,6 +306,7 @@ class Arrival:
     generation: int
     selection: torch.Tensor  # [layers, kv_heads, full blocks]
     num_tokens: int
+    pinned: torch.Tensor | None = None  # like selection: the blocks the prefill window keeps selected
 
 
 class DecodeFetcher:
@@ -381,7 +392,7 @@ class DecodeFetcher:
             raise RemoteFetchError(f"admission read failed: {error}") from None
         with self._lock:
             self._staged[slot] = (generation, url, room)
-            self.arrivals[slot] = Arrival(generation, selection, layout.num_tokens)
+            self.arrivals[slot] = Arrival(generation, selection, layout.num_tokens, handoff.pinned)
         stats = self.backend.stats
         stats.add("remote_requests")
         stats.add("remote_admission_bytes", counters.admission_bytes - before[0])

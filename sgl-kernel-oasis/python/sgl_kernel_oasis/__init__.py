@@ -11,6 +11,7 @@ from sgl_kernel_oasis.block_scoring import (
     score_blocks_batched,
     score_paged_blocks,
     select_top_blocks,
+    window_block_mass,
 )
 from sgl_kernel_oasis.block_summaries import (
     append_block_summaries,
@@ -30,4 +31,5 @@ __all__ = [
     "select_top_blocks",
     "sparse_decode_attention",
     "update_page_summaries",
+    "window_block_mass",
 ]

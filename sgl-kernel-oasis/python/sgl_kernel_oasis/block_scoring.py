@@ -96,6 +96,49 @@ def score_paged_blocks(
     return torch.stack(out, dim=1)
 
 
+def window_block_mass(
+    queries: torch.Tensor, keys: torch.Tensor, block_size: int, scale: float
+) -> torch.Tensor:
+    """Exact attention mass each full block of a sequence receives from its last ``w`` queries (an
+    observation window at the end of a prompt; SnapKV's signal), per KV head.
+
+    Prefill attends densely, so the window's attention is known exactly; a first working set chosen by
+    it does not depend on how well a min/max box bounds the block's keys. Plain torch on every device:
+    it runs once per request and layer at prefill, ``w x tokens`` logits per query head.
+
+    Args:
+        queries: ``[w, num_q_heads, head_dim]``, the queries of the sequence's last ``w`` tokens (row i
+            at position ``tokens - w + i``; causal: it sees keys up to its own position).
+        keys: ``[tokens, num_kv_heads, head_dim]``, the whole sequence's keys.
+        block_size: tokens per block; only the ``tokens // block_size`` full blocks are scored (the
+            partial tail still takes its share of each softmax).
+        scale: the attention's logit scale (``1 / sqrt(head_dim)`` for most models).
+
+    Returns:
+        ``[num_kv_heads, tokens // block_size]`` float32: softmax probability summed over the block's
+        tokens, the group's query heads and the window's rows.
+    """
+    assert queries.dim() == 3 and keys.dim() == 3 and queries.shape[2] == keys.shape[2], (
+        queries.shape,
+        keys.shape,
+    )
+    window, num_q_heads, _ = queries.shape
+    tokens, num_kv_heads, _ = keys.shape
+    assert 0 < window <= tokens, (window, tokens)
+    assert num_q_heads % num_kv_heads == 0, f"{num_q_heads} query heads over {num_kv_heads} KV heads"
+    group = num_q_heads // num_kv_heads
+    full = tokens // block_size
+    position = torch.arange(tokens - window, tokens, device=keys.device)
+    hidden = torch.arange(tokens, device=keys.device)[None, :] > position[:, None]  # [w, tokens]
+    out = torch.empty((num_kv_heads, full), dtype=torch.float32, device=keys.device)
+    for head in range(num_kv_heads):  # one KV head at a time: [group, w, tokens] logits, not [H, ...]
+        q = queries[:, head * group : (head + 1) * group].float().transpose(0, 1)  # [group, w, dim]
+        logits = torch.matmul(q, keys[:, head].float().t()) * scale
+        probs = logits.masked_fill(hidden, float("-inf")).softmax(dim=-1)
+        out[head] = probs.sum(dim=(0, 1))[: full * block_size].view(full, block_size).sum(dim=-1)
+    return out
+
+
 def select_top_blocks(
     scores: torch.Tensor, k: int, always: torch.Tensor | None = None, valid: torch.Tensor | None = None
 ) -> torch.Tensor:
