@@ -67,8 +67,17 @@ class OasisConfig:
         default=None,
         metadata={
             "help": "Capacity of the host KV tier in tokens (sparse mode: SGLang's KV pool, i.e. "
-            "--max-total-tokens, lives in host memory). Default: SGLang's own sizing, or "
-            "--oasis-cpu-max-total-tokens on CPU.",
+            "--max-total-tokens, lives in host memory); start-up fails if the host RAM available "
+            "cannot hold it. Default: --oasis-host-memory-fraction of the available host RAM over the "
+            "model's KV bytes per token (draft model included), in whole blocks; on CPU with the CPU "
+            "defaults at most --oasis-cpu-max-total-tokens.",
+        },
+    )
+    host_memory_fraction: float = field(
+        default=0.5,
+        metadata={
+            "help": "Share of the host RAM available at start-up that the host KV tier takes when "
+            "neither --oasis-host-kv-tokens nor --max-total-tokens is given (sparse mode).",
         },
     )
     device_kv_tokens: int = field(
@@ -203,6 +212,10 @@ class OasisConfig:
                 raise OasisConfigError(f"{_option(name)}: must be positive, got {getattr(self, name)}")
         if not 0 <= self.window_keep <= 1:
             raise OasisConfigError(f"{_option('window_keep')}: must be in [0, 1], got {self.window_keep}")
+        if not 0 < self.host_memory_fraction <= 1:
+            raise OasisConfigError(
+                f"{_option('host_memory_fraction')}: must be in (0, 1], got {self.host_memory_fraction}"
+            )
         if not 0 < self.fetch_ratio <= 1:
             raise OasisConfigError(f"{_option('fetch_ratio')}: must be in (0, 1], got {self.fetch_ratio}")
         for name in ("sink_blocks", "prefill_window"):

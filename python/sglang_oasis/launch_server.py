@@ -15,8 +15,17 @@ import argparse
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from sglang_oasis.config import OasisConfig, OasisConfigError
+from sglang_oasis.memory.host_tier import (
+    HostTierError,
+    available_host_memory,
+    check_fits,
+    default_host_kv_tokens,
+    gib,
+    kv_footprint,
+)
 from sglang_oasis.platform.cpu.import_hook import CPU_ENGINE_ENV, install
 
 PROG = "python -m sglang_oasis.launch_server"
@@ -119,6 +128,49 @@ def sparse_mode_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[st
     return extra
 
 
+def host_tier_args(
+    sglang_argv: Sequence[str], config: OasisConfig, on_cpu: bool, available: int | None = None
+) -> list[str]:
+    """The host tier's ``--max-total-tokens`` when none is given (sparse mode): the share
+    ``--oasis-host-memory-fraction`` of the available host RAM (``available`` bytes; None: measured
+    now) over the served model's and its draft model's KV bytes per token, at most
+    ``--oasis-cpu-max-total-tokens`` on CPU with the CPU defaults. A size that is given must fit the
+    available RAM. Models whose KV shape ``memory/host_tier.py`` cannot read are left to SGLang."""
+    paths = [option_value(sglang_argv, opt) for opt in ("--model-path", "--speculative-draft-model-path")]
+    dtype = option_value(sglang_argv, "--dtype") or "auto"
+    kv_cache_dtype = option_value(sglang_argv, "--kv-cache-dtype") or "auto"
+    try:
+        footprints = [kv_footprint(Path(path), dtype, kv_cache_dtype) for path in paths if path]
+    except HostTierError as error:
+        raise LaunchError(str(error)) from None
+    if not footprints or any(footprint is None for footprint in footprints):
+        return []
+    per_token = sum(footprint.bytes_per_token for footprint in footprints if footprint)
+    available = available_host_memory() if available is None else available
+    size = option_value(sglang_argv, "--max-total-tokens")
+    try:
+        if size is not None:
+            option = "--oasis-host-kv-tokens" if config.host_kv_tokens is not None else "--max-total-tokens"
+            if size.isdigit():
+                check_fits(int(size), per_token, available, option)
+            return []
+        if given(sglang_argv, "--mem-fraction-static"):
+            return []
+        tokens = default_host_kv_tokens(per_token, available, config.host_memory_fraction, config.block_size)
+    except HostTierError as error:
+        raise LaunchError(str(error)) from None
+    note = f"{config.host_memory_fraction} of {gib(available)} available host RAM"
+    if on_cpu and config.cpu_defaults and tokens > config.cpu_max_total_tokens:
+        tokens, note = config.cpu_max_total_tokens, f"--oasis-cpu-max-total-tokens; {note} holds {tokens}"
+    print(
+        f"[sglang-oasis] host KV tier: {tokens} tokens, {gib(tokens * per_token)} at {per_token} KV bytes "
+        f"per token ({note})",
+        file=sys.stderr,
+        flush=True,
+    )
+    return ["--max-total-tokens", str(tokens)]
+
+
 def lookahead_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[str]:
     """SGLang's speculative worker set up as the lookahead source: one draft step, top-k 1, two verify
     tokens (the real token and the draft token, attended in one call by the oasis backend)."""
@@ -203,11 +255,17 @@ def prepare(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
         if config.cpu_defaults:
             os.environ.setdefault("OMP_NUM_THREADS", "1")
         install()
-        sglang_argv += cpu_defaults(sglang_argv, config)
     if not given(sglang_argv, "--model-path"):
         from sglang_oasis.models.default_model import prepare_default_model
 
         sglang_argv += ["--model-path", str(prepare_default_model())]
+    if config.mode == "sparse":
+        try:
+            sglang_argv += host_tier_args(sglang_argv, config, on_cpu)
+        except LaunchError as error:
+            build_oasis_parser().error(str(error))
+    if on_cpu:
+        sglang_argv += cpu_defaults(sglang_argv, config)
     config.to_env()
     return config, sglang_argv
 

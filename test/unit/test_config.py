@@ -50,6 +50,7 @@ def test_cli_parses_every_field() -> None:
         ({"sink_blocks": -1}, "--oasis-sink-blocks"),
         ({"prefill_window": -1}, "--oasis-prefill-window"),
         ({"window_keep": 1.5}, "--oasis-window-keep"),
+        ({"host_memory_fraction": 1.5}, "--oasis-host-memory-fraction"),
     ],
 )
 def test_invalid_values_name_the_option(kwargs: dict, option: str) -> None:
@@ -116,6 +117,8 @@ def test_a_pd_decode_server_on_cpu_backs_up_retracted_requests_in_plain_tensors(
         (["--attention-backend", "triton"], "--attention-backend triton"),
         (["--page-size", "32"], "--page-size 32"),
         (["--max-total-tokens", "100", "--oasis-host-kv-tokens", "200"], "--oasis-host-kv-tokens"),
+        (["--oasis-host-kv-tokens", str(10**12)], "more than the"),  # more KV than the host RAM holds
+        (["--oasis-host-memory-fraction", "0"], "--oasis-host-memory-fraction"),
         (["--device", "cuda"], "--oasis-mode sparse runs on SGLang's CPU engine only"),
         (["--oasis-lookahead", "medusa"], "--oasis-lookahead"),
         (["--oasis-draft-policy", "maybe"], "--oasis-draft-policy"),
