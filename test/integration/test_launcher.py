@@ -40,7 +40,7 @@ def test_host_tier_is_sized_from_the_available_ram(tiny_qwen3_dir: Path, tmp_pat
         "--oasis-host-memory-fraction",
         str(fraction),
     ]
-    with ServerProcess(args, log_path=tmp_path / "ram-sized.log").start() as server:
+    with ServerProcess(args, log_path=tmp_path / "ram-sized.log") as server:  # __enter__ starts it
         announced = re.search(
             r"host KV tier: (\d+) tokens, [\d.]+ GiB at 4096 KV bytes per token", server.log_tail(10**6)
         )
