@@ -141,14 +141,11 @@ def host_tier_args(
     kv_cache_dtype = option_value(sglang_argv, "--kv-cache-dtype") or "auto"
     try:
         footprints = [kv_footprint(Path(path), dtype, kv_cache_dtype) for path in paths if path]
-    except HostTierError as error:
-        raise LaunchError(str(error)) from None
-    if not footprints or any(footprint is None for footprint in footprints):
-        return []
-    per_token = sum(footprint.bytes_per_token for footprint in footprints if footprint)
-    available = available_host_memory() if available is None else available
-    size = option_value(sglang_argv, "--max-total-tokens")
-    try:
+        if not footprints or any(footprint is None for footprint in footprints):
+            return []
+        per_token = sum(footprint.bytes_per_token for footprint in footprints if footprint)
+        available = available_host_memory() if available is None else available
+        size = option_value(sglang_argv, "--max-total-tokens")
         if size is not None:
             option = "--oasis-host-kv-tokens" if config.host_kv_tokens is not None else "--max-total-tokens"
             if size.isdigit():

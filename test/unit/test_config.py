@@ -119,6 +119,7 @@ def test_a_pd_decode_server_on_cpu_backs_up_retracted_requests_in_plain_tensors(
         (["--max-total-tokens", "100", "--oasis-host-kv-tokens", "200"], "--oasis-host-kv-tokens"),
         (["--oasis-host-kv-tokens", str(10**12)], "more than the"),  # more KV than the host RAM holds
         (["--oasis-host-memory-fraction", "0"], "--oasis-host-memory-fraction"),
+        (["--dtype", "bogus"], "--dtype bogus"),  # refused by the host tier's sizing, naming it
         (["--device", "cuda"], "--oasis-mode sparse runs on SGLang's CPU engine only"),
         (["--oasis-lookahead", "medusa"], "--oasis-lookahead"),
         (["--oasis-draft-policy", "maybe"], "--oasis-draft-policy"),

@@ -82,19 +82,21 @@ def kv_footprint(model_dir: Path, dtype: str = "auto", kv_cache_dtype: str = "au
         return None
     config = json.loads(path.read_text())
     text = config.get("text_config") or config  # multimodal checkpoints nest the language model's
+    kv_cache_dtype = kv_cache_dtype.lower()
+    if kv_cache_dtype in _KV_CACHE_DTYPE_BYTES:
+        element_bytes = _KV_CACHE_DTYPE_BYTES[kv_cache_dtype]
+    else:  # auto: the served dtype (an unknown --dtype raises here, naming it)
+        element_bytes = served_dtype_bytes({**config, **text}, dtype)
     try:
         num_heads = int(text["num_attention_heads"])
-        head_dim = int(text.get("head_dim") or int(text["hidden_size"]) // num_heads)
-        footprint = KVFootprint(
+        return KVFootprint(
             num_layers=int(text["num_hidden_layers"]),
             num_kv_heads=int(text.get("num_key_value_heads") or num_heads),
-            head_dim=head_dim,
-            element_bytes=_KV_CACHE_DTYPE_BYTES.get(kv_cache_dtype.lower(), 0)
-            or served_dtype_bytes({**config, **text}, dtype),
+            head_dim=int(text.get("head_dim") or int(text["hidden_size"]) // num_heads),
+            element_bytes=element_bytes,
         )
     except (KeyError, TypeError, ValueError):
         return None
-    return footprint
 
 
 def available_host_memory() -> int:
