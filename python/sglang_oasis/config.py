@@ -187,8 +187,10 @@ class OasisConfig:
         metadata={
             "help": "Without a GPU, serve on SGLang's CPU engine with CPU-friendly settings "
             "(--device cpu, --attention-backend torch_native, --max-total-tokens "
-            "<oasis-cpu-max-total-tokens>, --sleep-on-idle, OMP_NUM_THREADS=1). Any of them given "
-            "explicitly wins; 'false' applies none except the CPU engine itself.",
+            "<oasis-cpu-max-total-tokens>, --sleep-on-idle, --dtype: the type this CPU computes "
+            "fastest, float32 unless it has native bf16/fp16 matrix support; OMP_NUM_THREADS: the "
+            "usable cores per model rank). Any of them given explicitly wins; 'false' applies none "
+            "except the CPU engine itself.",
         },
     )
     cpu_max_total_tokens: int = field(
@@ -229,6 +231,13 @@ class OasisConfig:
         if any(layer < 0 for layer in self.dense_layers):
             raise OasisConfigError(
                 f"{_option('dense_layers')}: layer ids must be >= 0, got {self.dense_layers}"
+            )
+        if self.mode == "sparse" and self.device_kv_tokens < self.working_set_tokens:
+            raise OasisConfigError(
+                f"{_option('device_kv_tokens')}: {self.device_kv_tokens} tokens do not hold one request's "
+                f"working set ((--oasis-top-k {self.top_k} + --oasis-sink-blocks {self.sink_blocks}) x "
+                f"--oasis-block-size {self.block_size} = {self.working_set_tokens} tokens per layer and KV "
+                "head): raise it or lower --oasis-top-k"
             )
         object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
 

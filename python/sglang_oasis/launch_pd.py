@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from sglang_oasis.disaggregation.mooncake_builds import MissingSystemLibrary, check_system_libraries
 from sglang_oasis.disaggregation.transfer_engine import engine_env_defaults
 from sglang_oasis.launch_server import given
 from sglang_oasis.testing.server_process import ServerProcess, ServerStartError, free_port
@@ -156,6 +157,11 @@ def start_cluster(args: argparse.Namespace, server_args: list[str]) -> PDCluster
 
 def main(argv: Sequence[str] | None = None) -> None:
     args, server_args = parse(sys.argv[1:] if argv is None else argv)
+    if args.transfer_backend == "mooncake":
+        try:
+            check_system_libraries()
+        except MissingSystemLibrary as error:
+            sys.exit(f"{PROG}: error: {error}")
     started = time.monotonic()
 
     def stop(signum: int, _frame: object) -> None:

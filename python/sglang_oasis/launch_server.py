@@ -14,6 +14,8 @@ from __future__ import annotations
 import argparse
 import os
 import sys
+import threading
+import time
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -25,7 +27,9 @@ from sglang_oasis.memory.host_tier import (
     default_host_kv_tokens,
     gib,
     kv_footprint,
+    model_config,
 )
+from sglang_oasis.platform.cpu.capabilities import cpu_flags, fastest_dtype, intra_op_threads, usable_cores
 from sglang_oasis.platform.cpu.import_hook import CPU_ENGINE_ENV, install
 
 PROG = "python -m sglang_oasis.launch_server"
@@ -91,6 +95,45 @@ def cpu_defaults(sglang_argv: Sequence[str], config: OasisConfig) -> list[str]:
     return extra
 
 
+def say(message: str) -> None:
+    print(f"[sglang-oasis] {message}", file=sys.stderr, flush=True)
+
+
+def cpu_dtype_args(sglang_argv: Sequence[str]) -> list[str]:
+    """``--dtype`` the CPU computes fastest, unless one is given (SGLang's ``auto`` serves a float32
+    checkpoint in float16, ~3.5x slower than float32 on CPUs without native half-precision matrices)."""
+    if given(sglang_argv, "--dtype"):
+        return []
+    choice = fastest_dtype(cpu_flags())
+    say(f"dtype {choice.dtype}: {choice.reason} (--dtype overrides)")
+    return ["--dtype", choice.dtype]
+
+
+def model_ranks(sglang_argv: Sequence[str]) -> int:
+    """Model processes SGLang starts on this machine: tensor- times data-parallel ranks."""
+    ranks = 1
+    for options in (
+        ("--tp-size", "--tensor-parallel-size", "--tp"),
+        ("--dp-size", "--data-parallel-size", "--dp"),
+    ):
+        value = next((v for v in (option_value(sglang_argv, o) for o in options) if v is not None), None)
+        if value is not None and value.isdigit():
+            ranks *= max(1, int(value))
+    return ranks
+
+
+def cpu_threads_env(sglang_argv: Sequence[str]) -> None:
+    """``OMP_NUM_THREADS`` (inherited by SGLang's spawned processes) from the usable cores, unless set."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return
+    cores, ranks = usable_cores(), model_ranks(sglang_argv)
+    threads = intra_op_threads(cores, ranks)
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    say(
+        f"{threads} intra-op thread(s) per model rank: {cores} usable core(s), {ranks} rank(s) (OMP_NUM_THREADS overrides)"
+    )
+
+
 class LaunchError(ValueError):
     """Options that contradict each other; the message names them."""
 
@@ -120,12 +163,45 @@ def sparse_mode_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[st
             )
         extra += ["--max-total-tokens", str(config.host_kv_tokens)]
     if not given(sglang_argv, "--max-running-requests"):
-        extra += ["--max-running-requests", str(max(1, config.device_kv_tokens // config.working_set_tokens))]
+        extra += ["--max-running-requests", str(config.device_kv_tokens // config.working_set_tokens)]
     extra += lookahead_args(sglang_argv, config)
     for phase in ("decode", "prefill"):  # the backend runs eagerly
         if not given(sglang_argv, f"--cuda-graph-backend-{phase}"):
             extra += [f"--cuda-graph-backend-{phase}", "disabled"]
     return extra
+
+
+def check_sparse_model(sglang_argv: Sequence[str], config: OasisConfig) -> None:
+    """Refuse, naming the reason, a model that sparse mode would serve wrongly: dense-layer ids it does
+    not have, MLA (compressed latent KV, no per-head keys to summarise) and sliding-window attention
+    (the window and the working sets would each drop different tokens). Models without a readable
+    ``config.json`` are left to SGLang."""
+    path = option_value(sglang_argv, "--model-path")
+    model = model_config(Path(path)) if path else None
+    if model is None:
+        return
+    text = model.get("text_config") or model
+    layers = text.get("num_hidden_layers")
+    if isinstance(layers, int) and config.dense_layers and config.dense_layers[-1] >= layers:
+        raise LaunchError(
+            f"--oasis-dense-layers {config.dense_layers[-1]}: the model has {layers} layers (ids 0..{layers - 1})"
+        )
+    kind = text.get("model_type") or model.get("model_type") or "this model"
+    if text.get("kv_lora_rank"):
+        raise LaunchError(
+            f"{kind} uses multi-head latent attention (MLA), which sparse mode does not serve: pass --oasis-mode dense"
+        )
+    layer_types = text.get("layer_types")
+    sliding = (
+        any("sliding" in str(t) for t in layer_types)
+        if isinstance(layer_types, list)
+        else bool(text.get("sliding_window")) and text.get("use_sliding_window", True) is not False
+    )
+    if sliding:
+        raise LaunchError(
+            f"{kind} uses sliding-window attention (sliding_window {text.get('sliding_window')}), which sparse "
+            "mode does not serve: pass --oasis-mode dense"
+        )
 
 
 def host_tier_args(
@@ -159,13 +235,34 @@ def host_tier_args(
     note = f"{config.host_memory_fraction} of {gib(available)} available host RAM"
     if on_cpu and config.cpu_defaults and tokens > config.cpu_max_total_tokens:
         tokens, note = config.cpu_max_total_tokens, f"--oasis-cpu-max-total-tokens; {note} holds {tokens}"
-    print(
-        f"[sglang-oasis] host KV tier: {tokens} tokens, {gib(tokens * per_token)} at {per_token} KV bytes "
-        f"per token ({note})",
-        file=sys.stderr,
-        flush=True,
+    say(
+        f"host KV tier: {tokens} tokens, {gib(tokens * per_token)} at {per_token} KV bytes per token ({note})"
     )
     return ["--max-total-tokens", str(tokens)]
+
+
+def check_tiers_fit(sglang_argv: Sequence[str], config: OasisConfig, available: int | None = None) -> None:
+    """On CPU both tiers are host RAM: the host tier (``--max-total-tokens``) and the device budget
+    (``--oasis-device-kv-tokens``) of the served model's KV must fit the RAM available (``available``
+    bytes; None: measured now), or the working sets' allocation fails later without naming an option."""
+    path, host = option_value(sglang_argv, "--model-path"), option_value(sglang_argv, "--max-total-tokens")
+    dtype = option_value(sglang_argv, "--dtype") or "auto"
+    footprint = (
+        kv_footprint(Path(path), dtype, option_value(sglang_argv, "--kv-cache-dtype") or "auto")
+        if path
+        else None
+    )
+    if footprint is None or host is None or not host.isdigit():
+        return
+    host_bytes = int(host) * footprint.bytes_per_token
+    device_bytes = config.device_kv_tokens * footprint.bytes_per_token
+    available = available_host_memory() if available is None else available
+    if host_bytes + device_bytes > available:
+        raise LaunchError(
+            f"--oasis-device-kv-tokens {config.device_kv_tokens}: on CPU the working sets ({gib(device_bytes)}) "
+            f"and the host KV tier ({gib(host_bytes)}) are both host RAM, more than the {gib(available)} "
+            "available: lower --oasis-device-kv-tokens or the host tier"
+        )
 
 
 def lookahead_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[str]:
@@ -250,7 +347,8 @@ def prepare(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
         # time, and the server subprocesses (spawned) inherit them.
         os.environ[CPU_ENGINE_ENV] = "1"
         if config.cpu_defaults:
-            os.environ.setdefault("OMP_NUM_THREADS", "1")
+            cpu_threads_env(sglang_argv)
+            sglang_argv += cpu_dtype_args(sglang_argv)
         install()
     if not given(sglang_argv, "--model-path"):
         from sglang_oasis.models.default_model import prepare_default_model
@@ -258,13 +356,59 @@ def prepare(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
         sglang_argv += ["--model-path", str(prepare_default_model())]
     if config.mode == "sparse":
         try:
+            check_sparse_model(sglang_argv, config)
             sglang_argv += host_tier_args(sglang_argv, config, on_cpu)
         except LaunchError as error:
             build_oasis_parser().error(str(error))
     if on_cpu:
         sglang_argv += cpu_defaults(sglang_argv, config)
+        if config.mode == "sparse":
+            try:
+                check_tiers_fit(sglang_argv, config)
+            except LaunchError as error:
+                build_oasis_parser().error(str(error))
     config.to_env()
     return config, sglang_argv
+
+
+def client_url(host: str, port: int) -> str:
+    """The URL a client on this machine uses for a server bound to ``host``."""
+    host = "127.0.0.1" if host in ("0.0.0.0", "::", "") else host
+    return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+
+
+def try_it_line(url: str) -> str:
+    """A ready-made chat request against the server at ``url`` (the README's first request)."""
+    body = '{"model": "default", "temperature": 0, "messages": [{"role": "user", "content": "What is the capital of France?"}]}'
+    return f"curl -s {url}/v1/chat/completions -H 'Content-Type: application/json' -d '{body}'"
+
+
+def announce_when_ready(url: str, mode: str, period_s: float = 1.0) -> threading.Thread:
+    """Once the server answers ``/health`` (SGLang's warm-up done), print its URL and a request to try."""
+    import urllib.error
+    import urllib.request
+
+    def wait() -> None:
+        while True:
+            try:
+                with urllib.request.urlopen(url + "/health", timeout=10) as response:
+                    if response.status == 200:
+                        break
+            except (urllib.error.URLError, ConnectionError, TimeoutError):
+                pass
+            time.sleep(period_s)
+        say(f"ready: {url} ({mode} mode). Try:\n  {try_it_line(url)}")
+
+    thread = threading.Thread(target=wait, name="oasis-announce", daemon=True)
+    thread.start()
+    return thread
+
+
+def uses_mooncake(argv: Sequence[str]) -> bool:
+    """A prefill or decode server of SGLang's PD disaggregation over its (default) mooncake backend."""
+    mode = option_value(argv, "--disaggregation-mode")
+    backend = option_value(argv, "--disaggregation-transfer-backend") or "mooncake"
+    return mode in ("prefill", "decode") and backend == "mooncake"
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -274,12 +418,16 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     from sglang_oasis.disaggregation.mooncake_builds import (
         ConflictingMooncakeBuilds,
+        MissingSystemLibrary,
         check_single_mooncake_build,
+        check_system_libraries,
     )
 
     try:
         check_single_mooncake_build()
-    except ConflictingMooncakeBuilds as error:
+        if uses_mooncake(argv):
+            check_system_libraries()
+    except (ConflictingMooncakeBuilds, MissingSystemLibrary) as error:
         sys.exit(f"{PROG}: error: {error}")
     _config, sglang_argv = prepare(argv)
 
@@ -295,6 +443,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     server_args = prepare_server_args(sglang_argv)
     stats = OasisStats.create(server_args.port)
     add_oasis_routes(stats)
+    if option_value(sglang_argv, "--disaggregation-mode") in (None, "null"):  # launch_pd announces its router
+        announce_when_ready(client_url(server_args.host, server_args.port), _config.mode)
     try:
         run_server(server_args)
     finally:

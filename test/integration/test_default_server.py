@@ -100,3 +100,25 @@ def test_bad_request_fails_alone(default_server: ServerProcess, body: dict) -> N
     assert 400 <= response.status_code < 500, (response.status_code, response.text[:300])
     assert chat(default_server).status_code == 200  # the server keeps serving
     assert default_server.alive()
+
+
+def test_serves_the_fastest_dtype_and_announces_a_request_to_try(default_server: ServerProcess) -> None:
+    """With no --dtype the default server runs in the dtype this CPU computes fastest (float32 here, not
+    SGLang's float16 for a float32 checkpoint), and once ready it prints its URL and a curl line that
+    works as printed."""
+    import shlex
+    import subprocess
+    import time
+
+    from sglang_oasis.platform.cpu.capabilities import cpu_flags, fastest_dtype
+
+    info = requests.get(default_server.url + "/get_server_info", timeout=30).json()
+    assert info["dtype"] == fastest_dtype(cpu_flags()).dtype
+    deadline = time.monotonic() + 30
+    while "ready: " not in default_server.log_tail(100_000) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    log = default_server.log_tail(100_000)
+    assert f"ready: {default_server.url} (sparse mode)" in log
+    curl = next(line.strip() for line in log.splitlines() if line.strip().startswith("curl -s "))
+    reply = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=120, check=True)
+    assert "Paris" in json.loads(reply.stdout)["choices"][0]["message"]["content"]

@@ -51,6 +51,10 @@ def test_cli_parses_every_field() -> None:
         ({"prefill_window": -1}, "--oasis-prefill-window"),
         ({"window_keep": 1.5}, "--oasis-window-keep"),
         ({"host_memory_fraction": 1.5}, "--oasis-host-memory-fraction"),
+        # a budget below one working set used to become one running request (or an opaque OOM)
+        ({"device_kv_tokens": 2047}, "--oasis-device-kv-tokens: 2047 tokens do not hold"),
+        ({"top_k": 100_000}, "raise it or lower --oasis-top-k"),
+        ({"sink_blocks": 1, "device_kv_tokens": 2048}, r"\(--oasis-top-k 128 \+ --oasis-sink-blocks 1\)"),
     ],
 )
 def test_invalid_values_name_the_option(kwargs: dict, option: str) -> None:
@@ -120,6 +124,9 @@ def test_a_pd_decode_server_on_cpu_backs_up_retracted_requests_in_plain_tensors(
         (["--oasis-host-kv-tokens", str(10**12)], "more than the"),  # more KV than the host RAM holds
         (["--oasis-host-memory-fraction", "0"], "--oasis-host-memory-fraction"),
         (["--dtype", "bogus"], "--dtype bogus"),  # refused by the host tier's sizing, naming it
+        (["--oasis-dense-layers", "3,30"], "--oasis-dense-layers 30: the model has 30 layers"),
+        (["--oasis-device-kv-tokens", "1024"], "--oasis-device-kv-tokens: 1024 tokens do not hold"),
+        (["--oasis-device-kv-tokens", str(10**9)], "are both host RAM, more than the"),
         (["--device", "cuda"], "--oasis-mode sparse runs on SGLang's CPU engine only"),
         (["--oasis-lookahead", "medusa"], "--oasis-lookahead"),
         (["--oasis-draft-policy", "maybe"], "--oasis-draft-policy"),
@@ -183,3 +190,61 @@ def test_dense_layers_parse_and_normalise() -> None:
     assert config.dense_layers == (0, 3)
     with pytest.raises(OasisConfigError, match="--oasis-dense-layers"):
         OasisConfig(dense_layers=(-1,))
+
+
+def test_a_working_set_budget_matters_only_in_sparse_mode() -> None:
+    assert OasisConfig(mode="dense", device_kv_tokens=16).device_kv_tokens == 16
+    assert OasisConfig(top_k=4, device_kv_tokens=64).working_set_tokens == 64
+
+
+@pytest.mark.parametrize(
+    ("model", "needle"),
+    [
+        ({"model_type": "deepseek_v3", "num_hidden_layers": 4, "kv_lora_rank": 512}, "multi-head latent attention"),
+        ({"model_type": "mistral", "num_hidden_layers": 4, "sliding_window": 4096}, "sliding-window attention"),
+        (
+            {"model_type": "gemma3_text", "num_hidden_layers": 2, "sliding_window": 512,
+             "layer_types": ["sliding_attention", "full_attention"]},
+            "gemma3_text uses sliding-window attention",
+        ),
+        ({"model_type": "m", "text_config": {"num_hidden_layers": 2, "kv_lora_rank": 8}}, "(MLA)"),
+    ],
+)  # fmt: skip
+def test_sparse_mode_refuses_models_it_would_serve_wrongly(tmp_path, model: dict, needle: str) -> None:
+    from sglang_oasis.launch_server import LaunchError, check_sparse_model
+
+    (tmp_path / "config.json").write_text(json.dumps(model))
+    with pytest.raises(LaunchError, match=needle):
+        check_sparse_model(["--model-path", str(tmp_path)], OasisConfig())
+
+
+@pytest.mark.parametrize(
+    "model",
+    [
+        {"model_type": "llama", "num_hidden_layers": 30},
+        # Qwen2/Qwen3 configs name a window they do not use
+        {"model_type": "qwen2", "num_hidden_layers": 4, "sliding_window": 32768, "use_sliding_window": False},
+        {"model_type": "qwen3", "num_hidden_layers": 2, "sliding_window": None,
+         "layer_types": ["full_attention", "full_attention"]},
+    ],
+)  # fmt: skip
+def test_sparse_mode_serves_full_attention_models(tmp_path, model: dict) -> None:
+    from sglang_oasis.launch_server import check_sparse_model
+
+    (tmp_path / "config.json").write_text(json.dumps(model))
+    check_sparse_model(["--model-path", str(tmp_path)], OasisConfig(dense_layers=(0, 1)))
+    check_sparse_model(["--model-path", str(tmp_path / "hub-id")], OasisConfig(dense_layers=(99,)))
+
+
+def test_on_cpu_the_two_tiers_must_fit_the_ram_together(default_model_dir) -> None:
+    from sglang_oasis.launch_server import LaunchError, check_tiers_fit
+
+    argv = ["--model-path", str(default_model_dir), "--dtype", "float32", "--max-total-tokens", "32768"]
+    per_token = 46_080  # SmolLM2-135M in float32
+    config = OasisConfig(device_kv_tokens=65536)
+    check_tiers_fit(argv, config, available=(32768 + 65536) * per_token)
+    with pytest.raises(
+        LaunchError, match=r"--oasis-device-kv-tokens 65536: on CPU the working sets \(2.81 GiB\)"
+    ):
+        check_tiers_fit(argv, config, available=(32768 + 65536) * per_token - 1)
+    check_tiers_fit(["--model-path", "/hub-id", "--max-total-tokens", "8"], config, available=1)

@@ -37,3 +37,35 @@ def check_single_mooncake_build(installed: Callable[[str], str | None] = _instal
             "install sglang-oasis[mooncake-cpu] (no GPU) or sglang-oasis[mooncake-cuda] (GPU)"
         )
     return CPU_BUILD if cpu else CUDA_BUILD if cuda else None
+
+
+# Shared libraries the Mooncake transfer engine loads that no wheel ships: (soname, Debian package).
+SYSTEM_LIBRARIES = (("libibverbs.so.1", "libibverbs1"),)
+
+
+class MissingSystemLibrary(ImportError):
+    pass
+
+
+def _loadable(soname: str) -> bool:
+    import ctypes
+
+    try:
+        ctypes.CDLL(soname)
+    except OSError:
+        return False
+    return True
+
+
+def check_system_libraries(loadable: Callable[[str], bool] | None = None) -> None:
+    """Raises naming the Debian package to install when a library the transfer engine needs is missing
+    (without it, SGLang's mooncake backend fails deep inside start-up with "Please install mooncake")."""
+    loadable = loadable or _loadable
+    missing = [(soname, package) for soname, package in SYSTEM_LIBRARIES if not loadable(soname)]
+    if missing:
+        sonames = ", ".join(soname for soname, _ in missing)
+        packages = " ".join(package for _, package in missing)
+        raise MissingSystemLibrary(
+            f"the Mooncake transfer engine (prefill/decode disaggregation) needs {sonames}, which this "
+            f"machine lacks: apt-get install -y {packages}  (as root; scripts/bootstrap.sh does it when run as root)"
+        )

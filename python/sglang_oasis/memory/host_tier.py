@@ -74,13 +74,18 @@ def served_dtype_bytes(config: dict[str, Any], dtype: str = "auto") -> int:
     return _DTYPE_BYTES.get(checkpoint, 4)
 
 
+def model_config(model_dir: Path) -> dict[str, Any] | None:
+    """The model directory's ``config.json``; None if it has none (a hub id, or another format)."""
+    path = Path(model_dir) / "config.json"
+    return dict(json.loads(path.read_text())) if path.is_file() else None
+
+
 def kv_footprint(model_dir: Path, dtype: str = "auto", kv_cache_dtype: str = "auto") -> KVFootprint | None:
     """The model's per-token KV shape from its ``config.json``; None if the directory has none (a hub
     id, or a format this does not read): SGLang then sizes its pool itself."""
-    path = Path(model_dir) / "config.json"
-    if not path.is_file():
+    config = model_config(model_dir)
+    if config is None:
         return None
-    config = json.loads(path.read_text())
     text = config.get("text_config") or config  # multimodal checkpoints nest the language model's
     kv_cache_dtype = kv_cache_dtype.lower()
     if kv_cache_dtype in _KV_CACHE_DTYPE_BYTES:

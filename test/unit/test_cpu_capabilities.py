@@ -1,0 +1,116 @@
+"""The launcher's CPU choices: the dtype the CPU computes fastest and the intra-op thread count."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from sglang_oasis.launch_server import cpu_dtype_args, cpu_threads_env, model_ranks, option_value
+from sglang_oasis.memory.host_tier import kv_footprint
+from sglang_oasis.platform.cpu import capabilities
+from sglang_oasis.platform.cpu.capabilities import (
+    cgroup_cpu_limit,
+    cpu_flags,
+    fastest_dtype,
+    intra_op_threads,
+)
+from sglang_oasis.testing.server_process import child_env
+
+
+@pytest.mark.parametrize(
+    ("flags", "dtype"),
+    [
+        (set(), "float32"),
+        ({"fma", "avx", "f16c", "avx2"}, "float32"),  # these machines: AVX2 converts halves, no arithmetic
+        ({"avx2", "avx512f", "avx512bw"}, "float32"),  # AVX-512 without BF16/FP16 instructions
+        ({"avx512f", "avx512_bf16"}, "bfloat16"),
+        ({"avx512f", "avx512_fp16"}, "float16"),
+        ({"amx_tile", "amx_bf16", "amx_fp16", "avx512_fp16"}, "bfloat16"),
+        ({"amx_fp16"}, "float16"),
+    ],
+)
+def test_fastest_dtype_follows_native_half_precision_support(flags: set[str], dtype: str) -> None:
+    choice = fastest_dtype(frozenset(flags))
+    assert choice.dtype == dtype
+    assert choice.reason  # printed by the launcher
+
+
+def test_cpu_flags_are_read_from_cpuinfo(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text(
+        "processor\t: 0\nmodel name\t: AMD EPYC\nflags\t\t: fpu avx2 amx_bf16\n\nflags : other\n"
+    )
+    assert cpu_flags(cpuinfo) == frozenset({"fpu", "avx2", "amx_bf16"})
+    arm = tmp_path / "arm"
+    arm.write_text("processor : 0\nFeatures : fp asimd bf16\n")
+    assert "bf16" in cpu_flags(arm)
+    assert cpu_flags(tmp_path / "missing") == frozenset()
+
+
+@pytest.mark.parametrize(
+    ("text", "cores"), [("max 100000\n", None), ("150000 100000\n", 2), ("50000 100000", 1)]
+)
+def test_cgroup_quota_bounds_the_cores(tmp_path: Path, text: str, cores: int | None) -> None:
+    cpu_max = tmp_path / "cpu.max"
+    cpu_max.write_text(text)
+    assert cgroup_cpu_limit(cpu_max) == cores
+    assert cgroup_cpu_limit(tmp_path / "none") is None
+
+
+def test_threads_share_the_cores_between_ranks() -> None:
+    assert intra_op_threads(2) == 2
+    assert intra_op_threads(2, ranks=2) == 1
+    assert intra_op_threads(1, ranks=4) == 1
+    assert intra_op_threads(16, ranks=3) == 5
+    assert model_ranks([]) == 1
+    assert model_ranks(["--tp-size", "2", "--dp", "2"]) == 4
+    assert model_ranks(["--tensor-parallel-size=3"]) == 3
+
+
+def test_dtype_is_chosen_only_when_not_given(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sglang_oasis.launch_server.cpu_flags", lambda: frozenset({"avx2"}))
+    assert cpu_dtype_args([]) == ["--dtype", "float32"]
+    monkeypatch.setattr("sglang_oasis.launch_server.cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    assert cpu_dtype_args([]) == ["--dtype", "bfloat16"]
+    assert cpu_dtype_args(["--dtype", "float16"]) == []
+    assert cpu_dtype_args(["--dtype=auto"]) == []  # SGLang's own rule, asked for by name
+
+
+def test_threads_are_chosen_only_when_not_set(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr("sglang_oasis.launch_server.usable_cores", lambda: 2)
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    cpu_threads_env(["--tp-size", "2"])
+    assert os.environ["OMP_NUM_THREADS"] == "1"
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    cpu_threads_env([])
+    assert os.environ["OMP_NUM_THREADS"] == "2"
+    monkeypatch.setenv("OMP_NUM_THREADS", "7")
+    cpu_threads_env([])
+    assert os.environ["OMP_NUM_THREADS"] == "7"
+
+
+def test_the_host_tier_is_sized_in_the_chosen_dtype(tiny_qwen3_dir: Path) -> None:
+    """The launcher's whole preparation (in a fresh process, as at start-up): the dtype it picks for this
+    CPU is on SGLang's command line, and the host tier it announces is sized in that dtype's bytes."""
+    script = (
+        "import json, os, sys; from sglang_oasis.launch_server import prepare; "
+        "_, argv = prepare(sys.argv[1:]); print(json.dumps([argv, os.environ['OMP_NUM_THREADS']]))"
+    )
+    env = {key: value for key, value in child_env().items() if key != "OMP_NUM_THREADS"}
+    result = subprocess.run(
+        [sys.executable, "-c", script, "--model-path", str(tiny_qwen3_dir), "--device", "cpu"],
+        capture_output=True, text=True, timeout=120, env=env, check=True,
+    )  # fmt: skip
+    argv, threads = json.loads(result.stdout.splitlines()[-1])
+    dtype = fastest_dtype(cpu_flags()).dtype
+    assert option_value(argv, "--dtype") == dtype
+    footprint = kv_footprint(tiny_qwen3_dir, dtype=dtype)
+    assert footprint is not None
+    assert f"at {footprint.bytes_per_token} KV bytes per token" in result.stderr
+    assert f"dtype {dtype}: " in result.stderr
+    assert threads == str(intra_op_threads(capabilities.usable_cores()))
