@@ -22,6 +22,7 @@ from pathlib import Path
 from sglang_oasis.config import OasisConfig, OasisConfigError
 from sglang_oasis.memory.host_tier import (
     HostTierError,
+    KVFootprint,
     available_host_memory,
     check_fits,
     default_host_kv_tokens,
@@ -204,6 +205,16 @@ def check_sparse_model(sglang_argv: Sequence[str], config: OasisConfig) -> None:
         )
 
 
+def served_footprint(sglang_argv: Sequence[str], model_option: str = "--model-path") -> KVFootprint | None:
+    """The KV shape of the model ``model_option`` names, in the ``--dtype`` / ``--kv-cache-dtype`` it is
+    served in (None: no such option, or a model ``memory/host_tier.py`` cannot read)."""
+    path = option_value(sglang_argv, model_option)
+    if path is None:
+        return None
+    dtype = option_value(sglang_argv, "--dtype") or "auto"
+    return kv_footprint(Path(path), dtype, option_value(sglang_argv, "--kv-cache-dtype") or "auto")
+
+
 def host_tier_args(
     sglang_argv: Sequence[str], config: OasisConfig, on_cpu: bool, available: int | None = None
 ) -> list[str]:
@@ -212,11 +223,9 @@ def host_tier_args(
     now) over the served model's and its draft model's KV bytes per token, at most
     ``--oasis-cpu-max-total-tokens`` on CPU with the CPU defaults. A size that is given must fit the
     available RAM. Models whose KV shape ``memory/host_tier.py`` cannot read are left to SGLang."""
-    paths = [option_value(sglang_argv, opt) for opt in ("--model-path", "--speculative-draft-model-path")]
-    dtype = option_value(sglang_argv, "--dtype") or "auto"
-    kv_cache_dtype = option_value(sglang_argv, "--kv-cache-dtype") or "auto"
+    models = [opt for opt in ("--model-path", "--speculative-draft-model-path") if given(sglang_argv, opt)]
     try:
-        footprints = [kv_footprint(Path(path), dtype, kv_cache_dtype) for path in paths if path]
+        footprints = [served_footprint(sglang_argv, model) for model in models]
         if not footprints or any(footprint is None for footprint in footprints):
             return []
         per_token = sum(footprint.bytes_per_token for footprint in footprints if footprint)
@@ -245,13 +254,7 @@ def check_tiers_fit(sglang_argv: Sequence[str], config: OasisConfig, available: 
     """On CPU both tiers are host RAM: the host tier (``--max-total-tokens``) and the device budget
     (``--oasis-device-kv-tokens``) of the served model's KV must fit the RAM available (``available``
     bytes; None: measured now), or the working sets' allocation fails later without naming an option."""
-    path, host = option_value(sglang_argv, "--model-path"), option_value(sglang_argv, "--max-total-tokens")
-    dtype = option_value(sglang_argv, "--dtype") or "auto"
-    footprint = (
-        kv_footprint(Path(path), dtype, option_value(sglang_argv, "--kv-cache-dtype") or "auto")
-        if path
-        else None
-    )
+    footprint, host = served_footprint(sglang_argv), option_value(sglang_argv, "--max-total-tokens")
     if footprint is None or host is None or not host.isdigit():
         return
     host_bytes = int(host) * footprint.bytes_per_token
