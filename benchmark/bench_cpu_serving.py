@@ -304,31 +304,23 @@ def main() -> int:
 
 
 def report(results: dict[str, Any]) -> None:
+    """One row per thread count, run and context; the server rows show the ratios ``ratios`` computed."""
     rows = []
     for count, rates in results["threads"].items():
-        hf = rates["hf"]
         for mode in ("hf", *MODES):
             if "error" in rates[mode]:
                 rows.append([count, mode, "-", "-", "-", "-", rates[mode]["error"][:60]])
                 continue
             for ctx, prefill in rates[mode]["prefill_tok_s"].items():
                 decode = rates[mode]["decode_tok_s"][ctx]
-                vs_hf = ratio(prefill, hf["prefill_tok_s"].get(ctx)) if mode != "hf" else None
                 cells = " ".join(f"b{b}={v:.1f}" for b, v in decode.items())
-                dec_vs = " ".join(
-                    f"b{b}={ratio(v, hf['decode_tok_s'][ctx].get(b)) or 0:.2f}" for b, v in decode.items()
-                )
-                rows.append(
-                    [
-                        count,
-                        mode,
-                        ctx,
-                        prefill,
-                        f"{vs_hf:.2f}" if vs_hf else "-",
-                        cells,
-                        dec_vs if mode != "hf" else "-",
-                    ]
-                )
+                vs_hf, dec_vs = "-", "-"
+                if mode != "hf":
+                    prefill_ratio = rates["ratios"]["prefill_vs_hf"][mode][ctx]
+                    vs_hf = f"{prefill_ratio:.2f}" if prefill_ratio else "-"
+                    decode_ratios = rates["ratios"]["decode_vs_hf"][mode][ctx]
+                    dec_vs = " ".join(f"b{b}={r or 0:.2f}" for b, r in decode_ratios.items())
+                rows.append([count, mode, ctx, prefill, vs_hf, cells, dec_vs])
     print_table(["threads", "run", "context", "prefill tok/s", "vs hf", "decode tok/s", "decode vs hf"], rows)
     for name, chat in results.get("chat", {}).items():
         if "error" in chat:

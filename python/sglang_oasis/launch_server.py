@@ -432,7 +432,7 @@ def main(argv: Sequence[str] | None = None) -> None:
             check_system_libraries()
     except (ConflictingMooncakeBuilds, MissingSystemLibrary) as error:
         sys.exit(f"{PROG}: error: {error}")
-    _config, sglang_argv = prepare(argv)
+    config, sglang_argv = prepare(argv)
 
     from sglang.launch_server import run_server
     from sglang.srt.plugins import load_plugins
@@ -447,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     stats = OasisStats.create(server_args.port)
     add_oasis_routes(stats)
     if option_value(sglang_argv, "--disaggregation-mode") in (None, "null"):  # launch_pd announces its router
-        announce_when_ready(client_url(server_args.host, server_args.port), _config.mode)
+        announce_when_ready(client_url(server_args.host, server_args.port), config.mode)
     try:
         run_server(server_args)
     finally:
