@@ -68,7 +68,7 @@ ENTRY_ORDER = (
 )  # fmt: skip
 DELTA_COUNTERS = (
     "decode_steps", "decode_bytes_host_to_device", "decode_blocks_loaded", "blocks_deferred",
-    "blocks_from_active", "foreground_wait_us", "stage_select_us", "stage_transfer_us",
+    "blocks_just_filled", "foreground_wait_us", "stage_select_us", "stage_transfer_us",
 )  # fmt: skip
 
 

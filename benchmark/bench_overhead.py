@@ -1,25 +1,48 @@
-"""Overhead of the sparse path where it buys nothing: batch 1, K covering every block, no fetch cap.
+"""Overhead of the sparse path against dense SGLang at batch 1: with K covering every block (where sparsity
+buys nothing) and with K < N (where block scoring and top-K run at every decode step).
 
-Three servers, one after another, on SmolLM2 (``--num-layers`` truncates it): dense SGLang, sparse with
-the asynchronous prefetch pipeline (``--oasis-prefetch async``) and sparse with inline transfers
-(``--oasis-prefetch sync``). Sparse uses K = ceil((context + output) / block) + 1 blocks and
-``--oasis-fetch-ratio 1.0``, so every block is in the working set and decode attention is the dense one
-plus the sparse machinery (block selection, working-set bookkeeping, prefetch). Each server gets a
-warm-up request, then ``--repeats`` streamed greedy generations of the same essay prompt, one at a time.
-TPOT of a generation = (last token time - first token time) / (tokens - 1); a mode's TPOT is the median
-over the repeats. The greedy output ids of every repeat are compared with dense's first: a sparse mode is
-``identical_to_dense`` when all of its repeats match token for token. All servers run ``--dtype``
-(default float32, where the sparse path with every block promises dense's exact greedy output; SGLang's
-``auto`` would serve this float32 checkpoint in float16).
+Four servers, one after another, on SmolLM2 (``--num-layers`` truncates it):
+
+- ``dense``: dense SGLang, the baseline.
+- ``sparse_async`` and ``sparse_sync``: sparse with the asynchronous prefetch pipeline
+  (``--oasis-prefetch async``) and with inline transfers (``--oasis-prefetch sync``), both with
+  K = ceil((context + output) / block) + 1 blocks and ``--oasis-fetch-ratio 1.0``, so every block is in
+  the working set and decode attention is the dense one plus the sparse machinery. Here the selection
+  sees that every block is already resident and takes its "unchanged" shortcut: no block is scored.
+- ``sparse_k_sparse``: sparse with the asynchronous pipeline, K = ``--sparse-top-k`` (default 16) below
+  the context's N full blocks (64 for 1,024 tokens of 16) and the product's default fetch ratio, so every
+  decode step scores the block summaries and runs top-K in every layer. Its output may differ from
+  dense's; that does not fail the run.
+
+Each server gets a warm-up request, then ``--repeats`` streamed greedy generations of the same essay
+prompt, one at a time. TPOT of a generation = (last token time - first token time) / (tokens - 1); a
+mode's TPOT is the median over the repeats. The greedy output ids of every repeat are compared with
+dense's first: a sparse mode is ``identical_to_dense`` when all of its repeats match token for token, and
+its ``prefix_agreement`` is the common prefix of its first repeat's output and dense's over the output
+length. All servers run ``--dtype`` (default float32, where the sparse path with every block promises
+dense's exact greedy output; SGLang's ``auto`` would serve this float32 checkpoint in float16).
+
+Around the timed repeats of a sparse server the ``/oasis/stats`` counters are read; per decode step
+(one forward pass; batch 1 here):
+  decode_bytes_per_step      = delta decode_bytes_host_to_device / delta decode_steps
+  bytes_per_step             = delta bytes_host_to_device / delta decode_steps (admissions included)
+  scored_selections_per_step = delta scored_selections / delta decode_steps ((request, layer)
+                               selections that scored the block summaries and ran top-K)
+each None when a counter is missing or no decode step ran. ``sparse_k_sparse`` fails (``error``) unless
+its ``scored_selections_per_step`` is > 0: otherwise its ratio would not include the scoring it claims
+to; with K covering every block it is expected to be 0.
 
     python benchmark/bench_overhead.py --json overhead.json [--num-layers N] [--context-tokens 1024]
-        [--output-tokens 64] [--repeats 3] [--dtype float32]
+        [--output-tokens 64] [--repeats 3] [--sparse-top-k 16] [--block-size 16] [--dtype float32]
 
-Writes ``dense.tpot_ms``, ``sparse_async.tpot_ms``, ``sparse_sync.tpot_ms`` (each mode also with
-``tpot_ms_runs``, ``identical_to_dense``, ``decode_bytes_per_step`` from ``/oasis/stats`` and ``error``
-when it failed), ``ratio_tpot`` (sparse_async / dense), ``ratio_tpot_sync`` (sparse_sync / dense),
-``target_ratio_tpot`` (1.15), ``settings``, ``date`` and ``machine``. Exits 1 if any mode failed (the
-JSON is written anyway).
+Writes ``ratio_k_covering`` (sparse_async TPOT / dense TPOT, K covering every block), ``ratio_k_sparse``
+(sparse_k_sparse / dense, K < N), ``ratio_tpot`` (the same as ``ratio_k_covering``, kept for
+continuity), ``ratio_tpot_sync`` (sparse_sync / dense), ``target_ratio_tpot`` (1.15, for the K covering
+ratio), one section per mode (``dense``, ``sparse_async``, ``sparse_sync``, ``sparse_k_sparse``) with
+``tpot_ms``, ``tpot_ms_runs`` and ``error`` when it failed, the sparse ones also with ``top_k``,
+``identical_to_dense``, ``prefix_agreement``, ``decode_steps``, ``decode_bytes_per_step``,
+``bytes_per_step`` and ``scored_selections_per_step``; then ``settings``, ``date`` and ``machine``. Exits 1
+if any mode failed (the JSON is written anyway).
 """
 
 from __future__ import annotations
@@ -35,11 +58,23 @@ from pathlib import Path
 from typing import Any
 
 from common import essay_prompts, machine_info, oasis_stats, print_table, stream_generate
+from sglang_oasis.config import OasisConfig
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.testing.server_process import ServerProcess
 
-MODES = ("dense", "sparse_async", "sparse_sync")
+MODES = ("dense", "sparse_async", "sparse_sync", "sparse_k_sparse")
+COVERING_MODES = ("sparse_async", "sparse_sync")  # K covering every block, no fetch cap
 TARGET_RATIO_TPOT = 1.15
+# ratio key -> the sparse mode whose TPOT it divides by dense's
+RATIOS = {
+    "ratio_k_covering": "sparse_async",
+    "ratio_k_sparse": "sparse_k_sparse",
+    "ratio_tpot": "sparse_async",
+    "ratio_tpot_sync": "sparse_sync",
+}
+
+
+# ------------------------------------------------------------------------------------------ pure pieces
 
 
 def tpot_s(token_times: list[float]) -> float:
@@ -54,15 +89,108 @@ def covering_top_k(context_tokens: int, output_tokens: int, block_size: int) -> 
     return math.ceil((context_tokens + output_tokens) / block_size) + 1
 
 
+def check_sparse_top_k(top_k: int, context_tokens: int, block_size: int) -> int:
+    """The number N of full blocks of the context; ValueError unless 0 < ``top_k`` < N (with K >= N every
+    block is selected and the selection never scores)."""
+    full_blocks = context_tokens // block_size
+    if not 0 < top_k < full_blocks:
+        raise ValueError(
+            f"--sparse-top-k {top_k} must be in [1, {full_blocks}): a {context_tokens}-token context has "
+            f"{full_blocks} full blocks of {block_size}, and with K >= N every block is selected without "
+            "scoring; lower --sparse-top-k or raise --context-tokens"
+        )
+    return full_blocks
+
+
+def ratio(mode_ms: float | None, dense_ms: float | None) -> float | None:
+    """``mode_ms / dense_ms``; None when either is missing (a failed mode) or dense's is 0."""
+    return mode_ms / dense_ms if dense_ms and mode_ms is not None else None
+
+
+def tpot_ratios(results: dict[str, Any]) -> dict[str, float | None]:
+    """Every key of ``RATIOS``: its sparse mode's ``tpot_ms`` over dense's."""
+    dense_ms = results.get("dense", {}).get("tpot_ms")
+    return {key: ratio(results.get(mode, {}).get("tpot_ms"), dense_ms) for key, mode in RATIOS.items()}
+
+
+def common_prefix(a: list[int], b: list[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def agreement_with_dense(outputs: list[list[int]], reference: list[int] | None) -> dict[str, Any]:
+    """``identical_to_dense`` (every repeat equals dense's output) and ``prefix_agreement`` (the common
+    prefix of the first repeat and dense's, over the first repeat's length); both None without dense."""
+    if reference is None or not outputs:
+        return {"identical_to_dense": None, "prefix_agreement": None}
+    first = outputs[0]
+    return {
+        "identical_to_dense": all(o == reference for o in outputs),
+        "prefix_agreement": common_prefix(first, reference) / len(first) if first else None,
+    }
+
+
+def per_step_counters(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """``decode_steps`` between two ``/oasis/stats`` snapshots and the per-step rates of the counters
+    (None where a snapshot lacks the counter or no decode step ran)."""
+    steps = int(after["decode_steps"]) - int(before["decode_steps"])
+
+    def rate(name: str) -> float | None:
+        if name not in before or name not in after or steps <= 0:
+            return None
+        return (int(after[name]) - int(before[name])) / steps
+
+    return {
+        "decode_steps": steps,
+        "decode_bytes_per_step": rate("decode_bytes_host_to_device"),
+        "bytes_per_step": rate("bytes_host_to_device"),
+        "scored_selections_per_step": rate("scored_selections"),
+    }
+
+
+def unscored_error(entry: dict[str, Any]) -> str | None:
+    """The error of a K < N mode whose selections never scored (None if they did)."""
+    scored = entry.get("scored_selections_per_step")
+    if scored is not None and scored > 0:
+        return None
+    why = (
+        "the /oasis/stats counter scored_selections is missing (or no stats were read)"
+        if scored is None
+        else "every selection took the unchanged shortcut"
+    )
+    return (
+        f"K < N mode never scored: scored_selections_per_step = {scored} over "
+        f"{entry.get('decode_steps')} decode steps ({why})"
+    )
+
+
+def _or_dash(value: float | None) -> float | str:
+    return "-" if value is None else value
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
+
+
+# ----------------------------------------------------------------------------------------- measurement
+
+
 def server_args(
     mode: str, model: Path, top_k: int, block_size: int, pool_tokens: int, context_length: int, dtype: str
 ) -> list[str]:
     common = ["--model-path", str(model), "--context-length", str(context_length), "--dtype", dtype]
     if mode == "dense":
         return [*common, "--oasis-mode", "dense", "--max-total-tokens", str(pool_tokens)]
+    # K < N keeps the product's default fetch ratio; K covering loads every block at once
+    fetch = [] if mode == "sparse_k_sparse" else ["--oasis-fetch-ratio", "1.0"]
     return [
         *common, "--oasis-mode", "sparse", "--oasis-top-k", str(top_k), "--oasis-block-size", str(block_size),
-        "--oasis-fetch-ratio", "1.0", "--oasis-prefetch", mode.removeprefix("sparse_"),
+        *fetch, "--oasis-prefetch", "sync" if mode == "sparse_sync" else "async",
         "--oasis-host-kv-tokens", str(pool_tokens), "--oasis-device-kv-tokens", str(4 * top_k * block_size),
     ]  # fmt: skip
 
@@ -86,11 +214,7 @@ def measure(server: ServerProcess, prompt: list[int], output_tokens: int, repeat
         outputs.append(stream.output_ids)
     result: dict[str, Any] = {"tpot_ms": statistics.median(runs), "tpot_ms_runs": runs, "outputs": outputs}
     if before is not None and before.get("mode") == "sparse":
-        after = oasis_stats(server.url)
-        steps = after["decode_steps"] - before["decode_steps"]
-        moved = after["decode_bytes_host_to_device"] - before["decode_bytes_host_to_device"]
-        result["decode_steps"] = steps
-        result["decode_bytes_per_step"] = moved / steps if steps else None
+        result.update(per_step_counters(before, oasis_stats(server.url)))
     return result
 
 
@@ -103,11 +227,21 @@ def main() -> int:
     parser.add_argument("--context-tokens", type=int, default=1024)
     parser.add_argument("--output-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument(
+        "--sparse-top-k",
+        type=int,
+        default=16,
+        help="K of sparse_k_sparse; below the context's full blocks (default: 16)",
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="float32", help="SGLang --dtype of every server")
     args = parser.parse_args()
     if args.output_tokens < 2 or args.repeats < 1:
         parser.error("--output-tokens must be >= 2 and --repeats >= 1")
+    try:
+        full_blocks = check_sparse_top_k(args.sparse_top_k, args.context_tokens, args.block_size)
+    except ValueError as exc:
+        parser.error(str(exc))
 
     model = prepare_default_model(args.num_layers)
     prompt = essay_prompts(model, 1, args.context_tokens)[0]
@@ -118,8 +252,9 @@ def main() -> int:
         "settings": {
             "context_tokens": args.context_tokens, "output_tokens": args.output_tokens,
             "repeats": args.repeats, "num_layers": args.num_layers or 30, "top_k": top_k,
-            "block_size": args.block_size, "fetch_ratio": 1.0, "batch": 1, "dtype": args.dtype,
-            "model": str(model),
+            "block_size": args.block_size, "fetch_ratio": 1.0, "sparse_top_k": args.sparse_top_k,
+            "sparse_fetch_ratio": OasisConfig().fetch_ratio, "context_full_blocks": full_blocks,
+            "batch": 1, "dtype": args.dtype, "model": str(model),
         },
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
@@ -128,49 +263,60 @@ def main() -> int:
     print(f"server logs in {logs}", flush=True)
     for mode in MODES:
         print(f"[bench_overhead] {mode} ...", flush=True)
-        argv = server_args(mode, model, top_k, args.block_size, pool_tokens, context_length, args.dtype)
+        mode_k = args.sparse_top_k if mode == "sparse_k_sparse" else top_k
+        argv = server_args(mode, model, mode_k, args.block_size, pool_tokens, context_length, args.dtype)
         try:
             with ServerProcess(argv, log_path=logs / f"{mode}.log") as server:
                 results[mode] = measure(server, prompt, args.output_tokens, args.repeats)
         except Exception as exc:  # a failed server or request: record it and go on
             results[mode] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+        if mode != "dense":
+            results[mode]["top_k"] = mode_k
+        if mode == "sparse_k_sparse" and "error" not in results[mode]:
+            error = unscored_error(results[mode])
+            if error is not None:
+                results[mode]["error"] = error
 
     reference = results["dense"].get("outputs", [None])[0]
     for mode in MODES:
         outputs = results[mode].pop("outputs", None)
         if outputs is not None and mode != "dense":
-            same = all(o == reference for o in outputs)
-            results[mode]["identical_to_dense"] = same if reference is not None else None  # None: no dense
-    dense_ms = results["dense"].get("tpot_ms")
-    for key, mode in (("ratio_tpot", "sparse_async"), ("ratio_tpot_sync", "sparse_sync")):
-        mode_ms = results[mode].get("tpot_ms")
-        results[key] = mode_ms / dense_ms if dense_ms and mode_ms else None
+            results[mode].update(agreement_with_dense(outputs, reference))
+    results.update(tpot_ratios(results))
     results["target_ratio_tpot"] = TARGET_RATIO_TPOT
 
+    dense_ms = results["dense"].get("tpot_ms")
     rows = []
     for mode in MODES:
         r = results[mode]
-        tpot = r.get("tpot_ms", "-")
-        ratio = tpot / dense_ms if isinstance(tpot, float) and dense_ms else "-"
         runs = " ".join(f"{t:.1f}" for t in r.get("tpot_ms_runs", [])) or "-"
+        bytes_per_step = r.get("decode_bytes_per_step")
         rows.append(
             [
                 mode,
-                tpot,
-                ratio,
+                r.get("top_k", "-"),
+                r.get("tpot_ms", "-"),
+                _or_dash(ratio(r.get("tpot_ms"), dense_ms)),
                 runs,
                 r.get("identical_to_dense", "-"),
+                _or_dash(r.get("prefix_agreement")),
+                _or_dash(r.get("scored_selections_per_step")),
+                _or_dash(bytes_per_step / 1024 if bytes_per_step is not None else None),
                 r.get("error", "")[:80].replace("\n", " "),
             ]
         )
-    print_table(["mode", "tpot_ms", "vs_dense", "runs_ms", "identical_to_dense", "error"], rows)
-    ratio = results["ratio_tpot"]
+    headers = [
+        "mode", "top_k", "tpot_ms", "vs_dense", "runs_ms", "identical_to_dense", "prefix_agreement",
+        "scored_per_step", "decode_KiB_per_step", "error",
+    ]  # fmt: skip
+    print_table(headers, rows)
     print(
-        f"ratio_tpot {ratio:.3f}" if ratio is not None else "ratio_tpot -",
-        f"(target <= {TARGET_RATIO_TPOT}), K={top_k}, {args.context_tokens}+{args.output_tokens} tokens",
+        f"ratio_k_covering {_fmt(results['ratio_k_covering'])} (target <= {TARGET_RATIO_TPOT}, K={top_k}),",
+        f"ratio_k_sparse {_fmt(results['ratio_k_sparse'])} (K={args.sparse_top_k} of {full_blocks} blocks),",
+        f"{args.context_tokens}+{args.output_tokens} tokens",
     )
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    first = ("ratio_tpot", "ratio_tpot_sync", "target_ratio_tpot", *MODES)  # run_all shows the first 8
+    first = (*RATIOS, "target_ratio_tpot", *MODES)  # run_all shows the first 8 numbers
     results = {**{key: results[key] for key in first}, **results}
     args.json.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.json}")

@@ -19,7 +19,7 @@ def add_oasis_routes(stats: OasisStats) -> None:
         per_step = {
             name: values[name] / steps
             for name in ("decode_bytes_host_to_device", "decode_blocks_loaded", "blocks_deferred",
-                         "blocks_from_active", "foreground_wait_us")
+                         "blocks_just_filled", "foreground_wait_us")
         }  # fmt: skip
         per_step["bytes_host_to_device"] = per_step.pop("decode_bytes_host_to_device")
         return ORJSONResponse({"mode": config.mode, **values, "per_decode_step": per_step})

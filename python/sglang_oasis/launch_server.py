@@ -20,6 +20,8 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sglang_oasis.config import OasisConfig, OasisConfigError
+from sglang_oasis.memory.device_layout import DeviceTierError, TierShape
+from sglang_oasis.memory.device_layout import layout as device_tier_layout
 from sglang_oasis.memory.host_tier import (
     HostTierError,
     KVFootprint,
@@ -163,8 +165,6 @@ def sparse_mode_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[st
                 "--max-total-tokens and --oasis-host-kv-tokens both set the host KV tier: give one"
             )
         extra += ["--max-total-tokens", str(config.host_kv_tokens)]
-    if not given(sglang_argv, "--max-running-requests"):
-        extra += ["--max-running-requests", str(config.device_kv_tokens // config.working_set_tokens)]
     extra += lookahead_args(sglang_argv, config)
     for phase in ("decode", "prefill"):  # the backend runs eagerly
         if not given(sglang_argv, f"--cuda-graph-backend-{phase}"):
@@ -248,6 +248,43 @@ def host_tier_args(
         f"host KV tier: {tokens} tokens, {gib(tokens * per_token)} at {per_token} KV bytes per token ({note})"
     )
     return ["--max-total-tokens", str(tokens)]
+
+
+def device_request_slots(sglang_argv: Sequence[str], config: OasisConfig) -> int | None:
+    """How many requests' working sets the device tier holds (``memory/device_tier.py``), from the served
+    model's KV shape and the host tier's size (its summaries); None when either is unknown here."""
+    footprint, host = served_footprint(sglang_argv), option_value(sglang_argv, "--max-total-tokens")
+    if footprint is None or host is None or not host.isdigit():
+        return None
+    shape = TierShape(
+        num_layers=footprint.num_layers,
+        num_kv_heads=footprint.num_kv_heads,
+        head_dim=footprint.head_dim,
+        element_bytes=footprint.element_bytes,
+        host_pages=int(host) // config.block_size + 3,  # SGLang's padding pages, and one to spare
+        block_size=config.block_size,
+        slots_per_head=config.top_k + config.sink_blocks,
+        window_blocks=config.window_blocks,
+    )
+    try:
+        return device_tier_layout(config.device_kv_tokens * footprint.bytes_per_token, shape).request_slots
+    except DeviceTierError as error:
+        raise LaunchError(f"{error} (--oasis-device-kv-tokens {config.device_kv_tokens})") from None
+
+
+def running_cap_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[str]:
+    """``--max-running-requests`` (sparse mode, unless given): the requests the device tier holds working
+    sets for, so SGLang's own admission keeps the others waiting. The backend refuses a larger cap."""
+    if given(sglang_argv, "--max-running-requests"):
+        return []
+    slots = device_request_slots(sglang_argv, config)
+    if slots is None:  # the model's shape is unknown here: the budget over one request's working sets
+        slots = config.device_kv_tokens // config.working_set_tokens
+    else:
+        say(
+            f"device tier: {slots} running requests' working sets in --oasis-device-kv-tokens {config.device_kv_tokens}"
+        )
+    return ["--max-running-requests", str(slots)]
 
 
 def check_tiers_fit(sglang_argv: Sequence[str], config: OasisConfig, available: int | None = None) -> None:
@@ -370,6 +407,11 @@ def prepare(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
                 check_tiers_fit(sglang_argv, config)
             except LaunchError as error:
                 build_oasis_parser().error(str(error))
+    if config.mode == "sparse":
+        try:
+            sglang_argv += running_cap_args(sglang_argv, config)
+        except LaunchError as error:
+            build_oasis_parser().error(str(error))
     config.to_env()
     return config, sglang_argv
 

@@ -22,12 +22,23 @@ COUNTERS = {
     "selection_changes": "blocks newly selected into a working set (the sum over selections)",
     "window_selections": "(request, layer) first selections chosen by the prefill window's attention "
     "(--oasis-prefill-window) rather than the block summaries",
-    "blocks_loaded": "blocks copied host -> device (one block of one KV head counts once)",
-    "bytes_host_to_device": "bytes copied host -> device into working sets",
+    "scored_selections": "(request, layer) selections that scored the block summaries (or the prefill "
+    "window's attention) and ran top-K: the request had more blocks than its working set holds",
+    "blocks_loaded": "blocks copied host -> device into working sets (one block of one KV head counts once)",
+    "bytes_host_to_device": "every byte read from the host tier for device-side work: working-set loads "
+    "and, at decode steps, active tails, dense layers and summary catch-ups",
     "decode_blocks_loaded": "blocks loaded host -> device at decode steps (admission excluded)",
-    "decode_bytes_host_to_device": "bytes copied host -> device at decode steps (admission excluded)",
-    "blocks_from_active": "blocks that filled up as the active block and joined a working set "
-    "(already in device memory: no host transfer)",
+    "decode_bytes_host_to_device": "bytes read from the host tier at decode steps (admission loads "
+    "excluded): working-set loads, active tails, dense layers and summary catch-ups",
+    "blocks_just_filled": "blocks that filled up since the last selection and joined a working set "
+    "(copied from the host tier like the others; counted in decode_blocks_loaded)",
+    "tail_bytes_host_to_device": "bytes of K and V decode attention read from the host tier for active "
+    "tails (tokens after the covered blocks; a PD arrival's whole context at its first step) and verify "
+    "draft rows",
+    "dense_layer_bytes_host_to_device": "bytes of K and V that dense layers (--oasis-dense-layers) read "
+    "from the host tier at decode steps (every committed token)",
+    "catch_up_bytes_host_to_device": "bytes of keys read back from the host tier to fold into the block "
+    "summaries (a PD arrival's first step, accepted draft tokens)",
     "blocks_deferred": "predicted blocks the fetch cap left for a later step (counted each step)",
     "foreground_wait_us": "time attention waited for the prefetch pipeline (microseconds)",
     "stage_select_us": "time in the pipeline's prediction and selection stage (microseconds)",
@@ -55,9 +66,13 @@ GAUGES = {
     "host_tokens_used": "tokens of the host KV tier in use",
     "host_tokens_capacity": "tokens the host KV tier holds",
     "device_working_set_tokens": "tokens resident in device working sets (summed over layers and KV heads)",
-    "device_working_set_bytes": "bytes reserved for device working sets",
-    "device_summary_bytes": "bytes of block summaries in device memory",
-    "running_requests": "requests holding a working set",
+    "device_working_set_bytes": "bytes of the device tier's working sets (every request slot)",
+    "device_summary_bytes": "bytes of block summaries in the device tier",
+    "device_bytes_capacity": "bytes the device tier allocated (summaries, working sets and their index "
+    "tensors; at most --oasis-device-kv-tokens x KV bytes per token)",
+    "device_bytes_used": "device-tier bytes in use: the summaries and the request slots of running requests",
+    "device_request_slots": "requests the device tier holds working sets for (the running-request cap)",
+    "running_requests": "requests holding a device request slot",
     "staged_bytes": "PD prefill node: bytes of staged KV and summaries held for decode nodes",
 }
 FIELDS = (*COUNTERS, *GAUGES)

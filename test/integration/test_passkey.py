@@ -95,8 +95,10 @@ def test_blocks_of_4_find_the_key_at_4k(
     server = ServerProcess(
         [
             "--model-path", str(default_model_dir), "--oasis-block-size", "4", "--oasis-top-k", "128",
-            "--oasis-adaptive-cap", "true", "--oasis-host-kv-tokens", "32768", "--oasis-device-kv-tokens", "8192",
+            "--oasis-adaptive-cap", "true", "--oasis-host-kv-tokens", "32768", "--oasis-device-kv-tokens", "16384",
             "--oasis-prefill-window", "0",  # finer boxes alone, as measured
+            # Blocks of 4 make the summaries a quarter of the host tier's size, in the device budget:
+            # 32768 / 4 of the 16384 tokens' bytes; the rest holds 15 requests' working sets of 128 x 4.
         ],
         log_path=tmp_path / "passkey-blocks-of-4.log",
     )  # fmt: skip

@@ -96,6 +96,10 @@ def test_pd_sparse_serving_equals_non_disaggregated_sparse_and_reads_only_select
 
     assert delta(after, before, "remote_requests") == 2
     assert delta(after, before, "decode_steps") > 0 and delta(after, before, "blocks_loaded") > 0
+    # The decode node's device tier holds working sets for its running cap only (not for SGLang's
+    # pre-allocation rows), inside its budget of 16384 tokens' KV bytes.
+    assert 0 < after["device_bytes_capacity"] <= 16384 * LAYERS * 2 * BLOCK_BYTES // BLOCK
+    assert after["device_request_slots"] == sparse_reference.oasis_stats()["device_request_slots"]
     # every block summary was read, for each request and layer
     assert delta(after, before, "remote_summary_bytes") == summary_bytes(300) + summary_bytes(1100)
     # admission: the union over KV heads of the first selection (the last, partly filled page comes with

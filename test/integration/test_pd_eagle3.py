@@ -82,3 +82,9 @@ def test_pd_eagle3_equals_the_same_sparse_server_and_reads_the_draft_kv(
     pages_read = sum(-(-n // BLOCK) - 1 for n in lengths)
     draft_bytes = pages_read * 2 * DRAFT_LAYERS * BLOCK * KV_HEADS * HEAD_DIM * ITEMSIZE
     assert after["remote_draft_bytes"] - before["remote_draft_bytes"] == draft_bytes
+    # The decode node's device tier (PD pre-allocation rows and EAGLE-3 verify rows aside) stays inside
+    # its budget: 8192 tokens of the target's KV (4 layers x 2 KV heads x 64 x fp32 x K and V).
+    for server in (pd_eagle3.decode, eagle3_sparse_server):
+        stats = server.oasis_stats()
+        assert 0 < stats["device_bytes_capacity"] <= 8192 * 4 * KV_HEADS * HEAD_DIM * ITEMSIZE * 2
+        assert stats["device_request_slots"] == pd_eagle3.decode.oasis_stats()["device_request_slots"]

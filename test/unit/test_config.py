@@ -147,7 +147,7 @@ def test_bad_oasis_option_stops_startup_naming_it(argv: list[str], needle: str) 
     assert needle in result.stderr
 
 
-def test_sparse_mode_adds_backend_pages_and_request_cap() -> None:
+def test_sparse_mode_adds_backend_and_pages() -> None:
     from sglang_oasis.launch_server import sparse_mode_args
 
     config = OasisConfig(top_k=32, sink_blocks=0, block_size=16, device_kv_tokens=8192, host_kv_tokens=4096)
@@ -155,10 +155,9 @@ def test_sparse_mode_adds_backend_pages_and_request_cap() -> None:
     assert option_value(added, "--attention-backend") == "oasis"
     assert option_value(added, "--page-size") == "16"
     assert option_value(added, "--max-total-tokens") == "4096"
-    assert option_value(added, "--max-running-requests") == str(8192 // (32 * 16))
     assert option_value(added, "--cuda-graph-backend-decode") == "disabled"
-    explicit = sparse_mode_args(["--max-running-requests", "3", "--page-size", "16"], config)
-    assert not given(explicit, "--page-size") and not given(explicit, "--max-running-requests")
+    explicit = sparse_mode_args(["--page-size", "16"], config)
+    assert not given(explicit, "--page-size")
 
 
 def test_lookahead_sets_up_one_step_speculation() -> None:

@@ -59,7 +59,7 @@ def stats(**values: int) -> dict[str, object]:
     base = dict.fromkeys(
         (
             "decode_steps", "decode_bytes_host_to_device", "decode_blocks_loaded", "blocks_deferred",
-            "blocks_from_active", "foreground_wait_us", "stage_select_us", "stage_transfer_us",
+            "blocks_just_filled", "foreground_wait_us", "stage_select_us", "stage_transfer_us",
         ),
         0,
     )  # fmt: skip
@@ -84,7 +84,7 @@ def test_counter_deltas_and_per_step() -> None:
         "decode_bytes_host_to_device": 40 * 8192,
         "decode_blocks_loaded": 160,
         "blocks_deferred": 20,
-        "blocks_from_active": 0,
+        "blocks_just_filled": 0,
         "foreground_wait_us": 250_000,
         "stage_select_us": 33,
         "stage_transfer_us": 0,

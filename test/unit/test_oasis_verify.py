@@ -76,8 +76,8 @@ def _verify_step(backend: OasisAttnBackend, seq_len: int, scaling: float) -> tup
         out_cache_loc=torch.tensor([seq_len, seq_len + 1]),
         spec_info=None,
     )
+    backend.slots.claim(0, 0)
     backend._set_batch([0])
-    backend.working_sets.claim(0, 0)
     backend._catch_up_summaries(0, torch.tensor([seq_len]))
     return layer, batch
 
@@ -158,7 +158,7 @@ def test_a_request_whose_kv_arrived_from_a_prefill_node_is_summarised_and_admitt
     q = DIRECTIONS[2] * 10  # points at block 2
     out = decode(prompt, q)
 
-    assert backend.working_sets.owner[0] == 5 and backend.stats.snapshot()["arrived_requests"] == 1
+    assert backend.slots.holds(0, 5) and backend.stats.snapshot()["arrived_requests"] == 1
     kmin, kmax = build_block_summaries(pool.k[: prompt + 1], BLOCK)
     torch.testing.assert_close(backend.summaries.kmin[0, : kmin.shape[0]], kmin)
     torch.testing.assert_close(backend.summaries.kmax[0, : kmax.shape[0]], kmax)
@@ -228,9 +228,9 @@ def test_the_prefill_window_chooses_the_first_working_set_by_exact_attention(
     backend.req_to_token_pool.req_to_token[0, : seq_len + 1] = torch.arange(seq_len + 1, dtype=torch.int32)
     layer = SimpleNamespace(layer_id=0, tp_q_head_num=1, qk_head_dim=DIM, v_head_dim=DIM, scaling=1.0,
                             is_cross_attention=False)  # fmt: skip
+    backend.slots.claim(0, 0)
     backend._set_batch([0])
     backend._admission = True
-    backend.working_sets.claim(0, 0)
     backend._catch_up_summaries(0, torch.tensor([seq_len]))
     q_rows = torch.tensor([1.0, 1.0]).expand(seq_len, 1, DIM) * 2  # the prompt's queries, last row last
     prior = backend._window_prior(layer, q_rows, [seq_len - 1], [seq_len], [seq_len])

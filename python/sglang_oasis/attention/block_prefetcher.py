@@ -35,7 +35,8 @@ class SelectionJob(NamedTuple):
     """One layer's prediction -> selection -> transfer for a batch, as handed to the pipeline."""
 
     layer_id: int
-    reqs: torch.Tensor  # [bs] request slots
+    reqs: torch.Tensor  # [bs] SGLang's req pool indices
+    slots: torch.Tensor  # [bs] their device request slots
     queries: torch.Tensor  # [bs, q_heads, dim] the predicting query rows
     prior: torch.Tensor | None  # [bs, kv_heads, N] scores replacing the summaries' (prefill window)
     pinned: torch.Tensor | None  # [bs, kv_heads, P] blocks always selected (prefill window), -1: none
@@ -52,7 +53,8 @@ class JobResult(NamedTuple):
     admission: bool
     selections: int
     loads: int
-    fresh: int  # loads of blocks that just filled up (already in device memory as the active block)
+    fresh: int  # loads of blocks that filled up since the last selection
+    scored: int  # requests whose selection scored the summaries (or the prior) and ran top-K
     deferred: int
     heads: int
     select_ns: int
@@ -88,19 +90,19 @@ class BlockPrefetcher:
         """Prediction -> selection -> transfer for one layer of a batch (runs in the pipeline)."""
         started = time.perf_counter_ns()
         # Blocks from the last selection's coverage on filled up since: the active block, no transfer.
-        fresh_from = None if job.admission else self.working_sets.covered[job.reqs, job.layer_id].clone()
-        self.working_sets.covered[job.reqs, job.layer_id] = job.full
+        fresh_from = None if job.admission else self.working_sets.covered[job.slots, job.layer_id].clone()
+        self.working_sets.covered[job.slots, job.layer_id] = job.full
         if job.pages.shape[1] == 0:  # no request has a full block yet
             return JobResult(job.layer_id, job.admission, len(job.reqs),
-                             0, 0, 0, 0, 0, 0, {})  # fmt: skip
-        selected, priority = self._choose(job)
+                             0, 0, 0, 0, 0, 0, 0, {})  # fmt: skip
+        selected, priority, scored = self._choose(job)
         if job.admission and self.record_admissions is not None:
             for row, req in enumerate(job.reqs.tolist()):
                 layers = self.record_admissions.setdefault(req, {})
                 layers[job.layer_id] = selected[row, :, : int(job.full[row])].clone()
         chosen = time.perf_counter_ns()
         plan = self.working_sets.plan_selections(
-            job.reqs, job.layer_id, selected, job.step, job.cap, fresh_from, priority
+            job.slots, job.layer_id, selected, job.step, job.cap, fresh_from, priority
         )
         failed = self._transfer(job, plan)
         fresh = 0
@@ -112,6 +114,7 @@ class BlockPrefetcher:
             selections=len(job.reqs),
             loads=plan.num_loads,
             fresh=fresh,
+            scored=scored,
             deferred=plan.deferred,
             heads=len(job.reqs) * self.num_kv_heads,
             select_ns=chosen - started,
@@ -119,9 +122,10 @@ class BlockPrefetcher:
             failed=failed,
         )
 
-    def _choose(self, job: SelectionJob) -> tuple[torch.Tensor, torch.Tensor]:
+    def _choose(self, job: SelectionJob) -> tuple[torch.Tensor, torch.Tensor, int]:
         """``[bs, kv_heads, N]``: the blocks each head should hold next step, and their priority (summary
-        score, or the job's prior where it has one; sink blocks first)."""
+        score, or the job's prior where it has one; sink blocks first); and how many requests had more
+        blocks than their working sets hold (scored and ran top-K)."""
         num_blocks = job.pages.shape[1]
         index = torch.arange(num_blocks)
         valid = index[None, :] < job.full[:, None]  # [bs, N]
@@ -147,7 +151,7 @@ class BlockPrefetcher:
             sinks = (index < self.sink_blocks)[None, None, :]
             selected[over] = select_top_blocks(scores, self.top_k, sinks, valid[over][:, None, :])
             priority[over] = scores.masked_fill(sinks, float("inf"))
-        return selected, priority
+        return selected, priority, int(over.sum())
 
     def _transfer(self, job: SelectionJob, plan: TransferPlan) -> dict[int, str]:
         """Copy the plan's blocks in; a failure is retried request by request, and the requests whose
@@ -159,7 +163,7 @@ class BlockPrefetcher:
             plan, failed = self._read_remote(job, plan)
         try:
             self._check_injected(job, plan.batch_rows)
-            self.working_sets.load(plan, job.reqs, job.layer_id, job.pages, k_buffer, v_buffer)
+            self.working_sets.load(plan, job.slots, job.layer_id, job.pages, k_buffer, v_buffer)
             return failed
         except Exception as error:
             logger.warning(
@@ -174,7 +178,7 @@ class BlockPrefetcher:
             )
             try:
                 self._check_injected(job, own.batch_rows)
-                self.working_sets.load(own, job.reqs, job.layer_id, job.pages, k_buffer, v_buffer)
+                self.working_sets.load(own, job.slots, job.layer_id, job.pages, k_buffer, v_buffer)
             except Exception as error:
                 failed[req] = f"layer {job.layer_id}: {type(error).__name__}: {error}"
         return failed

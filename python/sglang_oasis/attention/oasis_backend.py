@@ -34,11 +34,13 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sgl_kernel_oasis import ops, sparse_decode_attention, window_block_mass
 from sglang_oasis.attention.block_prefetcher import INJECT_ENV, BlockPrefetcher, JobResult, SelectionJob
+from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.disaggregation.pd_partial import Arrival, DecodeFetcher, PrefillStager, register_draft_pool
+from sglang_oasis.memory.device_layout import DeviceTierError, TierShape
+from sglang_oasis.memory.device_layout import layout as device_tier_layout
+from sglang_oasis.memory.device_tier import DeviceTier
 from sglang_oasis.memory.prefetch_pipeline import PrefetchPipeline
-from sglang_oasis.memory.summary_store import BlockSummaryStore
-from sglang_oasis.memory.working_set import WorkingSetPool
 from sglang_oasis.stats import OasisStats
 
 if TYPE_CHECKING:
@@ -60,47 +62,42 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             )
         num_layers = pool.layer_num
         self.num_kv_heads = pool.head_num
-        head_dim = pool.head_dim
         max_requests = self.req_to_token_pool.req_to_token.shape[0]
-        num_pages = pool.size // self.block_size + 2  # SGLang keeps padding pages past ``size``
-        self.summaries = BlockSummaryStore(
-            num_layers, num_pages, self.num_kv_heads, head_dim, self.block_size, pool.dtype, self.device
-        )
         self.num_slots = config.top_k + config.sink_blocks
-        self.working_sets = WorkingSetPool(
-            max_requests, num_layers, self.num_kv_heads, head_dim, self.num_slots, self.block_size,
-            pool.dtype, self.device,
-        )  # fmt: skip
+        self.tier = self._device_tier(model_runner, config)
+        self.summaries = self.tier.summaries
+        self.working_sets = self.tier.working_sets
+        self.pinned = self.tier.pinned
         self.dense_layers = frozenset(config.dense_layers)
-        # Warm start: per request slot, the page and page epoch of each full block as of its last
-        # selection (-1 past its blocks), recorded at the first sparse layer; a new request whose prompt
-        # starts with the same unchanged pages starts from that slot's resident blocks.
+        # Bytes of one token's K and V for one KV head in one layer (host-tier reads are counted in them).
+        self._token_bytes = 2 * pool.head_dim * self.working_sets.k.element_size()
+        # Warm starts match prefixes against the pages each request slot selected at the first sparse layer.
         sparse_layers = [layer for layer in range(num_layers) if layer not in self.dense_layers]
         self._record_layer = sparse_layers[0] if sparse_layers else -1
         self.summaries.epoch_layer = self._record_layer
-        max_blocks = self.req_to_token_pool.req_to_token.shape[1] // self.block_size + 1
-        self.slot_pages = torch.full((max_requests, max_blocks), -1, dtype=torch.int64)
-        self.slot_epochs = torch.zeros((max_requests, max_blocks), dtype=torch.int64)
-        # Per request slot and layer: positions whose keys are in the summaries (speculative verify
-        # commits drafts only after the forward pass that wrote them).
+        request_slots = self.tier.num_request_slots
+        self.slots = RequestSlots(self.tier, self.req_to_token_pool, self.block_size)
+        # Per request (SGLang's req pool index) and layer: positions whose keys are in the summaries
+        # (speculative verify commits drafts only after the forward pass that wrote them).
         self.summarised = torch.zeros((max_requests, num_layers), dtype=torch.int64)
         self.stats = OasisStats.attach(model_runner.server_args.port)
         self.stats.set("host_tokens_capacity", int(pool.size))
         self.stats.set("device_working_set_bytes", self.working_sets.nbytes)
         self.stats.set("device_summary_bytes", self.summaries.nbytes)
+        self.stats.set("device_bytes_capacity", self.tier.nbytes)
+        self.stats.set("device_request_slots", request_slots)
         self.allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
         self.export_metrics = bool(getattr(model_runner.server_args, "enable_metrics", False))
         self.step = 0
         self._reqs: list[int] = []
         self._req_index = torch.zeros(0, dtype=torch.int64)
+        self._slot_index = torch.zeros(0, dtype=torch.int64)  # the batch's device request slots
         self._admission = False
         self.pipeline: PrefetchPipeline[JobResult] = PrefetchPipeline(config.prefetch == "async", self.device)
         self.prefetcher = BlockPrefetcher(
             self.working_sets, self.summaries, pool, config.top_k, config.sink_blocks, self.num_kv_heads
         )
-        # Per request slot, layer and KV head: the blocks the prefill window keeps selected (-1: none).
         self.window_blocks = config.window_blocks
-        self.pinned = torch.full((max_requests, num_layers, self.num_kv_heads, self.window_blocks), -1)
         self._caps: list[int | None] = [config.fetch_cap] * num_layers
         self._drift = [0.0] * num_layers
         self.prompt_len: dict[int, int] = {}  # request slot -> tokens after its last extend
@@ -120,11 +117,38 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         self._gauge_thread = threading.Thread(target=self._refresh_gauges, name="oasis-gauges", daemon=True)
         self._gauge_thread.start()
         logger.info(
-            "oasis sparse KV: block %d, top-k %d, sinks %d, dense layers %s; working sets %.1f MiB for %d "
-            "request slots, summaries %.1f MiB",
+            "oasis sparse KV: block %d, top-k %d, sinks %d, dense layers %s; device tier %.1f MiB of a %.1f "
+            "MiB budget: working sets for %d requests, summaries %.1f MiB",
             self.block_size, config.top_k, config.sink_blocks, sorted(self.dense_layers) or "none",
-            self.working_sets.nbytes / 2**20, max_requests, self.summaries.nbytes / 2**20,
+            self.tier.nbytes / 2**20, self.tier.layout.budget_bytes / 2**20, request_slots,
+            self.summaries.nbytes / 2**20,
         )  # fmt: skip
+
+    def _device_tier(self, model_runner: Any, config: OasisConfig) -> DeviceTier:
+        """The device tier of ``--oasis-device-kv-tokens`` x this pool's KV bytes per token, with at most
+        ``--max-running-requests`` request slots; refuses a running-request cap the budget cannot hold."""
+        pool = self.token_to_kv_pool
+        shape = TierShape(
+            num_layers=pool.layer_num,
+            num_kv_heads=pool.head_num,
+            head_dim=pool.head_dim,
+            element_bytes=torch.empty(0, dtype=pool.dtype).element_size(),
+            host_pages=pool.size // self.block_size + 2,  # SGLang keeps padding pages past ``size``
+            block_size=self.block_size,
+            slots_per_head=self.num_slots,
+            window_blocks=config.window_blocks,
+        )
+        budget = config.device_kv_tokens * shape.kv_bytes_per_token
+        fitting = device_tier_layout(budget, shape)
+        running = getattr(model_runner.server_args, "max_running_requests", None)
+        if running is not None and int(running) > fitting.request_slots:
+            raise DeviceTierError(
+                f"--max-running-requests {running}: the device budget (--oasis-device-kv-tokens "
+                f"{config.device_kv_tokens}) holds {fitting.request_slots} requests' working sets; lower it "
+                "or raise the budget"
+            )
+        limit = int(running) if running is not None else self.req_to_token_pool.req_to_token.shape[0]
+        return DeviceTier(shape, device_tier_layout(budget, shape, limit), pool.dtype, self.device)
 
     def _setup_remote_fetch(self, model_runner: Any) -> None:
         args = model_runner.server_args
@@ -162,11 +186,11 @@ class OasisAttnBackend(TorchNativeAttnBackend):
 
     def admission_pins(self, req: int, num_tokens: int) -> torch.Tensor | None:
         """``[layers, kv_heads, full blocks]`` bool: the blocks the prefill window keeps selected for
-        request slot ``req`` (None: the window keeps none)."""
+        request ``req`` (None: the window keeps none)."""
         if not self.window_blocks:
             return None
         full = num_tokens // self.block_size
-        pins = self.pinned[req]  # [layers, kv_heads, P]
+        pins = self.pinned[self.tier.slot(req)]  # [layers, kv_heads, P]
         mask = torch.zeros((*pins.shape[:2], full + 1), dtype=torch.bool)
         mask.scatter_(-1, torch.where((pins >= 0) & (pins < full), pins, full), True)
         return mask[..., :full]
@@ -195,13 +219,18 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         are caught up from the pool at this step (every position before the current token), and this
         step attends them densely (nothing is covered yet); its selection is their admission (uncapped,
         like after an extend)."""
-        generations = self.req_to_token_pool.req_generation[self._reqs].tolist()
-        owners = self.working_sets.owner
+        generations = [int(g) for g in self.req_to_token_pool.req_generation[self._reqs].tolist()]
         arrived = [row for row, (req, gen) in enumerate(zip(self._reqs, generations, strict=True))
-                   if owners[req] != gen]  # fmt: skip
+                   if not self.slots.holds(req, gen)]  # fmt: skip
         if not arrived:
             return
         self.finish_pending()
+        self._claim_arrivals(forward_batch, arrived, generations)
+        self._set_batch(self._reqs)
+
+    def _claim_arrivals(
+        self, forward_batch: ForwardBatch, arrived: list[int], generations: list[int]
+    ) -> None:
         seq_lens = forward_batch.seq_lens.tolist()
         # Tokens already committed: a decode's seq_len counts the token it computes, a verify's does not.
         current = 0 if forward_batch.forward_mode.is_target_verify() else 1
@@ -209,32 +238,30 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             req = self._reqs[row]
             self.stats.add("requests")
             self.stats.add("arrived_requests")
-            self.slot_pages[req] = -1
-            self.pinned[req] = -1  # no extend here, no window (a hand-off may bring its pins below)
-            self.working_sets.claim(req, int(generations[row]))
+            slot = self.slots.claim(req, generations[row])  # no window here (a hand-off may bring pins)
             self.prompt_len[req] = int(seq_lens[row]) - current
-            fetched = self.remote.take_arrival(req, int(generations[row])) if self.remote else None
+            fetched = self.remote.take_arrival(req, generations[row]) if self.remote else None
             if fetched is not None and fetched.num_tokens == self.prompt_len[req]:
-                self._start_from_handoff(req, fetched)
+                self._start_from_handoff(req, slot, fetched)
             else:
                 if fetched is not None:  # cannot happen unless SGLang's hand-off changed: fail the request
                     message = (f"oasis: request slot {req} arrived with {fetched.num_tokens} staged tokens for "
                                f"a {self.prompt_len[req]}-token prompt")  # fmt: skip
                     logger.error(message)
                     with self._failed_lock:
-                        self.failed_requests[req] = (int(generations[row]), message)
+                        self.failed_requests[req] = (generations[row], message)
                 self.summarised[req] = 0
                 self._admission = True
 
-    def _start_from_handoff(self, req: int, arrival: Arrival) -> None:
+    def _start_from_handoff(self, req: int, slot: int, arrival: Arrival) -> None:
         """A request admitted by remote partial fetching: its summaries and its first selection's blocks
         are here (read at admission); its working sets are that selection, exactly as an extend here
         would have left them, so its first decode step is an ordinary sparse step."""
         self.summarised[req] = arrival.num_tokens
         full = arrival.selection.shape[2]
-        reqs = torch.tensor([req], dtype=torch.int64)
+        slots = torch.tensor([slot], dtype=torch.int64)
         block = self.block_size
-        pages = self.req_to_token_pool.req_to_token[reqs, 0 : full * block : block].to(torch.int64) // block
+        pages = self.req_to_token_pool.req_to_token[[req], 0 : full * block : block].to(torch.int64) // block
         pool = self.token_to_kv_pool
         # An extend here would have selected one step before this one: blocks this step does not
         # reselect must rank below the ones it loads for LRU eviction, as they would have.
@@ -245,22 +272,24 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             if arrival.pinned is not None and self.window_blocks:
                 kept = [b.nonzero().flatten()[: self.window_blocks] for b in arrival.pinned[layer]]
                 for head, blocks in enumerate(kept):
-                    self.pinned[req, layer, head, : len(blocks)] = blocks
-            self.working_sets.covered[req, layer] = full
+                    self.pinned[slot, layer, head, : len(blocks)] = blocks
+            self.working_sets.covered[slot, layer] = full
             if full:
                 plan = self.working_sets.plan_selections(
-                    reqs, layer, arrival.selection[layer][None], admission_step
+                    slots, layer, arrival.selection[layer][None], admission_step
                 )
                 self.working_sets.load(
-                    plan, reqs, layer, pages, pool.get_key_buffer(layer), pool.get_value_buffer(layer)
+                    plan, slots, layer, pages, pool.get_key_buffer(layer), pool.get_value_buffer(layer)
                 )
                 self.stats.add("blocks_loaded", plan.num_loads)
                 self.stats.add("bytes_host_to_device", plan.num_loads * self.working_sets.bytes_per_block)
 
     def _set_batch(self, reqs: list[int]) -> None:
-        """The forward batch's request slots, as a list and as the index tensor the tables take."""
+        """The forward batch's requests (SGLang's req pool indices), as a list and as the index tensor
+        SGLang's tables take, and their device request slots (-1 until admitted: admission sets it again)."""
         self._reqs = reqs
         self._req_index = torch.tensor(reqs, dtype=torch.int64)
+        self._slot_index = torch.tensor([self.tier.slot_of(req) for req in reqs], dtype=torch.int64)
 
     @staticmethod
     def _prefix_lens(forward_batch: ForwardBatch) -> list[int]:
@@ -271,82 +300,34 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         return [0] * len(forward_batch.seq_lens)
 
     def _admit(self, generations: list[int], prefix_lens: list[int]) -> None:
-        """Give each new request its slot: empty, or (warm start) holding the resident blocks of a
-        donor slot whose recorded pages its cached prefix shares. A slot that already belongs to the
-        request (a chunked prefill going on) is left as it is."""
-        ws = self.working_sets
+        """Give each new request its request slot (``RequestSlots.admit``: empty, or a warm start). A
+        request that holds one already (a chunked prefill going on) keeps it as it is."""
         new = [(req, gen, prefix) for req, gen, prefix in zip(self._reqs, generations, prefix_lens, strict=True)
-               if ws.owner[req] != gen]  # fmt: skip
-        donors = self._find_donors(new) if self.config.warm_start else {}
-        for req, generation, _ in new:
-            self.stats.add("requests")
-            self.slot_pages[req] = -1
-            donor = donors.get(req)
-            if donor is None:
-                ws.claim(req, generation)
-            else:
-                self.stats.add("warm_starts")
-                self.stats.add("blocks_reused", ws.adopt(req, generation, *donor))
-
-    def _find_donors(self, new: list[tuple[int, int, int]]) -> dict[int, tuple[int, int]]:
-        """Request slot -> (donor slot, shared blocks): the slot whose recorded leading pages match the
-        most of the request's cached prefix blocks, same pages at unchanged epochs. Donors are slots
-        outside this batch (finished or decoding requests) or the request's own slot (the previous
-        owner's data is still there until it is claimed)."""
-        block = self.block_size
-        batch = set(self._reqs)
-        # A slot whose transfer failed may hold slots mapped to blocks that never arrived.
-        failed = self._reported_failures
-        owners = self.working_sets.owner
-        donors = {}
-        for req, _, prefix in new:
-            shared_max = prefix // block
-            if shared_max == 0:
-                continue
-            pages = self.req_to_token_pool.req_to_token[req, 0 : shared_max * block : block]
-            pages = pages.cpu().to(torch.int64) // block
-            epochs = self.summaries.epoch[pages]
-            # Candidates first by their first block (cheap), then the shared length over those only.
-            first = ((self.slot_pages[:, 0] == pages[0]) & (self.slot_epochs[:, 0] == epochs[0])).nonzero()
-            slots = [
-                slot
-                for slot in first.flatten().tolist()
-                if owners[slot] is not None
-                and (slot == req or slot not in batch)
-                and failed.get(slot) != owners[slot]
-            ]
-            if not slots:
-                continue
-            index = torch.tensor(slots, dtype=torch.int64)
-            same = (self.slot_pages[index, :shared_max] == pages) & (
-                self.slot_epochs[index, :shared_max] == epochs
-            )
-            shared = same.to(torch.int64).cumprod(dim=1).sum(dim=1)
-            best = int(shared.argmax())
-            donors[req] = (slots[best], int(shared[best]))
-        return donors
-
-    def _live_requests(self) -> list[int]:
-        free = set(self.req_to_token_pool.free_slots)
-        return [
-            req for req, owner in enumerate(self.working_sets.owner) if owner is not None and req not in free
-        ]
+               if not self.slots.holds(req, gen)]  # fmt: skip
+        if not new:
+            return
+        done = self.slots.admit(new, self.summaries.epoch, self._reported_failures, self.config.warm_start)
+        self._set_batch(self._reqs)
+        self.stats.add("requests", done.requests)
+        self.stats.add("warm_starts", done.warm_starts)
+        self.stats.add("blocks_reused", done.blocks_reused)
 
     def _refresh_gauges(self, period_s: float = 0.5) -> None:
         while True:
             try:
-                live = self._live_requests()
+                finished = self.slots.finished()
+                live = self.tier.live_slots(finished)
                 self.stats.set("running_requests", len(live))
+                self.stats.set("device_bytes_used", self.tier.used_bytes(finished))
                 self.stats.set(
                     "device_working_set_tokens", self.working_sets.resident_blocks(live) * self.block_size
                 )
                 if self.allocator is not None:
                     used = self.token_to_kv_pool.size - self.allocator.available_size()
                     self.stats.set("host_tokens_used", int(used))
-                if self.remote is not None:
+                if self.remote is not None:  # issue 25: release from the scheduler's request lifecycle
                     self.remote.release_finished(
-                        set(self.req_to_token_pool.free_slots),
-                        self.req_to_token_pool.req_generation.tolist(),
+                        set(self.req_to_token_pool.free_slots), self.req_to_token_pool.req_generation.tolist()
                     )
                 if self.export_metrics:
                     self.stats.publish_prometheus()
@@ -409,6 +390,8 @@ class OasisAttnBackend(TorchNativeAttnBackend):
     def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):
         layer_id = layer.layer_id
         if layer.is_cross_attention or layer_id in self.dense_layers:
+            if not layer.is_cross_attention:  # attends every committed token, read from the host tier
+                self._count_host_read("dense_layer_bytes_host_to_device", int(forward_batch.seq_lens.sum()))
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         self._wait(layer_id)
         pool = self.token_to_kv_pool
@@ -462,6 +445,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             self.summarised[self._req_index, layer_id] = seq_lens + 1
             # The draft rows' own tokens follow the active tail; the tree mask says which rows see them.
             tail_locs, tail_valid = self._tail(layer_id, seq_lens.tolist())
+            self._count_host_read("tail_bytes_host_to_device", draft_locs.numel())
             locs = torch.cat([tail_locs, draft_locs.cpu()], dim=1)
             valid = torch.cat([tail_valid[:, None, :].expand(-1, rows, -1), tree], dim=2)
             out = self._headwise_attention(q_rows, layer, locs, valid)
@@ -511,6 +495,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             torch.arange(int(lengths.sum())) - torch.repeat_interleave(first, lengths)
         )
         locations = self.req_to_token_pool.req_to_token[rows, cols].to(torch.int64)
+        self._count_host_read("catch_up_bytes_host_to_device", len(locations), keys_only=True)
         keys = self.token_to_kv_pool.get_key_buffer(layer_id)[locations]
         self.summaries.update(layer_id, locations, keys)
 
@@ -524,13 +509,22 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         last selection covered) and which of them are real (``[bs, tail]`` bool)."""
         reqs = self._req_index
         ends = torch.tensor(seq_lens, dtype=torch.int64)
-        starts = self.working_sets.covered[reqs, layer_id] * self.block_size
+        starts = self.working_sets.covered[self._slot_index, layer_id] * self.block_size
         positions = starts[:, None] + torch.arange(int((ends - starts).max()))  # [bs, tail]
         tail_valid = positions < ends[:, None]
         req_to_token = self.req_to_token_pool.req_to_token
         positions = positions.clamp(max=req_to_token.shape[1] - 1)
         locations = torch.where(tail_valid, req_to_token[reqs[:, None], positions].to(torch.int64), 0)
+        self._count_host_read("tail_bytes_host_to_device", int(tail_valid.sum()))
         return locations, tail_valid
+
+    def _count_host_read(self, counter: str, tokens: int, keys_only: bool = False) -> None:
+        """Count a decode-time read of ``tokens`` tokens' K and V (or keys only) of every KV head of one
+        layer from the host tier, outside the working-set loads: in ``counter`` and in the totals."""
+        nbytes = tokens * self.num_kv_heads * (self._token_bytes // 2 if keys_only else self._token_bytes)
+        self.stats.add(counter, nbytes)
+        self.stats.add("bytes_host_to_device", nbytes)
+        self.stats.add("decode_bytes_host_to_device", nbytes)
 
     def _headwise_attention(
         self, q_rows: torch.Tensor, layer: RadixAttention, tail_locs: torch.Tensor, tail_valid: torch.Tensor
@@ -539,7 +533,6 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         the head-wise mapping) and the tail tokens ``tail_locs`` (row r sees those in ``tail_valid[:, r]``):
         the Triton kernel on CUDA, its torch reference on CPU."""
         layer_id = layer.layer_id
-        reqs = self._req_index
         pool = self.token_to_kv_pool
         ws_k, ws_v = self.working_sets.block_views()
         device = ws_k.device  # host-built index tensors: non_blocking, so the stream need not drain first
@@ -547,7 +540,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             q_rows,
             ws_k,
             ws_v,
-            self.working_sets.slot_rows(reqs, layer_id).to(device, non_blocking=True),
+            self.working_sets.slot_rows(self._slot_index, layer_id).to(device, non_blocking=True),
             pool.get_key_buffer(layer_id),
             pool.get_value_buffer(layer_id),
             tail_locs.to(device, non_blocking=True),
@@ -567,6 +560,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         layer_id = layer.layer_id
         keys, values, valid = self._dense_token_sets(layer_id, seq_lens)
         rows, kv_heads = draft_locs.shape[1], keys.shape[1]
+        self._count_host_read("dense_layer_bytes_host_to_device", int(seq_lens.sum()) + draft_locs.numel())
         pool = self.token_to_kv_pool
         draft_keys = pool.get_key_buffer(layer_id)[draft_locs].transpose(1, 2).to(keys.dtype)
         draft_values = pool.get_value_buffer(layer_id)[draft_locs].transpose(1, 2).to(values.dtype)
@@ -603,35 +597,31 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         if not seq_lens:
             return
         block = self.block_size
-        reqs = self._req_index
+        reqs, slots = self._req_index, self._slot_index
         full = torch.tensor(seq_lens, dtype=torch.int64) // block
         num_blocks = int(full.max())
         admission = self._admission
         # Every block is selected; if none filled up since the last selection the working sets already
         # hold them all (this layer's job was waited for): nothing to plan or move.
         unchanged = not admission and num_blocks <= self.num_slots
-        if unchanged and bool((self.working_sets.covered[reqs, layer_id] == full).all()):
-            self.working_sets.touch(reqs, layer_id, self.step)
+        if unchanged and bool((self.working_sets.covered[slots, layer_id] == full).all()):
+            self.working_sets.touch(slots, layer_id, self.step)
             self.stats.add("selections", len(seq_lens))
             return
         req_to_token = self.req_to_token_pool.req_to_token
         pages = req_to_token[reqs, 0 : num_blocks * block : block].to(torch.int64) // block  # [bs, N]
         if layer_id == self._record_layer:  # for warm starts of later requests sharing these pages
-            host_pages = pages.cpu()
-            self.slot_pages[reqs] = -1
-            self.slot_pages[reqs, :num_blocks] = torch.where(
-                torch.arange(num_blocks) < full[:, None], host_pages, -1
-            )
-            self.slot_epochs[reqs, :num_blocks] = self.summaries.epoch[host_pages]
+            self.slots.record(slots, pages, full, self.summaries.epoch)
         pinned = None
         if self.window_blocks:
             if admission:  # the window's best blocks stay selected until the request's next extend
-                self.pinned[reqs, layer_id] = self._window_pins(prior, full)
+                self.pinned[slots, layer_id] = self._window_pins(prior, full)
             else:
-                pinned = self.pinned[reqs, layer_id].clone()
+                pinned = self.pinned[slots, layer_id].clone()
         job = SelectionJob(
             layer_id=layer_id,
             reqs=reqs,
+            slots=slots,
             queries=queries.detach().clone(),
             prior=prior,
             pinned=pinned,
@@ -693,8 +683,9 @@ class OasisAttnBackend(TorchNativeAttnBackend):
     def _account(self, result: JobResult) -> None:
         """Fold a finished job into the counters, the adaptive cap and the failed-request registry
         (foreground only: the counters are not thread-safe)."""
-        host_loads = result.loads - result.fresh
+        host_loads = result.loads  # blocks that just filled up are copied from the host tier too
         stats = self.stats
+        stats.add("scored_selections", result.scored)
         stats.add("selections", result.selections)
         stats.add("selection_changes", result.loads)
         stats.add("blocks_loaded", host_loads)
@@ -702,7 +693,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         stats.add("stage_select_us", result.select_ns // 1000)
         stats.add("stage_transfer_us", result.transfer_ns // 1000)
         if not result.admission:
-            stats.add("blocks_from_active", result.fresh)
+            stats.add("blocks_just_filled", result.fresh)
             stats.add("decode_blocks_loaded", host_loads)
             stats.add("decode_bytes_host_to_device", host_loads * self.working_sets.bytes_per_block)
             stats.add("blocks_deferred", result.deferred)

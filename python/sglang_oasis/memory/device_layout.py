@@ -1,0 +1,75 @@
+"""How a device budget divides (``memory/device_tier.py`` allocates it): plain arithmetic, no torch, so
+the launcher can size ``--max-running-requests`` before anything is imported.
+
+    budget          = --oasis-device-kv-tokens x the served model's KV bytes per token
+    summaries       = 2 (min, max) x layers x host pages x KV heads x head_dim x element bytes
+                      + 8 bytes per host page (its epoch)
+    per request     = 2 (K, V) x layers x KV heads x (top-K + sinks) x block x head_dim x element bytes
+                      + 8 bytes x layers x KV heads x (2 x (top-K + sinks) + window pins)   (index tensors)
+                      + 8 bytes x layers                                                   (covered)
+    request slots   = (budget - summaries) // per request
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+INDEX_BYTES = 8  # int64 index tensors
+
+
+class DeviceTierError(ValueError):
+    """The device budget cannot hold what it must; the message names the option."""
+
+
+class DeviceTierLayout(NamedTuple):
+    """How a device budget divides: the fixed summaries, then whole request slots."""
+
+    budget_bytes: int
+    summary_bytes: int
+    request_bytes: int
+    request_slots: int
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes the device tier allocates (at most ``budget_bytes``)."""
+        return self.summary_bytes + self.request_slots * self.request_bytes
+
+
+class TierShape(NamedTuple):
+    """What sizes the device tier's tensors."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    element_bytes: int
+    host_pages: int  # pages of SGLang's KV pool (its padding pages included)
+    block_size: int
+    slots_per_head: int  # top-K + sink blocks
+    window_blocks: int  # blocks per layer and KV head the prefill window pins
+
+    @property
+    def kv_bytes_per_token(self) -> int:
+        return self.num_layers * self.num_kv_heads * self.head_dim * 2 * self.element_bytes
+
+
+def layout(budget_bytes: int, shape: TierShape, max_request_slots: int | None = None) -> DeviceTierLayout:
+    """Divide ``budget_bytes``: summaries first, then as many request slots as fit (at most
+    ``max_request_slots``); raises ``DeviceTierError`` when not even one request fits."""
+    s = shape
+    summary = 2 * s.num_layers * s.host_pages * s.num_kv_heads * s.head_dim * s.element_bytes
+    summary += s.host_pages * INDEX_BYTES  # epochs
+    heads = s.num_layers * s.num_kv_heads
+    request = 2 * heads * s.slots_per_head * s.block_size * s.head_dim * s.element_bytes  # K and V
+    request += 2 * heads * s.slots_per_head * INDEX_BYTES  # slot_block, last_selected
+    request += s.num_layers * INDEX_BYTES  # covered
+    request += heads * s.window_blocks * INDEX_BYTES  # pinned
+    slots = max(0, budget_bytes - summary) // request
+    if max_request_slots is not None:
+        slots = min(slots, max_request_slots)
+    if slots < 1:
+        raise DeviceTierError(
+            f"--oasis-device-kv-tokens: the device budget ({budget_bytes / 2**20:.1f} MiB) holds the block "
+            f"summaries ({summary / 2**20:.1f} MiB) and not one request's working sets "
+            f"({request / 2**20:.1f} MiB): raise it, or lower --oasis-top-k or the host tier"
+        )
+    return DeviceTierLayout(budget_bytes, summary, request, slots)

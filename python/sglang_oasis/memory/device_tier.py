@@ -1,0 +1,154 @@
+"""The device tier: everything the GPU design keeps in accelerator memory, sized from one budget.
+
+``--oasis-device-kv-tokens N`` gives the device tier the bytes a dense KV pool of N tokens would take
+(N x the served model's KV bytes per token). In them it holds, and allocates exactly:
+
+    summaries            kmin/kmax of every host block, per layer and KV head, and the blocks' epochs
+                         (fixed: set by the host tier's size, whatever the load)
+    per request slot     the working sets (K + sink blocks of B tokens per layer and KV head, K and V),
+                         their head-wise map (block held by each slot, last selection step), the blocks
+                         the last selection covered, and the prefill window's pinned block ids
+
+    request slots = (budget - summaries) // bytes per request slot
+
+Request slots are not SGLang's ``req_to_token`` rows (those include a padding row and, on a PD decode
+node, the pre-allocation slots): a request takes a device slot at its first forward pass here and its
+slot is reclaimed once SGLang has freed the request. The launcher caps ``--max-running-requests`` at the
+number of request slots, so SGLang's own admission keeps a request waiting until one is free.
+
+Finished requests keep their slot (and its resident blocks, which warm starts reuse) until a new request
+needs it; the least recently claimed finished slot goes first.
+
+Not here yet: each request's active tail (tokens after its covered blocks) is read from the host tier
+at every decode step (counted in ``tail_bytes_host_to_device``); the EAGLE-3 draft model's one-layer KV
+is SGLang's own pool.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from sglang_oasis.memory.device_layout import DeviceTierLayout, TierShape
+from sglang_oasis.memory.summary_store import BlockSummaryStore
+from sglang_oasis.memory.working_set import WorkingSetPool
+
+
+class DeviceTier:
+    """The tensors of one layout, and which request holds which request slot."""
+
+    def __init__(
+        self, shape: TierShape, plan: DeviceTierLayout, dtype: torch.dtype, device: torch.device | str
+    ):
+        self.shape = shape
+        self.layout = plan
+        slots = plan.request_slots
+        self.summaries = BlockSummaryStore(
+            shape.num_layers,
+            shape.host_pages,
+            shape.num_kv_heads,
+            shape.head_dim,
+            shape.block_size,
+            dtype,
+            device,
+        )
+        self.working_sets = WorkingSetPool(
+            slots, shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.slots_per_head,
+            shape.block_size, dtype, device,
+        )  # fmt: skip
+        # Per request slot, layer and KV head: the blocks the prefill window keeps selected (-1: none).
+        self.pinned = torch.full((slots, shape.num_layers, shape.num_kv_heads, shape.window_blocks), -1)
+        self._owner: list[tuple[int, int] | None] = [None] * slots  # request slot -> (req, generation)
+        self._slot: dict[int, int] = {}  # SGLang req pool index -> its current request slot
+        self._claimed_at = [0] * slots
+        self._claims = 0
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        """Every tensor the device tier holds, by name."""
+        ws, summaries = self.working_sets, self.summaries
+        return {
+            "working_set_k": ws.k,
+            "working_set_v": ws.v,
+            "slot_block": ws.slot_block,
+            "last_selected": ws.last_selected,
+            "covered": ws.covered,
+            "pinned": self.pinned,
+            "summary_kmin": summaries.kmin,
+            "summary_kmax": summaries.kmax,
+            "summary_epoch": summaries.epoch,
+        }
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    @property
+    def num_request_slots(self) -> int:
+        return self.layout.request_slots
+
+    @property
+    def claims(self) -> int:
+        """Claims so far: the number of the latest (a key no earlier claim of any slot had)."""
+        return self._claims
+
+    # --- request slots ---------------------------------------------------------------------------
+
+    def slot(self, req: int) -> int:
+        """The request slot of SGLang request ``req`` (its req pool index)."""
+        return self._slot[req]
+
+    def slots(self, reqs: list[int]) -> list[int]:
+        return [self._slot[req] for req in reqs]
+
+    def slot_of(self, req: int) -> int:
+        """The request slot of ``req``, -1 if it holds none."""
+        return self._slot.get(req, -1)
+
+    def holds(self, req: int, generation: int) -> bool:
+        """Whether request ``req`` of this generation has its request slot."""
+        slot = self._slot.get(req)
+        return slot is not None and self._owner[slot] == (req, generation)
+
+    def owner(self, slot: int) -> tuple[int, int] | None:
+        """``(req, generation)`` that holds (or, finished, last held) request slot ``slot``."""
+        return self._owner[slot]
+
+    def live_slots(self, finished: Callable[[int, int], bool]) -> list[int]:
+        """Request slots whose request SGLang has not freed (``finished(req, generation)``)."""
+        return [slot for slot, owner in enumerate(self._owner) if owner is not None and not finished(*owner)]
+
+    def claim(
+        self, req: int, generation: int, finished: Callable[[int, int], bool], take: int | None = None
+    ) -> int:
+        """Give request ``req`` (``generation``) a request slot: ``take`` if given (a finished request's
+        slot whose blocks it reuses), else a free one, else the least recently claimed slot of a finished
+        request. Its previous contents are left as they are (``WorkingSetPool.claim`` or ``adopt``
+        resets them). Raises when every slot holds a running request: SGLang ran more requests than
+        ``--max-running-requests`` allows."""
+        if take is None:
+            free = [slot for slot, owner in enumerate(self._owner) if owner is None]
+            if free:
+                take = free[0]
+            else:
+                done = [
+                    slot for slot, owner in enumerate(self._owner) if owner is not None and finished(*owner)
+                ]
+                if not done:
+                    raise RuntimeError(
+                        f"oasis: all {len(self._owner)} device request slots hold running requests; the "
+                        "scheduler ran more requests than --max-running-requests allows"
+                    )
+                take = min(done, key=self._claimed_at.__getitem__)
+        previous = self._owner[take]
+        if previous is not None and self._slot.get(previous[0]) == take:
+            del self._slot[previous[0]]
+        self._owner[take] = (req, generation)
+        self._slot[req] = take
+        self._claims += 1
+        self._claimed_at[take] = self._claims
+        return take
+
+    def used_bytes(self, finished: Callable[[int, int], bool]) -> int:
+        """The summaries plus the request slots of running requests."""
+        return self.layout.summary_bytes + len(self.live_slots(finished)) * self.layout.request_bytes
