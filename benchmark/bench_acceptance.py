@@ -44,8 +44,8 @@ import requests
 from common import machine_info, print_table
 from sglang_oasis.evaluation.chat_prompts import CHAT_PROMPTS
 from sglang_oasis.models.default_model import prepare_default_model
-from sglang_oasis.testing.pd_launch import PDLaunch
-from sglang_oasis.testing.server_process import ServerProcess
+from sglang_oasis.server_process import ServerProcess
+from sglang_oasis_testing.pd_launch import PDLaunch
 
 MODES = ("dense", "eagle3", "ngram")
 TARGET_ACCEPTANCE = 1.3

@@ -70,7 +70,7 @@ import requests
 from common import PeakSampler, essay_prompts, machine_info, oasis_stats, print_table, stream_generate
 from sglang_oasis.memory.host_tier import kv_footprint, model_config
 from sglang_oasis.models.default_model import prepare_default_model
-from sglang_oasis.testing.server_process import ServerProcess
+from sglang_oasis.server_process import ServerProcess
 
 WARMUP_IDS = list(range(1000, 1064))  # no essay prompt starts with these: no prefix-cache hit later
 STEP_GAP_FRACTION = 0.5  # of the median gap between a request's tokens: arrivals closer are one step

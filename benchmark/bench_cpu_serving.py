@@ -49,7 +49,7 @@ from common import essay_prompts, machine_info, print_table, stream_generate
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.platform.cpu.capabilities import cpu_flags, fastest_dtype, intra_op_threads, usable_cores
-from sglang_oasis.testing.server_process import ServerProcess
+from sglang_oasis.server_process import ServerProcess
 
 MODES = ("dense", "sparse")
 SUFFIX_TOKENS = 16  # each batch request's own tokens after the shared context: one block

@@ -59,7 +59,7 @@ from common import Stream, essay_prompts, machine_info, oasis_stats, print_table
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.evaluation.passkey import count_hits, essays_text, make_case
 from sglang_oasis.models.default_model import prepare_default_model
-from sglang_oasis.testing.server_process import ServerProcess
+from sglang_oasis.server_process import ServerProcess
 
 AGREEMENT_PROMPTS = 2
 ENTRY_ORDER = (

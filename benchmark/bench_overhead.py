@@ -60,7 +60,7 @@ from typing import Any
 from common import essay_prompts, machine_info, oasis_stats, print_table, stream_generate
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.models.default_model import prepare_default_model
-from sglang_oasis.testing.server_process import ServerProcess
+from sglang_oasis.server_process import ServerProcess
 
 MODES = ("dense", "sparse_async", "sparse_sync", "sparse_k_sparse")
 COVERING_MODES = ("sparse_async", "sparse_sync")  # K covering every block, no fetch cap

@@ -38,7 +38,7 @@ def serve(
     name: str, args: argparse.Namespace, model_dir: Path, prompts: list[list[int]], log_dir: Path
 ) -> list[dict]:
     from common import oasis_stats, stream_generate
-    from sglang_oasis.testing.pd_launch import PDLaunch
+    from sglang_oasis_testing.pd_launch import PDLaunch
 
     server_args = [
         "--model-path", str(model_dir), "--dtype", "float32", "--oasis-top-k", str(args.top_k),

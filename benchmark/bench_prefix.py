@@ -39,7 +39,7 @@ import requests
 
 from common import essay_prompts, machine_info, oasis_stats, print_table, scrape_metric
 from sglang_oasis.models.default_model import prepare_default_model
-from sglang_oasis.testing.server_process import ServerProcess
+from sglang_oasis.server_process import ServerProcess
 
 MODES = ("dense", "sparse", "sparse_cold", "sparse_no_radix")
 OASIS_COUNTERS = ("requests", "blocks_loaded", "decode_blocks_loaded", "warm_starts", "blocks_reused")

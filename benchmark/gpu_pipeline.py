@@ -4,9 +4,10 @@ A Qwen3-8B-shaped layer stack (``gpu_check.Stack``, random weights) decodes ``ba
 ``context`` tokens. Per layer the step attends each KV head's working set plus a device tail
 (``headwise_decode_attention``), then hands the layer's selection job to the runtime's own pieces:
 ``PrefetchPipeline`` (CUDA: a side stream and events; CPU: a worker thread) runs ``BlockPrefetcher.run``
-(score every block summary, top-K per KV head, capped delta plan against the ``WorkingSetPool``, batched
+(score every block summary, top-K per KV head, capped delta plan against the working sets, batched
 copy of the admitted blocks from a host pool in pinned memory), and the layer's next attention waits for
-it. The queries are random, so every step's prediction drifts as far as it can and the fetch cap
+it. The summaries and working sets are a real ``DeviceTier`` on the device (one request slot per
+request), the host pool is pinned host memory: the CUDA layout is these constructor arguments. The queries are random, so every step's prediction drifts as far as it can and the fetch cap
 (ceil(0.05 K) blocks per KV head and step) is always used in full: the heaviest transfer load.
 
 Modes (eager steps: a step with the pipeline's host-side work cannot be captured in a CUDA graph):
@@ -27,9 +28,10 @@ import torch
 
 from sgl_kernel_oasis import ops
 from sglang_oasis.attention.block_prefetcher import BlockPrefetcher, JobResult, SelectionJob
+from sglang_oasis.memory.device_layout import TierShape, layout
+from sglang_oasis.memory.device_tier import DeviceTier
 from sglang_oasis.memory.headwise_map import EMPTY
 from sglang_oasis.memory.prefetch_pipeline import PrefetchPipeline
-from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.memory.working_set import WorkingSetPool
 
 
@@ -68,11 +70,12 @@ class PipelinedDecode:
     def __init__(self, shape: Any, ctx: dict[str, Any], mode: str, device: str) -> None:
         s = shape
         self.ctx, self.mode, self.device = ctx, mode, device
-        self.working_sets = WorkingSetPool(
-            ctx["batch"], s.layers, s.kv_heads, s.head_dim, s.top_k, s.block, ctx["dtype"], device
-        )
+        tier: DeviceTier = ctx["tier"]
+        self.working_sets = tier.working_sets
+        for slot in range(ctx["batch"]):  # every mode starts from empty working sets
+            self.working_sets.claim(slot, tier.claims + 1 + slot)
         self.prefetcher = BlockPrefetcher(
-            self.working_sets, ctx["summaries"], ctx["host"], s.top_k, 0, s.kv_heads
+            self.working_sets, tier.summaries, ctx["host"], s.top_k, 0, s.kv_heads
         )
         self.pipeline: PrefetchPipeline[JobResult] = PrefetchPipeline(mode == "async", device)
         self.results: list[JobResult] = []
@@ -81,8 +84,11 @@ class PipelinedDecode:
 
     def job(self, layer: int, queries: torch.Tensor, admission: bool) -> SelectionJob:
         ctx = self.ctx
-        return SelectionJob(layer, ctx["reqs"], queries, None, None, ctx["full"], ctx["pages"], self.step, admission,
-                            None if admission else ctx["cap"], ())  # fmt: skip
+        return SelectionJob(
+            layer_id=layer, reqs=ctx["reqs"], slots=ctx["reqs"], generations=(0,) * ctx["batch"], queries=queries,
+            prior=None, pinned=None, full=ctx["full"], pages=ctx["pages"], step=self.step, admission=admission,
+            cap=None if admission else ctx["cap"], fail_reqs=(),
+        )  # fmt: skip
 
     def admit(self, layers: int, queries: torch.Tensor) -> None:
         """Every layer's first working set, uncapped."""
@@ -150,12 +156,15 @@ def pipeline_rows(stack: Any, batch: int, contexts: list[int], device: str, step
     for context in contexts:
         blocks = context // b
         num_pages = batch * blocks
-        summaries = BlockSummaryStore(s.layers, num_pages, h, d, b, dtype, device)
+        element_bytes = torch.empty(0, dtype=dtype).element_size()
+        shape = TierShape(s.layers, h, d, element_bytes, num_pages, b, s.top_k, window_blocks=0)
+        tier = DeviceTier(shape, layout(2**62, shape, max_request_slots=batch), dtype, device)
+        summaries = tier.summaries
         summaries.kmin.normal_()
         summaries.kmax.copy_(summaries.kmin + summaries.kmin.abs())
         tail = b // 2
         ctx = {
-            "batch": batch, "dtype": dtype, "summaries": summaries,
+            "batch": batch, "dtype": dtype, "tier": tier,
             "host": HostPool(num_pages * b, h, d, dtype, device),
             "reqs": torch.arange(batch),
             "pages": torch.arange(num_pages).view(batch, blocks),  # request r's block i: page r * blocks + i
@@ -175,7 +184,7 @@ def pipeline_rows(stack: Any, batch: int, contexts: list[int], device: str, step
             row = decode.run(stack, x, steps)
             rows.append({"context": context, "batch": batch, "cap_per_head": ctx["cap"], **row})
             del decode
-        del ctx, summaries
+        del ctx, summaries, tier
         if device == "cuda":
             torch.cuda.empty_cache()
     return rows

@@ -36,7 +36,7 @@ from sglang_oasis.evaluation.passkey import count_hits, essays_text, make_case
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.replay import ReplayConfig, run_replay
 from sglang_oasis.replay.report import compare
-from sglang_oasis.testing.server_process import ServerProcess
+from sglang_oasis.server_process import ServerProcess
 
 HERE = Path(__file__).resolve().parent
 REPO = HERE.parent

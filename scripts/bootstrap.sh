@@ -61,9 +61,10 @@ if [ ! -f "$venv/.complete" ]; then
   touch "$venv/.complete"
 fi
 
-# The package itself, editable, redone whenever the checkout path or the packaging files change.
-stamp=$( (echo "$root"; cat "$root/pyproject.toml" "$root/setup.py" "$root/python/sglang_oasis_startup.pth") \
-         | sha256sum | cut -c1-16)
+# The package itself, editable, redone whenever the checkout path, the packaging files or the set of
+# top-level packages change (an editable install maps the packages it found when it ran).
+stamp=$( (echo "$root"; cat "$root/pyproject.toml" "$root/setup.py" "$root/python/sglang_oasis_startup.pth"
+          cd "$root" && ls -d python/*/ sgl-kernel-oasis/python/*/) | sha256sum | cut -c1-16)
 if [ "$(cat "$venv/.project-stamp" 2>/dev/null)" != "$stamp" ]; then
   log "installing sglang-oasis from $root"
   pip_quiet install --no-deps --no-build-isolation -e "$root"

@@ -16,8 +16,8 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 from sglang_oasis.models.default_model import prepare_default_model
-from sglang_oasis.models.tiny_models import TinyModelSpec, build_tiny_model
-from sglang_oasis.testing.server_process import ServerProcess
+from sglang_oasis.server_process import ServerProcess
+from sglang_oasis_testing.tiny_models import TinyModelSpec, build_tiny_model
 
 # fp32 everywhere an equivalence is claimed; small pools so several servers fit beside each other.
 FP32 = ["--dtype", "float32"]

@@ -83,8 +83,12 @@ class OasisConfig:
     device_kv_tokens: int = field(
         default=65536,
         metadata={
-            "help": "Device budget for working sets, in tokens (sparse mode). Sets --max-running-requests "
-            "to budget // ((top-k + sink blocks) * block size) unless that is given.",
+            "help": "Device-tier budget, as the tokens of KV a dense pool would hold in the same bytes "
+            "(sparse mode): the device tier gets N x the served model's KV bytes per token and holds in "
+            "them the block summaries of the whole host tier, then whole requests' working sets (K + "
+            "sink blocks per layer and KV head, with their index tensors). --max-running-requests is "
+            "set to the requests that fit, unless given; a larger value is refused. Start-up fails when "
+            "not even one request fits beside the summaries.",
         },
     )
     prefill_window: int = field(

@@ -34,7 +34,7 @@ from pathlib import Path
 from sglang_oasis.disaggregation.mooncake_builds import MissingSystemLibrary, check_system_libraries
 from sglang_oasis.disaggregation.transfer_engine import engine_env_defaults
 from sglang_oasis.launch_server import given
-from sglang_oasis.testing.server_process import ServerProcess, ServerStartError, free_port
+from sglang_oasis.server_process import ServerProcess, ServerStartError, free_port
 
 PROG = "python -m sglang_oasis.launch_pd"
 OWN_OPTIONS = ("--disaggregation-mode", "--disaggregation-bootstrap-port", "--host", "--port")

@@ -121,7 +121,8 @@ def abort_failed_transfers(
     """AROUND hook: abort the in-flight requests whose working-set transfers failed, then process the
     batch's result as usual."""
     backend: Any = getattr(getattr(scheduler.tp_worker, "model_runner", None), "attn_backend", None)
-    if backend is not None and getattr(backend, "has_failed_requests", False):
+    failures = getattr(backend, "failures", None)  # attention/transfer_failures.py
+    if failures:
         from http import HTTPStatus
 
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
@@ -133,7 +134,7 @@ def abort_failed_transfers(
             slot = req.kv.req_pool_idx
             if slot is None or req.finished() or req.to_finish is not None:
                 continue
-            message = backend.take_failed_request(int(slot), int(generations[slot]))
+            message = failures.take(int(slot), int(generations[slot]))
             if message is not None:
                 req.skip_radix_cache_insert = True  # its KV may be incomplete: never share it
                 req.to_finish = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")

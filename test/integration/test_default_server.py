@@ -7,7 +7,7 @@ import json
 import pytest
 import requests
 
-from sglang_oasis.testing.server_process import ServerProcess
+from sglang_oasis.server_process import ServerProcess
 
 pytestmark = pytest.mark.server
 

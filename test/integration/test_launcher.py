@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from sglang_oasis.memory.host_tier import available_host_memory, kv_footprint
-from sglang_oasis.testing.server_process import ServerProcess, child_env, greedy_body
+from sglang_oasis.server_process import ServerProcess, child_env, greedy_body
 
 pytestmark = pytest.mark.server
 

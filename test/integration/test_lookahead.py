@@ -23,8 +23,8 @@ import requests
 import torch
 
 from sglang_oasis.evaluation.chat_prompts import CHAT_PROMPTS as ALL_CHAT_PROMPTS
-from sglang_oasis.models.tiny_models import TinyModelSpec, build_tiny_eagle3_head
-from sglang_oasis.testing.server_process import ServerProcess
+from sglang_oasis.server_process import ServerProcess
+from sglang_oasis_testing.tiny_models import TinyModelSpec, build_tiny_eagle3_head
 
 pytestmark = pytest.mark.server
 

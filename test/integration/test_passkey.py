@@ -24,7 +24,7 @@ from pathlib import Path
 import pytest
 
 from sglang_oasis.evaluation.passkey import PasskeyCase, count_hits, essays_text, make_case
-from sglang_oasis.testing.server_process import ServerProcess
+from sglang_oasis.server_process import ServerProcess
 
 pytestmark = pytest.mark.server
 

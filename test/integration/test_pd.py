@@ -20,8 +20,8 @@ from typing import Any
 
 import pytest
 
-from sglang_oasis.testing.pd_launch import PDLaunch
-from sglang_oasis.testing.server_process import GenerateError, ServerProcess
+from sglang_oasis.server_process import GenerateError, ServerProcess
+from sglang_oasis_testing.pd_launch import PDLaunch
 
 PROMPTS = {"short": 300, "long": 1100}  # tokens
 TOP_K, BLOCK = 32, 16

@@ -18,9 +18,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_oasis.models.tiny_models import TinyModelSpec, build_tiny_eagle3_head
-from sglang_oasis.testing.pd_launch import PDLaunch
-from sglang_oasis.testing.server_process import ServerProcess
+from sglang_oasis.server_process import ServerProcess
+from sglang_oasis_testing.pd_launch import PDLaunch
+from sglang_oasis_testing.tiny_models import TinyModelSpec, build_tiny_eagle3_head
 
 pytestmark = pytest.mark.server
 

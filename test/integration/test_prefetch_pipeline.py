@@ -13,7 +13,7 @@ import pytest
 import requests
 import torch
 
-from sglang_oasis.testing.server_process import ServerProcess, greedy_body
+from sglang_oasis.server_process import ServerProcess, greedy_body
 
 pytestmark = pytest.mark.server
 

@@ -18,8 +18,8 @@ from sgl_kernel_oasis import build_block_summaries
 from sglang_oasis.disaggregation.remote_fetch import RemotePartialFetcher
 from sglang_oasis.disaggregation.staging import KVStagingArea, StagedKVLayout
 from sglang_oasis.disaggregation.transfer_engine import MooncakeEndpoint, RemoteReadError
-from sglang_oasis.testing.server_process import child_env
-from sglang_oasis.testing.staging_peer import seeded_kv
+from sglang_oasis.server_process import child_env
+from sglang_oasis_testing.staging_peer import seeded_kv
 
 os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
 
@@ -216,7 +216,7 @@ def test_a_dead_prefill_peer_fails_only_its_requests(
     prefill: KVStagingArea, decode_endpoint: MooncakeEndpoint
 ) -> None:
     peer = subprocess.Popen(
-        [sys.executable, "-m", "sglang_oasis.testing.staging_peer", "--seed", "9", "--layers", str(LAYERS),
+        [sys.executable, "-m", "sglang_oasis_testing.staging_peer", "--seed", "9", "--layers", str(LAYERS),
          "--tokens", str(TOKENS), "--kv-heads", str(HEADS), "--head-dim", str(DIM), "--block-size", str(B)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, start_new_session=True,
         env=child_env({"MC_LOG_LEVEL": "ERROR"}),

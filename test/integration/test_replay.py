@@ -20,7 +20,7 @@ from sglang_oasis.replay.build_chitchat import write_chitchat
 from sglang_oasis.replay.prompts import BlockPrompts, corpus_token_ids
 from sglang_oasis.replay.schedule import turn_positions
 from sglang_oasis.replay.trace import load_trace
-from sglang_oasis.testing.server_process import ServerProcess, child_env, free_port
+from sglang_oasis.server_process import ServerProcess, child_env, free_port
 
 pytestmark = pytest.mark.server
 

@@ -8,7 +8,7 @@ import pytest
 import requests
 import torch
 
-from sglang_oasis.testing.server_process import ServerProcess
+from sglang_oasis.server_process import ServerProcess
 
 pytestmark = pytest.mark.server
 

@@ -11,7 +11,7 @@ import pytest
 
 from sglang_oasis.config import ENV_VAR, OasisConfig, OasisConfigError
 from sglang_oasis.launch_server import cpu_defaults, given, option_value, split_argv
-from sglang_oasis.testing.server_process import child_env
+from sglang_oasis.server_process import child_env
 
 
 def test_cli_defaults_come_from_the_dataclass() -> None:

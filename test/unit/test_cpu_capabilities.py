@@ -19,7 +19,7 @@ from sglang_oasis.platform.cpu.capabilities import (
     fastest_dtype,
     intra_op_threads,
 )
-from sglang_oasis.testing.server_process import child_env
+from sglang_oasis.server_process import child_env
 
 
 @pytest.mark.parametrize(

@@ -110,25 +110,26 @@ def _hold_blocks(slots: RequestSlots, slot: int, req: int, blocks: int) -> None:
 def test_a_warm_start_takes_over_a_finished_donor_and_copies_a_running_one() -> None:
     slots, pool = _slots(3)
     epoch = torch.zeros(200, dtype=torch.int64)
-    first = slots.admit([(0, 1, 0)], epoch, {}, warm_start=True)
+    never = lambda req, generation: False  # noqa: E731
+    first = slots.admit([(0, 1, 0)], epoch, never, warm_start=True)
     assert first == (1, 0, 0) and slots.tier.slot_of(0) == 0
     _hold_blocks(slots, 0, req=0, blocks=2)
     # Request row 1 shares row 0's first 8 tokens (2 blocks) while row 0 is still running: a copy.
     pool.req_to_token[1, :8] = pool.req_to_token[0, :8]
-    admitted = slots.admit([(1, 1, 8)], epoch, {}, warm_start=True)
+    admitted = slots.admit([(1, 1, 8)], epoch, never, warm_start=True)
     assert admitted.warm_starts == 1 and admitted.blocks_reused == 2
     copy = slots.tier.slot_of(1)
     assert copy != 0 and torch.equal(slots.working_sets.k[copy, 0, 0, :2], slots.working_sets.k[0, 0, 0, :2])
     # Row 0 finishes; row 2 shares its first block: it takes row 0's slot over, keeps block 0 only.
     pool.free_slots.append(0)
     pool.req_to_token[2, :4] = pool.req_to_token[0, :4]
-    assert slots.admit([(2, 1, 4)], epoch, {}, warm_start=True).blocks_reused == 1
+    assert slots.admit([(2, 1, 4)], epoch, never, warm_start=True).blocks_reused == 1
     assert slots.tier.slot_of(2) == 0
     assert slots.working_sets.slot_block[0, 0, 0, :2].tolist() == [0, EMPTY]
     # A request whose transfer failed donates nothing; without warm starts nothing is reused either.
     pool.req_to_token[3, :8] = pool.req_to_token[1, :8]
     pool.free_slots.append(2)
-    assert slots.admit([(3, 1, 8)], epoch, {1: 1, 2: 1}, warm_start=True).warm_starts == 0
+    assert slots.admit([(3, 1, 8)], epoch, lambda req, gen: req in (1, 2), warm_start=True).warm_starts == 0
 
 
 class TinyKVPool(SimpleNamespace):

@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from sglang_oasis.testing.server_process import child_env
+from sglang_oasis.server_process import child_env
 
 REPO = Path(__file__).resolve().parents[2]
 

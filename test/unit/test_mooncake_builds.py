@@ -53,7 +53,7 @@ def test_launchers_name_the_missing_library(launcher: str, tmp_path) -> None:
     import subprocess
     import sys
 
-    from sglang_oasis.testing.server_process import child_env
+    from sglang_oasis.server_process import child_env
 
     (tmp_path / "sitecustomize.py").write_text(
         "import sglang_oasis.disaggregation.mooncake_builds as m\nm._loadable = lambda soname: False\n"

@@ -77,7 +77,7 @@ def _verify_step(backend: OasisAttnBackend, seq_len: int, scaling: float) -> tup
         spec_info=None,
     )
     backend.slots.claim(0, 0)
-    backend._set_batch([0])
+    backend.set_batch([0])
     backend._catch_up_summaries(0, torch.tensor([seq_len]))
     return layer, batch
 
@@ -97,7 +97,7 @@ def test_draft_row_query_selects_the_next_working_set() -> None:
     k = torch.randn(2, DIM)
     v = torch.randn(2, DIM)
     out = backend.forward_verify(q, k, v, layer, batch)
-    backend.finish_pending()  # the next step waits for the prefetch pipeline; so does this check
+    backend.selector.finish_pending()  # the next step waits for the prefetch pipeline; so does this check
     assert out.shape == (2, DIM)
     held = backend.working_sets.slot_block[0, 0, 0].tolist()
     assert held == [2], f"the draft row should select block 2, the working set holds {held}"
@@ -115,7 +115,9 @@ def test_verify_rows_attend_causally_over_the_whole_context_when_k_covers_it() -
     pool.k[:seq_len, 0] = torch.randn(seq_len, DIM, generator=gen)
     pool.v[:seq_len, 0] = torch.randn(seq_len, DIM, generator=gen)
     layer, batch = _verify_step(backend, seq_len, scaling=0.7)
-    backend._select(layer, torch.randn(1, 1, DIM, generator=gen), [seq_len])  # the prefill's selection
+    backend.selector.select(
+        backend.batch, 0, torch.randn(1, 1, DIM, generator=gen), [seq_len]
+    )  # the prefill's
     q, k, v = (torch.randn(2, DIM, generator=gen) for _ in range(3))
     out = backend.forward_verify(q, k, v, layer, batch)
     keys = torch.cat([pool.k[:seq_len, 0], k])
@@ -147,12 +149,10 @@ def test_a_request_whose_kv_arrived_from_a_prefill_node_is_summarised_and_admitt
     def decode(position: int, query: torch.Tensor) -> torch.Tensor:
         batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor([0]),
                                 seq_lens=torch.tensor([position + 1]), out_cache_loc=torch.tensor([position]))  # fmt: skip
-        backend._set_batch([0])
-        backend._admission = False
-        backend._admit_arrived(batch)
+        backend.begin_batch(ForwardMode.DECODE, [0], [position + 1], None)
         k, v = torch.tensor([[0.2, 0.2]]), torch.randn(1, DIM)
         out = backend.forward_decode(query[None], k, v, layer, batch)
-        backend.finish_pending()
+        backend.selector.finish_pending()
         return out[0]
 
     q = DIRECTIONS[2] * 10  # points at block 2
@@ -169,7 +169,7 @@ def test_a_request_whose_kv_arrived_from_a_prefill_node_is_summarised_and_admitt
     )
 
     decode(prompt + 1, DIRECTIONS[1] * 10)  # an ordinary step: no second admission
-    assert backend.stats.snapshot()["arrived_requests"] == 1 and not backend._admission
+    assert backend.stats.snapshot()["arrived_requests"] == 1 and not backend.batch.admission
 
 
 @pytest.mark.parametrize("mode", [ForwardMode.DECODE, ForwardMode.TARGET_VERIFY])
@@ -187,25 +187,21 @@ def test_a_remotely_fetched_arrival_starts_from_the_prefill_selection(mode: Forw
     selection = torch.tensor([[[False, True, False, True]]])  # [layers, kv heads, full blocks]
     pinned = torch.tensor([[[False, False, False, True]]])  # the prefill window keeps block 3
     arrivals = {0: Arrival(5, selection, prompt, pinned), 1: Arrival(6, selection, prompt + 1)}
-    backend.remote = SimpleNamespace(take_arrival=lambda slot, generation: arrivals.pop(slot, None))
+    backend.pd.remote = SimpleNamespace(take_arrival=lambda slot, generation: arrivals.pop(slot, None))
     seq_len = prompt + (1 if mode == ForwardMode.DECODE else 0)
 
     def arrive(slot: int) -> None:
-        batch = SimpleNamespace(forward_mode=mode, req_pool_indices=torch.tensor([slot]),
-                                seq_lens=torch.tensor([seq_len]))  # fmt: skip
-        backend._set_batch([slot])
-        backend._admission = False
-        backend._admit_arrived(batch)
+        backend.begin_batch(mode, [slot], [seq_len], None)
 
     arrive(0)
-    assert not backend._admission, "no dense first step for the fetched request"
+    assert not backend.batch.admission, "no dense first step for the fetched request"
     assert backend.summarised[0, 0] == prompt and backend.working_sets.covered[0, 0] == 4
     assert sorted(backend.working_sets.slot_block[0, 0, 0].tolist()) == [1, 3]
     assert backend.pinned[0, 0, 0].tolist() == [3], "the prefill window's pins arrive with the hand-off"
-    assert torch.equal(backend.admission_pins(0, prompt), pinned)
-    assert backend.take_failed_request(0, 5) is None
+    assert torch.equal(backend.pd.admission_pins(0, prompt), pinned)
+    assert backend.failures.take(0, 5) is None
     arrive(1)
-    assert backend.take_failed_request(1, 6) is not None, "a mismatched hand-off fails its request"
+    assert backend.failures.take(1, 6) is not None, "a mismatched hand-off fails its request"
 
 
 @pytest.mark.parametrize(
@@ -229,17 +225,16 @@ def test_the_prefill_window_chooses_the_first_working_set_by_exact_attention(
     layer = SimpleNamespace(layer_id=0, tp_q_head_num=1, qk_head_dim=DIM, v_head_dim=DIM, scaling=1.0,
                             is_cross_attention=False)  # fmt: skip
     backend.slots.claim(0, 0)
-    backend._set_batch([0])
-    backend._admission = True
+    backend.set_batch([0], admission=True)
     backend._catch_up_summaries(0, torch.tensor([seq_len]))
     q_rows = torch.tensor([1.0, 1.0]).expand(seq_len, 1, DIM) * 2  # the prompt's queries, last row last
-    prior = backend._window_prior(layer, q_rows, [seq_len - 1], [seq_len], [seq_len])
+    prior = backend.selector.window_prior(backend.batch, layer, q_rows, [seq_len - 1], [seq_len], [seq_len])
     assert (prior is None) == (window == 0)
-    backend._select(layer, q_rows[-1:], [seq_len], prior)
-    backend.finish_pending()
+    backend.selector.select(backend.batch, 0, q_rows[-1:], [seq_len], prior)
+    backend.selector.finish_pending()
     assert backend.working_sets.slot_block[0, 0, 0].tolist() == [first]
 
-    backend._admission = False  # a decode step, its query the same
-    backend._select(layer, q_rows[-1:], [seq_len + 1])
-    backend.finish_pending()
+    backend.set_batch([0], admission=False)  # a decode step, its query the same
+    backend.selector.select(backend.batch, 0, q_rows[-1:], [seq_len + 1])
+    backend.selector.finish_pending()
     assert backend.working_sets.slot_block[0, 0, 0].tolist() == [later]

@@ -102,20 +102,22 @@ def test_cuda_jobs_run_on_a_side_stream_ordered_by_events() -> None:
 
 
 def test_adaptive_cap_follows_the_drift_within_its_bounds() -> None:
-    from sglang_oasis.attention.oasis_backend import OasisAttnBackend
+    from sglang_oasis.attention.selector import FetchCaps
     from sglang_oasis.config import OasisConfig
 
     config = OasisConfig(top_k=40, fetch_ratio=0.05, adaptive_cap=True)
     assert config.fetch_cap == 2 and config.fetch_cap_bounds == (2, 8)
-    backend = OasisAttnBackend.__new__(OasisAttnBackend)  # only the cap's state
-    backend.config, backend._caps, backend._drift = config, [2, 2], [0.0, 0.0]
-    caps = []
+    caps = FetchCaps(config, num_layers=2)
+    seen = []
     for _ in range(12):  # layer 0 drifts by 20 blocks per head and step, layer 1 by 3
-        backend._adapt_cap(0, 20.0)
-        backend._adapt_cap(1, 3.0)
-        caps.append(tuple(backend._caps))
-    assert caps[0] == (7, 2)  # ceil(1.25 * 0.25 * 20) = 7; ceil(1.25 * 0.75) = 1 -> lower bound 2
-    assert caps[-1] == (8, 4)  # the upper bound; 1.25 * ~3 -> 4
+        caps.observe(0, 20.0)
+        caps.observe(1, 3.0)
+        seen.append((caps[0], caps[1]))
+    assert seen[0] == (7, 2)  # ceil(1.25 * 0.25 * 20) = 7; ceil(1.25 * 0.75) = 1 -> lower bound 2
+    assert seen[-1] == (8, 4)  # the upper bound; 1.25 * ~3 -> 4
     for _ in range(30):
-        backend._adapt_cap(0, 0.0)
-    assert backend._caps[0] == 2
+        caps.observe(0, 0.0)
+    assert caps[0] == 2
+    fixed = FetchCaps(OasisConfig(top_k=40, fetch_ratio=0.05), num_layers=1)
+    fixed.observe(0, 20.0)
+    assert fixed[0] == 2, "without --oasis-adaptive-cap the cap stays ceil(ratio x K)"

@@ -97,3 +97,29 @@ def test_bootstrap_names_the_debian_package_it_cannot_install(tmp_path: Path) ->
     assert "sudo apt-get install -y libibverbs1" in result.stderr
     assert result.stdout == ""  # no venv path: nothing was built
     assert not (tmp_path / "c").exists()
+
+
+def test_the_runtime_package_never_imports_the_test_helpers() -> None:
+    """``sglang_oasis_testing`` (tiny models, the in-process PD deployment, the staging peer) is for tests
+    and benchmarks; the runtime, ``launch_pd`` included, must run without it."""
+    importers = [
+        str(path.relative_to(ROOT))
+        for path in (ROOT / "python" / "sglang_oasis").rglob("*.py")
+        if "sglang_oasis_testing" in path.read_text()
+    ]
+    assert importers == []
+    import subprocess
+    import sys
+
+    code = "import sys, sglang_oasis.launch_pd; print('sglang_oasis_testing' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert result.stdout.strip() == "False"
+
+
+def test_no_attention_file_is_a_god_object() -> None:
+    """The oasis backend is an adapter over parts in their own files; none grows past ~300 lines."""
+    sizes = {
+        path.name: len(path.read_text().splitlines())
+        for path in (ROOT / "python/sglang_oasis/attention").glob("*.py")
+    }
+    assert max(sizes.values()) <= 320, sizes

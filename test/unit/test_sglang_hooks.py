@@ -10,7 +10,7 @@ import subprocess
 import sys
 import textwrap
 
-from sglang_oasis.testing.server_process import child_env
+from sglang_oasis.server_process import child_env
 
 CHECK = textwrap.dedent(
     """
@@ -59,10 +59,9 @@ CHECK = textwrap.dedent(
     assert "update_finish_state" in inspect.getsource(Req) and "self.to_finish" in inspect.getsource(
         Req.update_finish_state)
     from types import SimpleNamespace as NS
-    from sglang_oasis.attention.oasis_backend import OasisAttnBackend
-    backend = NS(failed_requests={3: (7, "boom")}, has_failed_requests=True)
-    backend.take_failed_request = lambda slot, gen: OasisAttnBackend.take_failed_request(
-        NS(failed_requests=backend.failed_requests, _failed_lock=__import__("threading").Lock()), slot, gen)
+    from sglang_oasis.attention.transfer_failures import TransferFailures
+    backend = NS(failures=TransferFailures())
+    backend.failures.report(3, 7, "boom")
     def request(slot):
         return NS(kv=NS(req_pool_idx=slot), to_finish=None, skip_radix_cache_insert=False,
                   finished=lambda: False)
@@ -74,7 +73,7 @@ CHECK = textwrap.dedent(
     assert out == "processed"
     assert failing.to_finish is not None and failing.to_finish.message == "boom", failing.to_finish
     assert int(failing.to_finish.status_code) == 500 and failing.skip_radix_cache_insert
-    assert other.to_finish is None and backend.failed_requests == {}
+    assert other.to_finish is None and not backend.failures
 
     # PD on the CPU engine: the sender attribute and the early-send switch are still what prefill reads.
     import os

@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_oasis.models.tiny_models import TinyModelSpec, build_tiny_model
+from sglang_oasis_testing.tiny_models import TinyModelSpec, build_tiny_model
 
 
 def test_tiny_llama_has_the_requested_gqa_shape(tiny_llama_dir: Path) -> None:

@@ -2,10 +2,11 @@
 with the predicting query), select (top-K per KV head), plan (capped delta against the resident
 working set) and transfer (copy the admitted blocks from the host tier into their slots).
 
-``OasisAttnBackend`` builds the ``SelectionJob`` in the foreground, ``PrefetchPipeline`` runs
-``BlockPrefetcher.run`` (in the background unless ``--oasis-prefetch sync``), and the backend folds the
+``Selector`` builds the ``SelectionJob`` in the foreground, ``PrefetchPipeline`` runs
+``BlockPrefetcher.run`` (in the background unless ``--oasis-prefetch sync``), and the selector folds the
 ``JobResult`` into its counters when the layer's next attention waits for it. A transfer that fails is
-retried request by request, and only the requests whose own copies fail are reported (to be aborted).
+retried request by request, and only the requests whose own copies fail are reported (to be aborted),
+with the generation each had when the job was built.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ class SelectionJob(NamedTuple):
     layer_id: int
     reqs: torch.Tensor  # [bs] SGLang's req pool indices
     slots: torch.Tensor  # [bs] their device request slots
+    generations: tuple[int, ...]  # SGLang's generation of each request when the job was built
     queries: torch.Tensor  # [bs, q_heads, dim] the predicting query rows
     prior: torch.Tensor | None  # [bs, kv_heads, N] scores replacing the summaries' (prefill window)
     pinned: torch.Tensor | None  # [bs, kv_heads, P] blocks always selected (prefill window), -1: none
@@ -59,7 +61,7 @@ class JobResult(NamedTuple):
     heads: int
     select_ns: int
     transfer_ns: int
-    failed: dict[int, str]  # request slot -> message
+    failed: dict[int, tuple[int, str]]  # req row -> (generation of the request that failed, message)
 
 
 class BlockPrefetcher:
@@ -104,7 +106,8 @@ class BlockPrefetcher:
         plan = self.working_sets.plan_selections(
             job.slots, job.layer_id, selected, job.step, job.cap, fresh_from, priority
         )
-        failed = self._transfer(job, plan)
+        generation = dict(zip(job.reqs.tolist(), job.generations, strict=True))
+        failed = {req: (generation[req], message) for req, message in self._transfer(job, plan).items()}
         fresh = 0
         if fresh_from is not None and plan.num_loads:
             fresh = int((plan.blocks >= fresh_from[plan.batch_rows]).sum())

@@ -72,12 +72,12 @@ class RequestSlots:
         self,
         new: list[tuple[int, int, int]],
         epoch: torch.Tensor,
-        failed: dict[int, int],
+        failed: Callable[[int, int], bool],
         warm_start: bool,
     ) -> Admission:
         """Slots for the batch's new requests ``(req, generation, cached prefix tokens)``: warm starts
         where a donor shares their prefix (``warm_start``), cold otherwise. ``epoch`` is the summaries'
-        page epochs; ``failed`` (req -> generation) names requests whose transfer failed: their slots
+        page epochs; ``failed(req, generation)`` names requests whose transfer failed: their slots
         may map blocks that never arrived and donate nothing."""
         warm = reused = 0
         for req, generation, prefix in new:
@@ -97,7 +97,7 @@ class RequestSlots:
         return Admission(len(new), warm, reused)
 
     def _donor(
-        self, req: int, prefix: int, epoch: torch.Tensor, failed: dict[int, int]
+        self, req: int, prefix: int, epoch: torch.Tensor, failed: Callable[[int, int], bool]
     ) -> tuple[int, int] | None:
         """``(donor slot, shared blocks)``: the slot whose recorded leading pages match the most of
         ``req``'s cached prefix blocks (same pages, unchanged epochs); None if none matches."""
@@ -112,7 +112,7 @@ class RequestSlots:
         candidates = []
         for slot in first.tolist():
             owner = self.tier.owner(slot)
-            if owner is not None and failed.get(owner[0]) != owner[1]:
+            if owner is not None and not failed(*owner):
                 candidates.append(slot)
         if not candidates:
             return None

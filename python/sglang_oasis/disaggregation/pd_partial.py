@@ -40,7 +40,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any
+from typing import Any, Protocol
 
 import numpy as np
 import torch
@@ -48,6 +48,8 @@ import torch
 from sglang_oasis.disaggregation.remote_fetch import RemotePartialFetcher
 from sglang_oasis.disaggregation.staging import KVStagingArea, StagedKVLayout
 from sglang_oasis.disaggregation.transfer_engine import MooncakeEndpoint, RemoteReadError
+from sglang_oasis.memory.summary_store import BlockSummaryStore
+from sglang_oasis.stats import OasisStats
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +59,29 @@ HTTP_TIMEOUT_S = 10.0
 
 class RemoteFetchError(RuntimeError):
     """The hand-off of a request could not be obtained or read; the request fails alone."""
+
+
+class StagingSource(Protocol):
+    """What the prefill node's stager reads of the attention backend (``OasisAttnBackend``)."""
+
+    block_size: int
+    req_to_token_pool: Any  # SGLang's ReqToTokenPool
+    token_to_kv_pool: Any  # SGLang's KV pool: the host tier
+    stats: OasisStats
+
+    def finish_pending(self) -> None: ...
+    def admission_selection(self, req: int, num_tokens: int) -> torch.Tensor: ...
+    def admission_pins(self, req: int, num_tokens: int) -> torch.Tensor | None: ...
+
+
+class FetchTarget(Protocol):
+    """What the decode node's fetcher writes into: the host tier, the summaries, the counters."""
+
+    block_size: int
+    req_to_token_pool: Any
+    token_to_kv_pool: Any
+    summaries: BlockSummaryStore
+    stats: OasisStats
 
 
 _DRAFT_POOL: list[Any] = []  # [pool] once this process's EAGLE-3 draft model has its attention backend
@@ -170,7 +195,9 @@ def prefill_stages(bootstrap_host: str, bootstrap_port: int) -> bool:
 class PrefillStager:
     """Prefill side: stages finished prefills and serves their hand-offs until the decode node is done."""
 
-    def __init__(self, backend: Any, host: str, bootstrap_port: int, engine_rank: int, ttl_s: float) -> None:
+    def __init__(
+        self, backend: StagingSource, host: str, bootstrap_port: int, engine_rank: int, ttl_s: float
+    ) -> None:
         self.backend = backend
         self.ttl_s = ttl_s
         self.endpoint = MooncakeEndpoint(host)
@@ -313,7 +340,7 @@ class DecodeFetcher:
     """Decode side: admits arriving requests by reading what their first working sets need, and keeps
     their staging alive on the prefill node until they finish."""
 
-    def __init__(self, backend: Any, host: str) -> None:
+    def __init__(self, backend: FetchTarget, host: str) -> None:
         self.backend = backend
         self.endpoint = MooncakeEndpoint(host)
         self.fetcher = RemotePartialFetcher(

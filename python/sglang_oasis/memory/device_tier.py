@@ -27,10 +27,12 @@ is SGLang's own pool.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Any
 
 import torch
 
-from sglang_oasis.memory.device_layout import DeviceTierLayout, TierShape
+from sglang_oasis.config import OasisConfig
+from sglang_oasis.memory.device_layout import DeviceTierError, DeviceTierLayout, TierShape, layout
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.memory.working_set import WorkingSetPool
 
@@ -63,6 +65,34 @@ class DeviceTier:
         self._slot: dict[int, int] = {}  # SGLang req pool index -> its current request slot
         self._claimed_at = [0] * slots
         self._claims = 0
+
+    @classmethod
+    def for_pool(
+        cls, kv_pool: Any, config: OasisConfig, max_running: int | None, req_to_token_pool: Any, device: Any
+    ) -> DeviceTier:
+        """The device tier of ``--oasis-device-kv-tokens`` x the KV bytes per token of SGLang's pool (the
+        host tier), with request slots for ``--max-running-requests`` (None: at most SGLang's request
+        rows); refuses a running-request cap the budget cannot hold, naming both options."""
+        shape = TierShape(
+            num_layers=int(kv_pool.layer_num),
+            num_kv_heads=int(kv_pool.head_num),
+            head_dim=int(kv_pool.head_dim),
+            element_bytes=torch.empty(0, dtype=kv_pool.dtype).element_size(),
+            host_pages=int(kv_pool.size) // config.block_size + 2,  # SGLang keeps padding pages past ``size``
+            block_size=config.block_size,
+            slots_per_head=config.top_k + config.sink_blocks,
+            window_blocks=config.window_blocks,
+        )
+        budget = config.device_kv_tokens * shape.kv_bytes_per_token
+        fitting = layout(budget, shape)
+        if max_running is not None and int(max_running) > fitting.request_slots:
+            raise DeviceTierError(
+                f"--max-running-requests {max_running}: the device budget (--oasis-device-kv-tokens "
+                f"{config.device_kv_tokens}) holds {fitting.request_slots} requests' working sets; lower it "
+                "or raise the budget"
+            )
+        limit = int(max_running) if max_running is not None else int(req_to_token_pool.req_to_token.shape[0])
+        return cls(shape, layout(budget, shape, limit), kv_pool.dtype, device)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the device tier holds, by name."""

@@ -2,7 +2,7 @@
 in its own Mooncake transfer engine, prints one JSON line of layouts, and serves reads until stdin
 closes (or it is killed, which is what the fault tests do).
 
-    python -m sglang_oasis.testing.staging_peer --seed 3 --requests 2 --layers 2 --tokens 70 \
+    python -m sglang_oasis_testing.staging_peer --seed 3 --requests 2 --layers 2 --tokens 70 \
         --kv-heads 2 --head-dim 8 --block-size 16
 
 ``seeded_kv`` regenerates the same tensors in the test process, to compare what was read.

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sglang_oasis.testing.server_process import ServerProcess, child_env, free_port
+from sglang_oasis.server_process import ServerProcess, child_env, free_port
 
 
 class PDLaunch:

@@ -1,0 +1,21 @@
+"""``BatchView``: the forward batch as the oasis backend's parts see it, built once per forward pass."""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import torch
+
+
+class BatchView(NamedTuple):
+    reqs: list[int]  # SGLang's req pool indices
+    req_index: torch.Tensor  # [bs] the same, as the index tensor SGLang's tables take
+    slots: torch.Tensor  # [bs] their device request slots (-1: not admitted yet)
+    generations: list[int]  # SGLang's generation of each request row (who owns it now)
+    step: int  # decode steps so far
+    admission: bool  # an extend, or the dense first step of PD arrivals: selections are not capped
+
+    @classmethod
+    def empty(cls) -> BatchView:
+        none = torch.zeros(0, dtype=torch.int64)
+        return cls([], none, none, [], 0, False)

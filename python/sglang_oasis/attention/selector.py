@@ -1,0 +1,233 @@
+"""Selection: each request's next working set per layer and KV head, and the jobs that move its blocks.
+
+After a layer's attention the step's query (or the lookahead's) picks the blocks for the next step:
+requests with at most K + sinks full blocks keep all of them; the others keep their sinks plus the top-K
+by summary score (or, after an extend, by the prefill window's attention mass), with the window's best
+blocks pinned. The blocks that changed load in a prefetch-pipeline job (``block_prefetcher.py``), at
+most the fetch cap per KV head at a decode step (``--oasis-adaptive-cap``: per layer, following the
+measured drift); the layer's next attention waits for its job. Finished jobs are folded into the
+counters and their failures filed against the generation of the request that caused them.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from sgl_kernel_oasis import window_block_mass
+from sglang_oasis.attention.batch_view import BatchView
+from sglang_oasis.attention.block_prefetcher import BlockPrefetcher, JobResult, SelectionJob
+from sglang_oasis.attention.request_slots import RequestSlots
+from sglang_oasis.attention.transfer_failures import TransferFailures
+from sglang_oasis.config import OasisConfig
+from sglang_oasis.memory.device_tier import DeviceTier
+from sglang_oasis.memory.prefetch_pipeline import PrefetchPipeline
+from sglang_oasis.stats import OasisStats
+
+logger = logging.getLogger(__name__)
+
+
+class FaultInjection(NamedTuple):
+    """For tests: decode-time transfers of requests whose prompt is ``prompt_len`` tokens long fail."""
+
+    prompt_len: int | None = None
+
+    def failing(self, reqs: list[int], prompt_lens: dict[int, int]) -> tuple[int, ...]:
+        if self.prompt_len is None:
+            return ()
+        return tuple(req for req in reqs if prompt_lens.get(req) == self.prompt_len)
+
+
+class FetchCaps:
+    """Blocks per KV head a decode step may load, per layer: ``ceil(--oasis-fetch-ratio x K)`` (None:
+    no cap), or with ``--oasis-adaptive-cap`` ``ceil(1.25 x`` the layer's moving average of predicted
+    but missing blocks per head and step``)``, within ``OasisConfig.fetch_cap_bounds``."""
+
+    def __init__(self, config: OasisConfig, num_layers: int) -> None:
+        self.config = config
+        self.caps: list[int | None] = [config.fetch_cap] * num_layers
+        self._drift = [0.0] * num_layers
+
+    def __getitem__(self, layer: int) -> int | None:
+        return self.caps[layer]
+
+    def observe(self, layer: int, missing_per_head: float) -> None:
+        """A decode step's drift at ``layer``: blocks per head it loaded plus those the cap deferred."""
+        if not self.config.adaptive_cap:
+            return
+        low, high = self.config.fetch_cap_bounds
+        drift = 0.75 * self._drift[layer] + 0.25 * missing_per_head
+        self._drift[layer] = drift
+        self.caps[layer] = min(high, max(low, math.ceil(1.25 * drift)))
+
+
+class Selector:
+    def __init__(
+        self,
+        config: OasisConfig,
+        tier: DeviceTier,
+        slots: RequestSlots,
+        kv_pool: Any,
+        req_to_token_pool: Any,
+        record_layer: int,
+        stats: OasisStats,
+        failures: TransferFailures,
+        faults: FaultInjection,
+        device: torch.device | str,
+    ) -> None:
+        self.config = config
+        self.block_size = config.block_size
+        self.num_slots = config.top_k + config.sink_blocks
+        self.window_blocks = config.window_blocks
+        self.working_sets = tier.working_sets
+        self.summaries = tier.summaries
+        self.pinned = tier.pinned
+        self.slots = slots
+        self.kv_pool = kv_pool
+        self.req_to_token_pool = req_to_token_pool
+        self.num_kv_heads = int(kv_pool.head_num)
+        self.record_layer = record_layer  # warm starts match the pages selected at this layer
+        self.stats = stats
+        self.failures = failures
+        self.faults = faults
+        self.prompt_len: dict[int, int] = {}  # request row -> tokens after its last extend
+        self.pipeline: PrefetchPipeline[JobResult] = PrefetchPipeline(config.prefetch == "async", device)
+        self.prefetcher = BlockPrefetcher(
+            self.working_sets, self.summaries, kv_pool, config.top_k, config.sink_blocks, self.num_kv_heads
+        )
+        self.caps = FetchCaps(config, int(kv_pool.layer_num))
+
+    def select(
+        self,
+        batch: BatchView,
+        layer_id: int,
+        queries: torch.Tensor,
+        seq_lens: list[int],
+        prior: torch.Tensor | None = None,
+    ) -> None:
+        """Choose each request's working set for the next step from ``queries`` ``[bs, q_heads, dim]``
+        (or ``prior`` ``[bs, kv_heads, N]``) and submit the job that loads the blocks that changed."""
+        if not seq_lens:
+            return
+        block = self.block_size
+        reqs, slots = batch.req_index, batch.slots
+        full = torch.tensor(seq_lens, dtype=torch.int64) // block
+        num_blocks = int(full.max())
+        admission = batch.admission
+        # Every block is selected; if none filled up since the last selection the working sets already
+        # hold them all (this layer's job was waited for): nothing to plan or move.
+        unchanged = not admission and num_blocks <= self.num_slots
+        if unchanged and bool((self.working_sets.covered[slots, layer_id] == full).all()):
+            self.working_sets.touch(slots, layer_id, batch.step)
+            self.stats.add("selections", len(seq_lens))
+            return
+        req_to_token = self.req_to_token_pool.req_to_token
+        pages = req_to_token[reqs, 0 : num_blocks * block : block].to(torch.int64) // block  # [bs, N]
+        if layer_id == self.record_layer:  # for warm starts of later requests sharing these pages
+            self.slots.record(slots, pages, full, self.summaries.epoch)
+        pinned = None
+        if self.window_blocks:
+            if admission:  # the window's best blocks stay selected until the request's next extend
+                self.pinned[slots, layer_id] = self.window_pins(prior, full)
+            else:
+                pinned = self.pinned[slots, layer_id].clone()
+        job = SelectionJob(
+            layer_id=layer_id,
+            reqs=reqs,
+            slots=slots,
+            generations=tuple(batch.generations),
+            queries=queries.detach().clone(),
+            prior=prior,
+            pinned=pinned,
+            full=full,
+            pages=pages,
+            step=batch.step,
+            admission=admission,
+            cap=None if admission else self.caps[layer_id],
+            fail_reqs=() if admission else self.faults.failing(batch.reqs, self.prompt_len),
+        )
+        for result in self.pipeline.submit(layer_id, lambda: self.prefetcher.run(job)):
+            self._account(result)
+
+    def window_pins(self, prior: torch.Tensor | None, full: torch.Tensor) -> torch.Tensor:
+        """``[bs, kv_heads, window_blocks]`` block ids the prefill window keeps selected (-1: none),
+        the best by ``prior`` for requests with more blocks than their working sets hold."""
+        pins = torch.full((len(full), self.num_kv_heads, self.window_blocks), -1, dtype=torch.int64)
+        if prior is None:
+            return pins
+        over = full > self.num_slots  # only these have a prior; they have more blocks than pins
+        valid = torch.arange(prior.shape[-1])[None, None, :] < full[:, None, None]
+        best = prior.masked_fill(~valid, float("-inf")).topk(self.window_blocks, dim=-1).indices
+        pins[over] = best[over]
+        return pins
+
+    def window_prior(
+        self,
+        batch: BatchView,
+        layer: Any,
+        q_rows: torch.Tensor,
+        last_rows: list[int],
+        extend_lens: list[int],
+        seq_lens: list[int],
+    ) -> torch.Tensor | None:
+        """``[bs, kv_heads, N]`` scores for the first working sets (``--oasis-prefill-window``): each full
+        block's exact attention mass from the last (up to) ``window`` new tokens' queries; None when the
+        window is off or every request keeps all its blocks anyway."""
+        window, block = self.config.prefill_window, self.block_size
+        full = [n // block for n in seq_lens]
+        if window == 0 or max(full, default=0) <= self.num_slots:
+            return None
+        keys = self.kv_pool.get_key_buffer(layer.layer_id)
+        req_to_token = self.req_to_token_pool.req_to_token
+        prior = torch.zeros((len(seq_lens), self.num_kv_heads, max(full)))
+        for row, (req, last, new, total) in enumerate(
+            zip(batch.reqs, last_rows, extend_lens, seq_lens, strict=True)
+        ):
+            if full[row] <= self.num_slots:
+                continue  # keeps every block: nothing to rank
+            rows = min(window, new)
+            locs = req_to_token[req, :total].to(torch.int64)
+            mass = window_block_mass(q_rows[last - rows + 1 : last + 1], keys[locs], block, layer.scaling)
+            prior[row, :, : full[row]] = mass.cpu()
+            self.stats.add("window_selections")
+        return prior
+
+    def finish_pending(self) -> None:
+        """Wait for every layer's pending selection and transfer."""
+        for result in self.pipeline.drain():
+            self._account(result)
+
+    def wait(self, layer_id: int) -> None:
+        """Wait for the layer's pending job (its next attention reads the working sets it loads)."""
+        for result in self.pipeline.wait(layer_id):
+            self._account(result)
+        self.stats.add("foreground_wait_us", self.pipeline.take_waited_ns() // 1000)
+
+    def _account(self, result: JobResult) -> None:
+        """Fold a finished job into the counters, the adaptive cap and the failures (foreground only:
+        the counters are not thread-safe)."""
+        host_loads = result.loads  # blocks that just filled up are copied from the host tier too
+        bytes_loaded = host_loads * self.working_sets.bytes_per_block
+        stats = self.stats
+        stats.add("scored_selections", result.scored)
+        stats.add("selections", result.selections)
+        stats.add("selection_changes", result.loads)
+        stats.add("blocks_loaded", host_loads)
+        stats.add("bytes_host_to_device", bytes_loaded)
+        stats.add("stage_select_us", result.select_ns // 1000)
+        stats.add("stage_transfer_us", result.transfer_ns // 1000)
+        if not result.admission:
+            stats.add("blocks_just_filled", result.fresh)
+            stats.add("decode_blocks_loaded", host_loads)
+            stats.add("decode_bytes_host_to_device", bytes_loaded)
+            stats.add("blocks_deferred", result.deferred)
+            self.caps.observe(result.layer_id, (host_loads + result.deferred) / max(1, result.heads))
+        for req, (generation, message) in result.failed.items():
+            if self.failures.report(
+                req, generation, f"oasis: KV transfer for this request failed ({message})"
+            ):
+                stats.add("transfer_failures")
+                logger.error("oasis: KV transfer failed for request row %d: %s", req, message)

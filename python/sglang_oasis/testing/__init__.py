@@ -1,1 +1,0 @@
-"""Helpers shared by tests and benchmarks: start and stop real servers on 127.0.0.1."""
