@@ -68,7 +68,7 @@ from pathlib import Path
 from typing import Any
 
 from accuracy_tasks import TASKS, Message, Sample
-from common import machine_info, print_table
+from common import common_prefix, machine_info, print_table
 from sglang_oasis.config import OasisConfig
 
 FULL_CONTEXTS = (1000, 2000, 4000, 7000)
@@ -158,18 +158,6 @@ def server_argv(config: ServerConfig, base: Sequence[str], host_tokens: int, slo
     sizes = ["--oasis-host-kv-tokens", str(host_tokens)]
     sizes += ["--oasis-device-kv-tokens", str(device_kv_tokens(host_tokens, config.top_k, slots))]
     return [*base, *sizes, *config.args]
-
-
-def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    """Length of the common prefix of ``a`` and ``b`` (binary search over slice comparisons)."""
-    lo, hi = 0, min(len(a), len(b))
-    while lo < hi:
-        mid = (lo + hi + 1) // 2
-        if a[:mid] == b[:mid]:
-            lo = mid
-        else:
-            hi = mid - 1
-    return lo
 
 
 def lead_first(prompts: Sequence[Sequence[int]]) -> list[int]:

@@ -57,7 +57,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from common import essay_prompts, machine_info, oasis_stats, print_table, stream_generate
+from common import common_prefix, essay_prompts, machine_info, oasis_stats, print_table, stream_generate
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.server_process import ServerProcess
@@ -111,16 +111,6 @@ def tpot_ratios(results: dict[str, Any]) -> dict[str, float | None]:
     """Every key of ``RATIOS``: its sparse mode's ``tpot_ms`` over dense's."""
     dense_ms = results.get("dense", {}).get("tpot_ms")
     return {key: ratio(results.get(mode, {}).get("tpot_ms"), dense_ms) for key, mode in RATIOS.items()}
-
-
-def common_prefix(a: list[int], b: list[int]) -> int:
-    """Length of the longest common prefix of ``a`` and ``b``."""
-    n = 0
-    for x, y in zip(a, b, strict=False):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def agreement_with_dense(outputs: list[list[int]], reference: list[int] | None) -> dict[str, Any]:

@@ -9,6 +9,7 @@ import platform
 import re
 import threading
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -122,3 +123,13 @@ def print_table(headers: list[str], rows: list[list[Any]]) -> None:
     print("  ".join("-" * w for w in widths))
     for row in cells:
         print("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)))
+
+
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """Length of the longest common prefix of ``a`` and ``b``."""
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
