@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sglang_oasis.config import OasisConfig, OasisConfigError
-from sglang_oasis.memory.device_layout import DeviceTierError, TierShape
+from sglang_oasis.memory.device_layout import DeviceTierError, TierShape, budget_bytes
 from sglang_oasis.memory.device_layout import layout as device_tier_layout
 from sglang_oasis.memory.host_tier import (
     HostTierError,
@@ -256,18 +256,16 @@ def device_request_slots(sglang_argv: Sequence[str], config: OasisConfig) -> int
     footprint, host = served_footprint(sglang_argv), option_value(sglang_argv, "--max-total-tokens")
     if footprint is None or host is None or not host.isdigit():
         return None
-    shape = TierShape(
+    shape = TierShape.of(
+        config,
         num_layers=footprint.num_layers,
         num_kv_heads=footprint.num_kv_heads,
         head_dim=footprint.head_dim,
         element_bytes=footprint.element_bytes,
         host_pages=int(host) // config.block_size + 3,  # SGLang's padding pages, and one to spare
-        block_size=config.block_size,
-        slots_per_head=config.top_k + config.sink_blocks,
-        window_blocks=config.window_blocks,
     )
     try:
-        return device_tier_layout(config.device_kv_tokens * footprint.bytes_per_token, shape).request_slots
+        return device_tier_layout(budget_bytes(config, shape), shape).request_slots
     except DeviceTierError as error:
         raise LaunchError(f"{error} (--oasis-device-kv-tokens {config.device_kv_tokens})") from None
 

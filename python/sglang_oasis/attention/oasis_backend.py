@@ -183,7 +183,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
                 finished = self.slots.finished()
                 live = self.tier.live_slots(finished)
                 self.stats.set("running_requests", len(live))
-                self.stats.set("device_bytes_used", self.tier.used_bytes(finished))
+                self.stats.set("device_bytes_used", self.tier.used_bytes(len(live)))
                 self.stats.set(
                     "device_working_set_tokens", self.working_sets.resident_blocks(live) * self.block_size
                 )

@@ -52,21 +52,17 @@ class RequestSlots:
     def holds(self, req: int, generation: int) -> bool:
         return self.tier.holds(req, generation)
 
-    def slot_index(self, reqs: list[int]) -> torch.Tensor:
-        """``[bs]`` request slots of the batch's requests (each must hold one)."""
-        return torch.tensor(self.tier.slots(reqs), dtype=torch.int64)
-
-    def live(self) -> list[int]:
-        """Request slots of requests SGLang has not freed."""
-        return self.tier.live_slots(self.finished())
-
     def claim(self, req: int, generation: int) -> int:
         """An empty request slot for ``req``."""
         slot = self.tier.claim(req, generation, self.finished())
         self.working_sets.claim(slot, self.tier.claims)
+        self._forget_records(slot)
+        return slot
+
+    def _forget_records(self, slot: int) -> None:
+        """A newly claimed slot has no window pins and no recorded pages yet."""
         self.tier.pinned[slot] = -1
         self.pages[slot] = -1
-        return slot
 
     def admit(
         self,
@@ -91,8 +87,7 @@ class RequestSlots:
             take = donor_slot if owner is not None and finished(*owner) else None
             slot = self.tier.claim(req, generation, finished, take=take)
             reused += self.working_sets.adopt(slot, self.tier.claims, donor_slot, shared)
-            self.tier.pinned[slot] = -1
-            self.pages[slot] = -1
+            self._forget_records(slot)
             warm += 1
         return Admission(len(new), warm, reused)
 

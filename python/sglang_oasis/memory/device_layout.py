@@ -12,7 +12,10 @@ the launcher can size ``--max-running-requests`` before anything is imported.
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
+
+if TYPE_CHECKING:
+    from sglang_oasis.config import OasisConfig
 
 INDEX_BYTES = 8  # int64 index tensors
 
@@ -50,6 +53,22 @@ class TierShape(NamedTuple):
     @property
     def kv_bytes_per_token(self) -> int:
         return self.num_layers * self.num_kv_heads * self.head_dim * 2 * self.element_bytes
+
+    @classmethod
+    def of(
+        cls, config: OasisConfig, num_layers: int, num_kv_heads: int, head_dim: int, element_bytes: int,
+        host_pages: int,
+    ) -> TierShape:  # fmt: skip
+        """The shape of a model's KV (layers, KV heads, head_dim, element bytes) served with ``config``."""
+        return cls(
+            num_layers, num_kv_heads, head_dim, element_bytes, host_pages, config.block_size,
+            config.top_k + config.sink_blocks, config.window_blocks,
+        )  # fmt: skip
+
+
+def budget_bytes(config: OasisConfig, shape: TierShape) -> int:
+    """``--oasis-device-kv-tokens`` x the model's KV bytes per token: the device tier's budget."""
+    return config.device_kv_tokens * shape.kv_bytes_per_token
 
 
 def layout(budget_bytes: int, shape: TierShape, max_request_slots: int | None = None) -> DeviceTierLayout:

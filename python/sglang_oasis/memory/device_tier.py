@@ -32,7 +32,13 @@ from typing import Any
 import torch
 
 from sglang_oasis.config import OasisConfig
-from sglang_oasis.memory.device_layout import DeviceTierError, DeviceTierLayout, TierShape, layout
+from sglang_oasis.memory.device_layout import (
+    DeviceTierError,
+    DeviceTierLayout,
+    TierShape,
+    budget_bytes,
+    layout,
+)
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.memory.working_set import WorkingSetPool
 
@@ -73,17 +79,15 @@ class DeviceTier:
         """The device tier of ``--oasis-device-kv-tokens`` x the KV bytes per token of SGLang's pool (the
         host tier), with request slots for ``--max-running-requests`` (None: at most SGLang's request
         rows); refuses a running-request cap the budget cannot hold, naming both options."""
-        shape = TierShape(
+        shape = TierShape.of(
+            config,
             num_layers=int(kv_pool.layer_num),
             num_kv_heads=int(kv_pool.head_num),
             head_dim=int(kv_pool.head_dim),
             element_bytes=torch.empty(0, dtype=kv_pool.dtype).element_size(),
             host_pages=int(kv_pool.size) // config.block_size + 2,  # SGLang keeps padding pages past ``size``
-            block_size=config.block_size,
-            slots_per_head=config.top_k + config.sink_blocks,
-            window_blocks=config.window_blocks,
         )
-        budget = config.device_kv_tokens * shape.kv_bytes_per_token
+        budget = budget_bytes(config, shape)
         fitting = layout(budget, shape)
         if max_running is not None and int(max_running) > fitting.request_slots:
             raise DeviceTierError(
@@ -127,9 +131,6 @@ class DeviceTier:
     def slot(self, req: int) -> int:
         """The request slot of SGLang request ``req`` (its req pool index)."""
         return self._slot[req]
-
-    def slots(self, reqs: list[int]) -> list[int]:
-        return [self._slot[req] for req in reqs]
 
     def slot_of(self, req: int) -> int:
         """The request slot of ``req``, -1 if it holds none."""
@@ -179,6 +180,6 @@ class DeviceTier:
         self._claimed_at[take] = self._claims
         return take
 
-    def used_bytes(self, finished: Callable[[int, int], bool]) -> int:
-        """The summaries plus the request slots of running requests."""
-        return self.layout.summary_bytes + len(self.live_slots(finished)) * self.layout.request_bytes
+    def used_bytes(self, live_slots: int) -> int:
+        """The summaries plus ``live_slots`` request slots (those of running requests)."""
+        return self.layout.summary_bytes + live_slots * self.layout.request_bytes
