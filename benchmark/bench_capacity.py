@@ -4,7 +4,7 @@ bytes, and how fast they decode, SmolLM2 on CPU, ~4K and ~7.5K ("8K") token cont
 Iso-memory. Per context the sparse server starts first, with ``--oasis-device-kv-tokens N``: its device
 tier (``sglang_oasis/memory/device_tier.py``) takes at most the bytes a dense KV pool of N tokens would,
 and allocates in them the block summaries of the whole host tier plus as many request slots (K blocks of
-B tokens per layer and KV head, K and V, and their maps) as fit. ``GET /oasis/stats`` reports what it
+B tokens per layer and KV head and the active blocks, K and V, and their maps) as fit. ``GET /oasis/stats`` reports what it
 allocated (``device_bytes_capacity``) and the slots (``device_request_slots``). The dense server is then
 given exactly those bytes as its KV pool: ``--max-total-tokens`` = device_bytes_capacity // KV bytes per
 token (the served model, ``--dtype``), so the two differ by less than one token's KV; the run checks, from
@@ -12,14 +12,14 @@ the dense server's ``/server_info``, that the pool it built is within one block'
 server's. The host tier (``--oasis-host-kv-tokens``) holds the full KV of the requests the sparse server
 runs; its summaries take one token's KV bytes per block out of the device bytes, so it is sized for no
 more requests than the device tier can then run (at most the highest concurrency):
-``R = (N*B - B) // (K*B*B + P)`` with ``P = (ceil((context + output) / B) + 1) * B`` tokens per request,
+``R = (N*B - B) // ((K+1)*B*B + P)`` with ``P = (ceil((context + output) / B) + 1) * B`` tokens per request,
 ``host = R*P + B``.
 
 Both running counts are measured: the peak of each server's ``sglang:num_running_reqs`` gauge. The bound
 computed from bytes is ``bound_ratio_running`` = min(concurrency, device_request_slots) / min(concurrency,
 dense pool tokens // (context + output)), ``ratio_running`` = sparse peak / dense peak, and
 ``ratio_running_vs_bound`` their quotient (1: the sparse server runs every request its device bytes hold).
-With the defaults (6 layers, float32: 9,216 KV bytes per token) that is about 21 / 3 = 7 at 4K and
+With the defaults (6 layers, float32: 9,216 KV bytes per token) that is about 20 / 3 = 6.7 at 4K and
 16 / 2 = 8 at 7.5K.
 
 Decode rates, from the client's streamed token arrival times:
@@ -105,10 +105,10 @@ def host_tier(
 ) -> HostTier:
     """The sparse server's host tier for as many requests as its device tier can run with it (at most
     ``concurrency``, at least one): the summaries take one token's KV bytes per host block and each
-    request's working sets ``top_k x block_size`` tokens' worth (their index maps, <1%, are left out, so
-    the device tier may run one request fewer, never more)."""
+    request's working sets and active blocks ``(top_k + 1) x block_size`` tokens' worth (their index maps,
+    <1%, are left out, so the device tier may run one request fewer, never more)."""
     per_request = (-(-(context + output) // block_size) + 1) * block_size
-    fits = (device_kv_tokens * block_size - block_size) // (top_k * block_size**2 + per_request)
+    fits = (device_kv_tokens * block_size - block_size) // ((top_k + 1) * block_size**2 + per_request)
     count = max(1, min(concurrency, fits))
     return HostTier(count, count * per_request + block_size)
 

@@ -75,7 +75,7 @@ class PipelinedDecode:
         for slot in range(ctx["batch"]):  # every mode starts from empty working sets
             self.working_sets.claim(slot, tier.claims + 1 + slot)
         self.prefetcher = BlockPrefetcher(
-            self.working_sets, tier.summaries, ctx["host"], s.top_k, 0, s.kv_heads
+            self.working_sets, tier.summaries, tier.active, ctx["host"], s.top_k, 0, s.kv_heads
         )
         self.pipeline: PrefetchPipeline[JobResult] = PrefetchPipeline(mode == "async", device)
         self.results: list[JobResult] = []
@@ -157,7 +157,9 @@ def pipeline_rows(stack: Any, batch: int, contexts: list[int], device: str, step
         blocks = context // b
         num_pages = batch * blocks
         element_bytes = torch.empty(0, dtype=dtype).element_size()
-        shape = TierShape(s.layers, h, d, element_bytes, num_pages, b, s.top_k, window_blocks=0)
+        shape = TierShape(
+            s.layers, h, d, element_bytes, num_pages, b, s.top_k, window_blocks=0, active_tokens=b
+        )
         tier = DeviceTier(shape, layout(2**62, shape, max_request_slots=batch), dtype, device)
         summaries = tier.summaries
         summaries.kmin.normal_()
@@ -170,8 +172,9 @@ def pipeline_rows(stack: Any, batch: int, contexts: list[int], device: str, step
             "pages": torch.arange(num_pages).view(batch, blocks),  # request r's block i: page r * blocks + i
             "full": torch.full((batch,), blocks, dtype=torch.int64),
             "cap": math.ceil(s.fetch_ratio * s.top_k),
-            "tail_k": [torch.randn(batch * b, h, d, device=device, dtype=dtype) for _ in range(s.layers)],
-            "tail_v": [torch.randn(batch * b, h, d, device=device, dtype=dtype) for _ in range(s.layers)],
+            # The device tier's active blocks (a ring of b positions per request and layer), as decode reads them.
+            "tail_k": list(tier.active.k.normal_()),
+            "tail_v": list(tier.active.v.normal_()),
             "tail_locs": torch.arange(batch, device=device)[:, None] * b + torch.arange(tail, device=device),
             "tail_valid": torch.ones(batch, 1, tail, dtype=torch.bool, device=device),
             "summary_locs": torch.arange(batch, device=device) * blocks * b + tail - 1,  # mid-page: no restart

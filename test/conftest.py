@@ -84,10 +84,11 @@ def tiny_qwen3_sparse_server(
 ) -> Iterator[ServerProcess]:
     """Sparse on the tiny Qwen3 with K = 64 blocks (covers every block of prompts up to 1024 tokens), a
     6144-token host tier (smaller than the model's 8192-token context) and Prometheus metrics; the
-    default asynchronous prefetch with the adaptive fetch cap."""
+    default asynchronous prefetch with the adaptive fetch cap; recall telemetry at every decode step."""
     args = [
         "--model-path", str(tiny_qwen3_dir), "--oasis-top-k", "64", *FP32, "--enable-metrics",
         "--oasis-host-kv-tokens", "6144", "--oasis-device-kv-tokens", "16384", "--oasis-adaptive-cap", "true",
+        "--oasis-recall-sample-every", "1",
     ]  # fmt: skip
     yield from _serve(args, "tiny-qwen3-sparse", tmp_path_factory)
 

@@ -21,6 +21,7 @@ ENV_VAR = "SGLANG_OASIS_CONFIG"
 MODES = ("sparse", "dense")
 LOOKAHEADS = ("previous", "eagle3", "ngram")
 DRAFT_POLICIES = ("reject", "verify")
+VERIFY_ROWS = 2  # --speculative-num-draft-tokens of the lookahead: the real token and one draft
 PREFETCH_MODES = ("async", "sync")
 
 
@@ -149,6 +150,17 @@ class OasisConfig:
             "between ceil(fetch-ratio x top-k) and ceil(min(1, 4 x fetch-ratio) x top-k).",
         },
     )
+    recall_sample_every: int = field(
+        default=0,
+        metadata={
+            "help": "Recall telemetry (sparse mode): every N decode steps, for up to 4 running requests, "
+            "each sparse layer's query attends the whole context exactly (keys read from the host tier, "
+            "counted in telemetry_bytes) to measure the attention mass the working set and the active "
+            "tail captured, and how many of the step's true top-K blocks the previous step's prediction "
+            "held: GET /oasis/stats recall_mean, recall_p10, recall_per_layer, lookahead_agreement. "
+            "0: off (its cost at the suggested 32 is not measured yet).",
+        },
+    )
     warm_start: bool = field(
         default=True,
         metadata={
@@ -224,7 +236,7 @@ class OasisConfig:
             )
         if not 0 < self.fetch_ratio <= 1:
             raise OasisConfigError(f"{_option('fetch_ratio')}: must be in (0, 1], got {self.fetch_ratio}")
-        for name in ("sink_blocks", "prefill_window"):
+        for name in ("sink_blocks", "prefill_window", "recall_sample_every"):
             if getattr(self, name) < 0:
                 raise OasisConfigError(f"{_option(name)}: must be >= 0, got {getattr(self, name)}")
         if self.host_kv_tokens is not None and self.host_kv_tokens < self.block_size:
@@ -262,6 +274,11 @@ class OasisConfig:
             math.ceil(self.fetch_ratio * self.top_k),
             math.ceil(min(1.0, 4 * self.fetch_ratio) * self.top_k),
         )
+
+    @property
+    def verify_rows(self) -> int:
+        """Query rows per request of a verify step: the real token and one draft (0: no lookahead draft)."""
+        return 0 if self.lookahead == "previous" else VERIFY_ROWS
 
     @property
     def working_set_tokens(self) -> int:

@@ -315,7 +315,7 @@ def lookahead_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[str]
         if given(sglang_argv, "--speculative-draft-model-path"):
             raise LaunchError("--speculative-draft-model-path needs --oasis-lookahead eagle3")
         return []
-    shape = ["--speculative-num-draft-tokens", "2"]
+    shape = ["--speculative-num-draft-tokens", str(config.verify_rows)]
     if config.lookahead == "ngram":
         return ["--speculative-algorithm", "NGRAM", "--speculative-ngram-max-bfs-breadth", "1", *shape]
     extra = [

@@ -47,6 +47,11 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
      request is not inserted.
    A decode server without remote fetching (dense mode or ``--oasis-remote-fetch false``) wraps the same
    commit to refuse, by name, requests whose prefill node staged them (their KV never arrives whole).
+   - ``DecodeReqToTokenPool.free`` (decode): where SGLang frees a finished (or aborted) request's row,
+     the one moment the decode node knows a request is done with its remote blocks; SGLang has no
+     release callback (only ``register_on_alloc_rows``). The hook tells the pool's listener
+     (``DecodeFetcher.release_slot``, set on the pool instance by the oasis backend) which row it freed,
+     so the prefill node's staging is released from the request's own lifecycle, not by polling.
 """
 
 from __future__ import annotations
@@ -68,6 +73,8 @@ PREFILL_SEND_TARGET = "sglang.srt.disaggregation.prefill.SchedulerDisaggregation
 SEND_INDICES_TARGET = "sglang.srt.disaggregation.common.conn.CommonKVSender._prepare_send_indices"
 BOOTSTRAP_ROUTES_TARGET = "sglang.srt.disaggregation.common.conn.CommonKVBootstrapServer._setup_routes"
 DECODE_COMMIT_TARGET = "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req"
+DECODE_FREE_TARGET = "sglang.srt.disaggregation.decode.DecodeReqToTokenPool.free"
+FREED_ROW_LISTENER = "oasis_on_free_row"  # attribute of a DecodeReqToTokenPool: called with each freed row
 BACKEND_NAME = "oasis"
 REJECTED_DRAFT = -1  # no token id: never equal to the target's prediction
 
@@ -322,6 +329,19 @@ def _complete_before_caching(tree_cache: Any, remote: Any) -> None:
     tree_cache._oasis_wrapped = True
 
 
+def release_freed_rows(original: Callable[..., Any], pool: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+    """``DecodeReqToTokenPool.free``: after SGLang frees ``req``'s row, tell the pool's listener."""
+    row = getattr(getattr(req, "kv", None), "req_pool_idx", None)
+    result = original(pool, req, *args, **kwargs)
+    listener = getattr(pool, FREED_ROW_LISTENER, None)
+    if listener is not None and row is not None:
+        try:
+            listener(int(row))
+        except Exception:  # releasing remote staging is not worth the scheduler
+            logger.exception("oasis: releasing request row %s's remote staging failed", row)
+    return result
+
+
 def register(config: OasisConfig) -> None:
     """Register the hooks this configuration needs (SGLang applies them after all plugins load)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -340,6 +360,7 @@ def register(config: OasisConfig) -> None:
         HookRegistry.register(SEND_INDICES_TARGET, send_last_page_only, HookType.AROUND)
         HookRegistry.register(BOOTSTRAP_ROUTES_TARGET, remote_fetch_routes, HookType.AROUND)
         HookRegistry.register(DECODE_COMMIT_TARGET, fetch_admission_blocks, HookType.AROUND)
+        HookRegistry.register(DECODE_FREE_TARGET, release_freed_rows, HookType.AROUND)
 
 
 def patch_cpu_disaggregation() -> None:

@@ -30,15 +30,16 @@ COUNTERS = {
     "decode_blocks_loaded": "blocks loaded host -> device at decode steps (admission excluded)",
     "decode_bytes_host_to_device": "bytes read from the host tier at decode steps (admission loads "
     "excluded): working-set loads, active tails, dense layers and summary catch-ups",
-    "blocks_just_filled": "blocks that filled up since the last selection and joined a working set "
-    "(copied from the host tier like the others; counted in decode_blocks_loaded)",
-    "tail_bytes_host_to_device": "bytes of K and V decode attention read from the host tier for active "
-    "tails (tokens after the covered blocks; a PD arrival's whole context at its first step) and verify "
-    "draft rows",
+    "blocks_just_filled": "blocks that filled up since the last selection and joined a working set",
+    "blocks_from_active": "of blocks_just_filled, those copied on the device from the active blocks (no "
+    "host read; the others are counted in decode_blocks_loaded)",
+    "tail_bytes_host_to_device": "bytes of K and V read from the host tier into the active blocks (the "
+    "tokens after the covered blocks that the device does not hold: a PD arrival's prompt tail, and its "
+    "whole context at a dense first step); zero in the steady state",
     "dense_layer_bytes_host_to_device": "bytes of K and V that dense layers (--oasis-dense-layers) read "
     "from the host tier at decode steps (every committed token)",
     "catch_up_bytes_host_to_device": "bytes of keys read back from the host tier to fold into the block "
-    "summaries (a PD arrival's first step, accepted draft tokens)",
+    "summaries (a PD arrival's first step; accepted draft tokens the active blocks do not hold)",
     "blocks_deferred": "predicted blocks the fetch cap left for a later step (counted each step)",
     "foreground_wait_us": "time attention waited for the prefetch pipeline (microseconds)",
     "stage_select_us": "time in the pipeline's prediction and selection stage (microseconds)",
@@ -61,6 +62,9 @@ COUNTERS = {
     "remote_cached_blocks": "PD decode node: (block, layer) pairs not read because the decode radix cache "
     "held them",
     "remote_failed_reads": "PD decode node: requests failed by a failed remote read after admission",
+    "recall_samples": "(request, layer, KV head) recall samples taken (--oasis-recall-sample-every)",
+    "telemetry_bytes": "bytes of keys the recall telemetry read from the host tier (not in "
+    "bytes_host_to_device)",
 }
 GAUGES = {
     "host_tokens_used": "tokens of the host KV tier in use",
@@ -68,14 +72,23 @@ GAUGES = {
     "device_working_set_tokens": "tokens resident in device working sets (summed over layers and KV heads)",
     "device_working_set_bytes": "bytes of the device tier's working sets (every request slot)",
     "device_summary_bytes": "bytes of block summaries in the device tier",
-    "device_bytes_capacity": "bytes the device tier allocated (summaries, working sets and their index "
-    "tensors; at most --oasis-device-kv-tokens x KV bytes per token)",
+    "device_bytes_capacity": "bytes the device tier allocated (summaries, working sets, active blocks and "
+    "their index tensors; at most --oasis-device-kv-tokens x KV bytes per token)",
     "device_bytes_used": "device-tier bytes in use: the summaries and the request slots of running requests",
     "device_request_slots": "requests the device tier holds working sets for (the running-request cap)",
     "running_requests": "requests holding a device request slot",
     "staged_bytes": "PD prefill node: bytes of staged KV and summaries held for decode nodes",
+    "recall_mean_ppm": "mean recall (millionths) over the last recall samples: the exact attention mass "
+    "decode attention saw (working set + active tail) out of the whole context, per KV head",
+    "recall_p10_ppm": "10th percentile of recall (millionths) over the last recall samples",
+    "lookahead_agreement_ppm": "mean share (millionths) of each sampled step's true top-K blocks that the "
+    "blocks selected the step before held",
 }
-FIELDS = (*COUNTERS, *GAUGES)
+# Per layer (not exported to Prometheus; GET /oasis/stats reports them as recall_per_layer): the mean
+# recall of the layer's last samples in millionths, plus one (0: never sampled).
+MAX_RECALL_LAYERS = 256
+LAYER_FIELDS = tuple(f"recall_layer_ppm_{layer}" for layer in range(MAX_RECALL_LAYERS))
+FIELDS = (*COUNTERS, *GAUGES, *LAYER_FIELDS)
 
 
 def shm_name(port: int) -> str:
@@ -139,8 +152,9 @@ class OasisStats:
                 name: Gauge(f"sglang_oasis:{name}", help_text, multiprocess_mode="mostrecent")
                 for name, help_text in {**COUNTERS, **GAUGES}.items()
             }
-        for name, value in self.snapshot().items():
-            self._gauges[name].set(value)
+        values = self.snapshot()
+        for name, gauge in self._gauges.items():
+            gauge.set(values[name])
 
     def close(self) -> None:
         if self._shm is None:

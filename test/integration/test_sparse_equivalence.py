@@ -59,31 +59,44 @@ def test_stats_count_the_sparse_work(tiny_qwen3_sparse_server: ServerProcess) ->
         return after[name] - before[name]
 
     # Prefill (admission) loads every full block of every layer and KV head (4 layers x 2 heads x 20
-    # blocks) from the host tier; the two blocks that fill up during decode (356 tokens: 22 full blocks)
-    # are copied from the host tier too; K covers everything, so no other block moves. Every decode step
-    # also reads each layer's active tail (the tokens after the covered blocks) from the host tier.
+    # blocks) from the host tier. The two blocks that fill up during decode (356 tokens: 22 full blocks)
+    # are copied from the active blocks on the device, which also hold each step's tail (the tokens
+    # after the covered blocks): K covers everything, so decode reads nothing from the host tier.
     layers, heads, token_bytes = 4, 2, 64 * 4 * 2  # head_dim x fp32 x (K and V)
     bytes_per_block = 16 * token_bytes
-    assert grew("blocks_loaded") == layers * heads * 22
-    assert grew("blocks_just_filled") == grew("decode_blocks_loaded") == layers * heads * 2
-    assert grew("blocks_deferred") == 0
-    tails = sum(len(prompt) + step - 16 * ((len(prompt) + step - 1) // 16) for step in range(1, NEW_TOKENS))
-    tail_bytes = tails * layers * heads * token_bytes
-    assert grew("tail_bytes_host_to_device") == tail_bytes
-    assert grew("decode_bytes_host_to_device") == layers * heads * 2 * bytes_per_block + tail_bytes
-    assert grew("bytes_host_to_device") == layers * heads * 22 * bytes_per_block + tail_bytes
+    assert grew("blocks_loaded") == layers * heads * 20
+    assert grew("blocks_just_filled") == grew("blocks_from_active") == layers * heads * 2
+    assert grew("decode_blocks_loaded") == grew("blocks_deferred") == 0
+    assert grew("tail_bytes_host_to_device") == grew("decode_bytes_host_to_device") == 0
+    assert grew("bytes_host_to_device") == layers * heads * 20 * bytes_per_block
     assert grew("scored_selections") == 0  # K covers every block: nothing to rank
     assert grew("stage_select_us") > 0 and grew("stage_transfer_us") > 0
     assert after["host_tokens_capacity"] == 6144
     # The device tier: 16384 tokens' KV bytes, the summaries of the 6144-token host tier, whole
-    # requests' working sets of 64 blocks of 16 per layer and KV head (the running cap).
+    # requests' working sets of 64 blocks of 16 per layer and KV head and active blocks of 16 tokens
+    # (the running cap).
     budget = 16384 * layers * heads * token_bytes
     assert after["device_bytes_capacity"] <= budget
     summaries = 2 * layers * (6144 // 16 + 2) * heads * 64 * 4 + (6144 // 16 + 2) * 8  # min/max, epochs
-    index = layers * heads * (2 * 64 + 16) * 8 + layers * 8  # head-wise map, window pins, covered
-    per_request = layers * heads * 64 * bytes_per_block + index
+    index = layers * heads * (2 * 64 + 16) * 8 + 3 * layers * 8  # head-wise map, pins, covered, active
+    per_request = layers * heads * 65 * bytes_per_block + index  # 64 working-set blocks, 1 active
     assert after["device_request_slots"] == (budget - summaries) // per_request == 15
     assert after["device_bytes_capacity"] == summaries + 15 * per_request
+
+
+def test_recall_telemetry_reports_full_recall_when_k_covers_every_block(
+    tiny_qwen3_sparse_server: ServerProcess,
+) -> None:
+    before = tiny_qwen3_sparse_server.oasis_stats()
+    greedy(tiny_qwen3_sparse_server, prompts(seed=5)[3])  # 100 tokens
+    after = tiny_qwen3_sparse_server.oasis_stats()
+    layers, heads = 4, 2
+    assert after["recall_samples"] - before["recall_samples"] == (NEW_TOKENS - 1) * layers * heads
+    assert after["telemetry_bytes"] > before["telemetry_bytes"]
+    assert after["recall_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert after["recall_p10"] == pytest.approx(1.0, abs=1e-5)
+    assert after["lookahead_agreement"] == 1.0
+    assert set(after["recall_per_layer"]) == {"0", "1", "2", "3"}
 
 
 def test_gauges_return_to_zero_when_requests_end(tiny_qwen3_sparse_server: ServerProcess) -> None:

@@ -16,12 +16,14 @@ from sglang_oasis.memory.device_tier import DeviceTier
 from sglang_oasis.memory.headwise_map import EMPTY
 
 SHAPES = {
-    "tiny": TierShape(2, 1, 4, 4, host_pages=10, block_size=4, slots_per_head=2, window_blocks=1),
+    "tiny": TierShape(
+        2, 1, 4, 4, host_pages=10, block_size=4, slots_per_head=2, window_blocks=1, active_tokens=8
+    ),
     "smollm2-fp32": TierShape(
-        30, 3, 64, 4, host_pages=2050, block_size=16, slots_per_head=128, window_blocks=32
+        30, 3, 64, 4, host_pages=2050, block_size=16, slots_per_head=128, window_blocks=32, active_tokens=32
     ),
     "blocks-of-4-bf16": TierShape(
-        6, 3, 64, 2, host_pages=8194, block_size=4, slots_per_head=129, window_blocks=0
+        6, 3, 64, 2, host_pages=8194, block_size=4, slots_per_head=129, window_blocks=0, active_tokens=4
     ),
 }
 
@@ -157,8 +159,8 @@ def _backend(rows: int, max_running: int | None, **config: int) -> OasisAttnBack
 def test_the_backend_holds_working_sets_for_the_running_cap_not_for_sglang_rows() -> None:
     """A PD decode node has ``--max-running-requests`` + pre-allocation slots + 1 request rows: the device
     tier holds working sets for the running requests only, inside the budget."""
-    backend = _backend(rows=40, max_running=3, device_kv_tokens=64)
-    budget = 64 * 2 * 1 * 2 * 2 * 4  # tokens x layers x heads x head_dim x (K, V) x fp32
+    backend = _backend(rows=40, max_running=3, device_kv_tokens=80)
+    budget = 80 * 2 * 1 * 2 * 2 * 4  # tokens x layers x heads x head_dim x (K, V) x fp32
     assert backend.tier.num_request_slots == 3
     assert backend.tier.nbytes <= budget
     assert backend.stats.snapshot()["device_bytes_capacity"] == backend.tier.nbytes

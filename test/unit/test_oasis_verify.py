@@ -78,7 +78,7 @@ def _verify_step(backend: OasisAttnBackend, seq_len: int, scaling: float) -> tup
     )
     backend.slots.claim(0, 0)
     backend.set_batch([0])
-    backend._catch_up_summaries(0, torch.tensor([seq_len]))
+    backend.intake.catch_up(backend.batch, 0, torch.tensor([seq_len]))
     return layer, batch
 
 
@@ -226,7 +226,7 @@ def test_the_prefill_window_chooses_the_first_working_set_by_exact_attention(
                             is_cross_attention=False)  # fmt: skip
     backend.slots.claim(0, 0)
     backend.set_batch([0], admission=True)
-    backend._catch_up_summaries(0, torch.tensor([seq_len]))
+    backend.intake.catch_up(backend.batch, 0, torch.tensor([seq_len]))
     q_rows = torch.tensor([1.0, 1.0]).expand(seq_len, 1, DIM) * 2  # the prompt's queries, last row last
     prior = backend.selector.window_prior(backend.batch, layer, q_rows, [seq_len - 1], [seq_len], [seq_len])
     assert (prior is None) == (window == 0)

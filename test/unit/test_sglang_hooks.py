@@ -94,6 +94,7 @@ CHECK = textwrap.dedent(
         hooks.SEND_INDICES_TARGET: ["self", "kv_indices", "state_indices"],
         hooks.BOOTSTRAP_ROUTES_TARGET: ["self"],
         hooks.DECODE_COMMIT_TARGET: ["self", "decode_req"],
+        hooks.DECODE_FREE_TARGET: ["self", "req"],
         "sglang.srt.disaggregation.utils.prepare_abort": ["req", "error_message", "status_code"],
         "sglang.srt.mem_cache.common.release_kv_cache": ["req", "tree_cache"],
     }
@@ -112,6 +113,15 @@ CHECK = textwrap.dedent(
     assert "self.tree_cache = tree_cache" in inspect.getsource(DecodeTransferQueue.__init__)
     assert "tree_cache.checkpoint(req, up_to=" in inspect.getsource(release_kv_cache)
     assert FAKE_BOOTSTRAP_HOST == "2.2.2.2"
+    assert "tree_cache.req_to_token_pool.free(req)" in inspect.getsource(release_kv_cache)
+
+    # release_freed_rows: SGLang frees the row, then the pool's listener hears which.
+    from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
+    freed: list[int] = []
+    pool = NS(free_slots=[], **{hooks.FREED_ROW_LISTENER: freed.append})
+    request = NS(kv=NS(req_pool_idx=7, holds_kv=True))
+    hooks.release_freed_rows(DecodeReqToTokenPool.free, pool, request)
+    assert pool.free_slots == [7] and request.kv.req_pool_idx is None and freed == [7]
 
     # send_last_page_only: earlier chunks send nothing, the last stages and sends only the last page.
     import numpy as np

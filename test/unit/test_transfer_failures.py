@@ -40,10 +40,12 @@ class Pool:
 
 
 def test_the_prefetcher_reports_the_generation_the_job_was_built_with() -> None:
-    shape = TierShape(1, 1, 2, 4, host_pages=8, block_size=4, slots_per_head=2, window_blocks=0)
+    shape = TierShape(
+        1, 1, 2, 4, host_pages=8, block_size=4, slots_per_head=2, window_blocks=0, active_tokens=4
+    )
     tier = DeviceTier(shape, layout(10**9, shape, max_request_slots=2), torch.float32, "cpu")
     prefetcher = BlockPrefetcher(
-        tier.working_sets, tier.summaries, Pool(), top_k=2, sink_blocks=0, num_kv_heads=1
+        tier.working_sets, tier.summaries, tier.active, Pool(), top_k=2, sink_blocks=0, num_kv_heads=1
     )
     job = SelectionJob(
         layer_id=0, reqs=torch.tensor([5, 9]), slots=torch.tensor([0, 1]), generations=(11, 4),

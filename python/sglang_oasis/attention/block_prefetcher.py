@@ -1,6 +1,7 @@
 """The work of one prefetch-pipeline job: for one layer of a batch, predict (score the block summaries
 with the predicting query), select (top-K per KV head), plan (capped delta against the resident
-working set) and transfer (copy the admitted blocks from the host tier into their slots).
+working set) and transfer (copy the admitted blocks from the host tier into their slots; a block that
+just filled up is copied from the active blocks, on the device).
 
 ``Selector`` builds the ``SelectionJob`` in the foreground, ``PrefetchPipeline`` runs
 ``BlockPrefetcher.run`` (in the background unless ``--oasis-prefetch sync``), and the selector folds the
@@ -18,6 +19,7 @@ from typing import Any, NamedTuple
 import torch
 
 from sgl_kernel_oasis import ops, select_top_blocks
+from sglang_oasis.memory.active_blocks import ActiveBlocks
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.memory.working_set import TransferPlan, WorkingSetPool
 
@@ -56,6 +58,7 @@ class JobResult(NamedTuple):
     selections: int
     loads: int
     fresh: int  # loads of blocks that filled up since the last selection
+    from_active: int  # of those, copied from the active blocks (the rest, and every other load: host)
     scored: int  # requests whose selection scored the summaries (or the prior) and ran top-K
     deferred: int
     heads: int
@@ -71,6 +74,7 @@ class BlockPrefetcher:
         self,
         working_sets: WorkingSetPool,
         summaries: BlockSummaryStore,
+        active: ActiveBlocks,
         kv_pool: Any,
         top_k: int,
         sink_blocks: int,
@@ -78,6 +82,7 @@ class BlockPrefetcher:
     ) -> None:
         self.working_sets = working_sets
         self.summaries = summaries
+        self.active = active
         self.kv_pool = kv_pool
         self.top_k = top_k
         self.sink_blocks = sink_blocks
@@ -96,7 +101,7 @@ class BlockPrefetcher:
         self.working_sets.covered[job.slots, job.layer_id] = job.full
         if job.pages.shape[1] == 0:  # no request has a full block yet
             return JobResult(job.layer_id, job.admission, len(job.reqs),
-                             0, 0, 0, 0, 0, 0, 0, {})  # fmt: skip
+                             0, 0, 0, 0, 0, 0, 0, 0, {})  # fmt: skip
         selected, priority, scored = self._choose(job)
         if job.admission and self.record_admissions is not None:
             for row, req in enumerate(job.reqs.tolist()):
@@ -106,17 +111,20 @@ class BlockPrefetcher:
         plan = self.working_sets.plan_selections(
             job.slots, job.layer_id, selected, job.step, job.cap, fresh_from, priority
         )
+        fresh = torch.zeros(plan.num_loads, dtype=torch.bool)
+        if fresh_from is not None:
+            fresh = plan.blocks >= fresh_from[plan.batch_rows]
+        from_active = self._copy_from_active(job, plan, fresh)
         generation = dict(zip(job.reqs.tolist(), job.generations, strict=True))
-        failed = {req: (generation[req], message) for req, message in self._transfer(job, plan).items()}
-        fresh = 0
-        if fresh_from is not None and plan.num_loads:
-            fresh = int((plan.blocks >= fresh_from[plan.batch_rows]).sum())
+        host_plan = plan.subset(~from_active, plan.deferred)
+        failed = {req: (generation[req], message) for req, message in self._transfer(job, host_plan).items()}
         return JobResult(
             layer_id=job.layer_id,
             admission=job.admission,
             selections=len(job.reqs),
             loads=plan.num_loads,
-            fresh=fresh,
+            fresh=int(fresh.sum()),
+            from_active=int(from_active.sum()),
             scored=scored,
             deferred=plan.deferred,
             heads=len(job.reqs) * self.num_kv_heads,
@@ -156,6 +164,19 @@ class BlockPrefetcher:
             priority[over] = scores.masked_fill(sinks, float("inf"))
         return selected, priority, int(over.sum())
 
+    def _copy_from_active(self, job: SelectionJob, plan: TransferPlan, fresh: torch.Tensor) -> torch.Tensor:
+        """Copy the loads of blocks that just filled up and are still in the active blocks from there
+        (device to device); returns ``[loads]`` bool, the loads done."""
+        slots, block = job.slots[plan.batch_rows], self.active.block_size
+        held = fresh & self.active.holds(slots, job.layer_id, plan.blocks * block, (plan.blocks + 1) * block)
+        if bool(held.any()):
+            layer = job.layer_id
+            pages = self.active.pages(slots[held], plan.blocks[held])
+            self.working_sets.load_pages(
+                plan.subset(held), job.slots, layer, pages, self.active.k[layer], self.active.v[layer]
+            )
+        return held
+
     def _transfer(self, job: SelectionJob, plan: TransferPlan) -> dict[int, str]:
         """Copy the plan's blocks in; a failure is retried request by request, and the requests whose
         own transfer fails are returned (slot -> message) to be failed alone."""
@@ -175,10 +196,7 @@ class BlockPrefetcher:
                 error,
             )
         for row, req in enumerate(job.reqs.tolist()):
-            mine = plan.batch_rows == row
-            own = TransferPlan(
-                plan.batch_rows[mine], plan.heads[mine], plan.slots[mine], plan.blocks[mine], 0
-            )
+            own = plan.subset(plan.batch_rows == row)
             try:
                 self._check_injected(job, own.batch_rows)
                 self.working_sets.load(own, job.slots, job.layer_id, job.pages, k_buffer, v_buffer)
@@ -201,10 +219,7 @@ class BlockPrefetcher:
         if not failed:
             return plan, {}
         keep = torch.tensor([reqs[row] not in failed for row in plan.batch_rows.tolist()], dtype=torch.bool)
-        kept = TransferPlan(
-            plan.batch_rows[keep], plan.heads[keep], plan.slots[keep], plan.blocks[keep], plan.deferred
-        )
-        return kept, failed
+        return plan.subset(keep, plan.deferred), failed
 
     def _check_injected(self, job: SelectionJob, rows: torch.Tensor) -> None:
         if job.fail_reqs and rows.numel():

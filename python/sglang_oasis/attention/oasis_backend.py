@@ -21,8 +21,6 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -31,10 +29,14 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_oasis.attention.batch_view import BatchView
 from sglang_oasis.attention.block_prefetcher import INJECT_ENV
+from sglang_oasis.attention.gauges import Gauges
+from sglang_oasis.attention.kv_intake import KVIntake
 from sglang_oasis.attention.pd_node import PDNode
+from sglang_oasis.attention.recall_probe import RecallProbe
 from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.attention.selector import FaultInjection, Selector
 from sglang_oasis.attention.sparse_attention import SparseAttention
+from sglang_oasis.attention.strict_mode import StrictMode
 from sglang_oasis.attention.transfer_failures import TransferFailures
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.disaggregation.pd_partial import DecodeFetcher, PrefillStager, register_draft_pool
@@ -49,7 +51,13 @@ logger = logging.getLogger(__name__)
 
 
 class OasisAttnBackend(TorchNativeAttnBackend):
-    def __init__(self, model_runner: Any, config: OasisConfig, faults: FaultInjection | None = None) -> None:
+    def __init__(
+        self,
+        model_runner: Any,
+        config: OasisConfig,
+        faults: FaultInjection | None = None,
+        strict: StrictMode | None = None,
+    ) -> None:
         super().__init__(model_runner)
         pool = self.token_to_kv_pool
         self.config = config
@@ -68,11 +76,6 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         self.dense_layers = frozenset(config.dense_layers)
         sparse_layers = [layer for layer in range(pool.layer_num) if layer not in self.dense_layers]
         self.summaries.epoch_layer = sparse_layers[0] if sparse_layers else -1
-        # Per request (SGLang's req pool row) and layer: positions whose keys are in the summaries
-        # (speculative verify commits drafts only after the forward pass that wrote them).
-        self.summarised = torch.zeros(
-            (len(self.req_to_token_pool.req_to_token), pool.layer_num), dtype=torch.int64
-        )
         self.stats = OasisStats.attach(args.port)
         self.failures = TransferFailures()
         self.slots = RequestSlots(self.tier, self.req_to_token_pool, self.block_size)
@@ -80,26 +83,23 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             config, self.tier, self.slots, pool, self.req_to_token_pool, self.summaries.epoch_layer, self.stats,
             self.failures, faults or FaultInjection(), self.device,
         )  # fmt: skip
+        self.strict = strict  # tests: prove decode attention reads the device tier only (strict_mode.py)
         self.attention = SparseAttention(
-            self.working_sets, self.req_to_token_pool, pool, self.block_size, self.stats
+            tier, self.req_to_token_pool, pool, self.block_size, self.stats, strict is not None
         )
+        self.recall = RecallProbe(
+            config.recall_sample_every, tier, self.req_to_token_pool, pool, config.top_k, self.stats
+        )
+        self.intake = KVIntake(tier, self.attention, pool, len(self.req_to_token_pool.req_to_token))
+        self.summarised = self.intake.summarised
         self.pd = PDNode(config, self.slots, self.selector, pool, self.summarised, self.stats, self.failures)
         self.batch = BatchView.empty()
         self.step = 0
-        for name, value in (
-            ("host_tokens_capacity", int(pool.size)),
-            ("device_working_set_bytes", self.working_sets.nbytes),
-            ("device_summary_bytes", self.summaries.nbytes),
-            ("device_bytes_capacity", self.tier.nbytes),
-            ("device_request_slots", self.tier.num_request_slots),
-        ):
-            self.stats.set(name, value)
-        self.allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
-        self.export_metrics = bool(getattr(args, "enable_metrics", False))
         self.pd.start(args)  # remote partial fetching under PD disaggregation
-        # Gauges change when requests finish, which no forward pass sees while the server is idle.
-        self._gauge_thread = threading.Thread(target=self._refresh_gauges, name="oasis-gauges", daemon=True)
-        self._gauge_thread.start()
+        allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
+        self.gauges = Gauges(
+            self.slots, pool, allocator, self.stats, bool(getattr(args, "enable_metrics", False))
+        )
         logger.info(
             "oasis sparse KV: block %d, top-k %d, sinks %d, dense layers %s; device tier %.1f MiB of a %.1f "
             "MiB budget: working sets for %d requests, summaries %.1f MiB",
@@ -177,28 +177,6 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         self.stats.add("warm_starts", done.warm_starts)
         self.stats.add("blocks_reused", done.blocks_reused)
 
-    def _refresh_gauges(self, period_s: float = 0.5) -> None:
-        while True:
-            try:
-                finished = self.slots.finished()
-                live = self.tier.live_slots(finished)
-                self.stats.set("running_requests", len(live))
-                self.stats.set("device_bytes_used", self.tier.used_bytes(len(live)))
-                self.stats.set(
-                    "device_working_set_tokens", self.working_sets.resident_blocks(live) * self.block_size
-                )
-                if self.allocator is not None:
-                    used = self.token_to_kv_pool.size - self.allocator.available_size()
-                    self.stats.set("host_tokens_used", int(used))
-                if self.pd.remote is not None:  # issue 25: release from the scheduler's request lifecycle
-                    free = set(self.req_to_token_pool.free_slots)
-                    self.pd.remote.release_finished(free, self.req_to_token_pool.req_generation.tolist())
-                if self.export_metrics:
-                    self.stats.publish_prometheus()
-            except Exception:  # a gauge is not worth a crash; read again next period
-                logger.debug("oasis gauge refresh failed", exc_info=True)
-            time.sleep(period_s)
-
     # --- attention -------------------------------------------------------------------------------
 
     def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):
@@ -208,15 +186,19 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         layer_id = layer.layer_id
         if layer.is_cross_attention or layer_id in self.dense_layers:  # dense layers never select
             return out
-        if k is not None and save_kv_cache:
-            self._summarise(layer, forward_batch, k)
-        self.summarised[self.batch.req_index, layer_id] = forward_batch.seq_lens.cpu()
-        q_rows = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        last = torch.cumsum(forward_batch.extend_seq_lens, 0) - 1  # last new token of each request
-        seq_lens = forward_batch.seq_lens.tolist()
         extend_lens = [
             int(n) for n in (forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist())
         ]
+        seq_lens_cpu = forward_batch.seq_lens.cpu().to(torch.int64)
+        if k is not None and v is not None and save_kv_cache:
+            self.selector.wait(layer_id)  # its job may be copying from the active blocks
+            self.intake.extend(
+                self.batch, layer_id, seq_lens_cpu, extend_lens, forward_batch.out_cache_loc, k, v
+            )
+        self.summarised[self.batch.req_index, layer_id] = seq_lens_cpu
+        q_rows = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        last = torch.cumsum(forward_batch.extend_seq_lens, 0) - 1  # last new token of each request
+        seq_lens = forward_batch.seq_lens.tolist()
         prior = self.selector.window_prior(self.batch, layer, q_rows, last.tolist(), extend_lens, seq_lens)
         self.selector.select(self.batch, layer_id, q_rows[last], seq_lens, prior)
         return out
@@ -230,20 +212,28 @@ class OasisAttnBackend(TorchNativeAttnBackend):
                 )
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         self.selector.wait(layer_id)
+        seq_lens = forward_batch.seq_lens.cpu().to(torch.int64)
         if self.batch.admission:  # requests that arrived from a prefill node: summarise their KV first
-            self._catch_up_summaries(layer_id, forward_batch.seq_lens.cpu().to(torch.int64) - 1)
+            self.intake.catch_up(self.batch, layer_id, seq_lens - 1)
+        pool, loc = self.token_to_kv_pool, forward_batch.out_cache_loc
         if save_kv_cache and k is not None and v is not None:
-            loc = KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc)
-            self.token_to_kv_pool.set_kv_buffer(layer, loc, k, v)
-            self._summarise(layer, forward_batch, k)
-            self.summarised[self.batch.req_index, layer_id] = forward_batch.seq_lens.cpu()
+            pool.set_kv_buffer(layer, KVWriteLoc(loc, self.swa_out_cache_loc), k, v)
+            self.intake.summarise(self.batch, layer_id, loc, k, seq_lens)
+        else:  # the token's K and V are already in the host tier only
+            self.attention.count_host_read("tail_bytes_host_to_device", len(loc))
+            k, v = pool.get_key_buffer(layer_id)[loc], pool.get_value_buffer(layer_id)[loc]
         q_rows = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        seq_lens = forward_batch.seq_lens.tolist()
-        tail_locs, tail_valid = self.attention.tail(self.batch, layer_id, seq_lens)
-        out = self.attention.headwise(self.batch, q_rows[:, None], layer, tail_locs, tail_valid[:, None, :])[
-            :, 0
-        ]
-        self.selector.select(self.batch, layer_id, q_rows, seq_lens)
+        if self.strict is not None and self.strict.read_host_pool:  # the deliberately broken variant
+            out = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache=False)
+        else:
+            kv_shape = (len(loc), self.num_kv_heads, -1)
+            out = self.attention.decode(
+                self.batch, q_rows, layer, seq_lens, k.view(kv_shape), v.view(kv_shape)
+            )
+        if self.recall.due(self.step):  # before the host copy is poisoned, before the working set changes
+            self.recall.sample(self.batch, layer_id, q_rows, seq_lens.tolist(), layer.scaling)
+        self._poison_if_strict(layer_id)
+        self.selector.select(self.batch, layer_id, q_rows, seq_lens.tolist())
         return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_verify(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):
@@ -254,7 +244,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             row r sees:                   |     all     |          all            | rows 0..r (tree mask)
 
         Row 0 is committed whatever the verification decides, so its key joins the summaries now; drafts
-        join later, once accepted (``_catch_up_summaries``). The last draft row's query selects the
+        join later, once accepted (``KVIntake.catch_up``). The last draft row's query selects the
         blocks for the next step: the lookahead.
         """
         layer_id = layer.layer_id
@@ -272,44 +262,39 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         if layer_id in self.dense_layers:
             out = self.attention.dense_verify(self.batch, q_rows, layer, seq_lens, draft_locs, tree)
             return out.reshape(-1, heads * layer.v_head_dim)
-        self._catch_up_summaries(layer_id, seq_lens)
-        real_locs = draft_locs[:, 0]
-        self.summaries.update(layer_id, real_locs, pool.get_key_buffer(layer_id)[real_locs])
-        self.summarised[self.batch.req_index, layer_id] = seq_lens + 1
-        out = self.attention.verify(self.batch, q_rows, layer, seq_lens, draft_locs, tree)
+        self.intake.catch_up(self.batch, layer_id, seq_lens)
+        self.intake.summarise(
+            self.batch, layer_id, draft_locs[:, 0], k.view(batch, rows, -1)[:, 0], seq_lens + 1
+        )
+        kv_shape = (batch * rows, self.num_kv_heads, -1)
+        out = self.attention.verify(
+            self.batch, q_rows, layer, seq_lens, k.view(kv_shape), v.view(kv_shape), tree
+        )
+        self._poison_if_strict(layer_id)
         self.selector.select(self.batch, layer_id, q_rows[:, -1], (seq_lens + 1).tolist())
         return out.reshape(-1, heads * layer.v_head_dim)
 
-    def _catch_up_summaries(self, layer_id: int, seq_lens: torch.Tensor) -> None:
-        """Fold in the keys committed since the last summary update (accepted drafts, or an arrival's
-        whole prompt), read back from the host tier: positions ``[summarised, seq_len)`` of each request."""
-        reqs = self.batch.req_index
-        starts = self.summarised[reqs, layer_id]
-        lengths = (seq_lens - starts).clamp(min=0)
-        if int(lengths.sum()) == 0:
-            return
-        rows = torch.repeat_interleave(reqs, lengths)
-        first = torch.cumsum(lengths, 0) - lengths
-        cols = torch.repeat_interleave(starts, lengths) + (
-            torch.arange(int(lengths.sum())) - torch.repeat_interleave(first, lengths)
-        )
-        locations = self.req_to_token_pool.req_to_token[rows, cols].to(torch.int64)
-        self.attention.count_host_read("catch_up_bytes_host_to_device", len(locations), keys_only=True)
-        self.summaries.update(layer_id, locations, self.token_to_kv_pool.get_key_buffer(layer_id)[locations])
-
-    def _summarise(self, layer: RadixAttention, forward_batch: ForwardBatch, k: torch.Tensor) -> None:
-        keys = k.reshape(-1, self.num_kv_heads, layer.qk_head_dim)
-        self.summaries.update(layer.layer_id, forward_batch.out_cache_loc, keys)
+    def _poison_if_strict(self, layer_id: int) -> None:
+        if self.strict is not None:
+            StrictMode.poison_resident_blocks(
+                self.working_sets,
+                self.req_to_token_pool.req_to_token,
+                self.token_to_kv_pool,
+                self.batch,
+                layer_id,
+            )
 
 
 def create_oasis_backend(model_runner: Any) -> TorchNativeAttnBackend:
     """The target model gets the sparse backend; a draft model (EAGLE-3 lookahead) attends densely over
-    its own small KV cache. Fault injection for tests is read here, once (``INJECT_ENV``)."""
+    its own small KV cache. Fault injection and strict device mode for tests are read here, once
+    (``INJECT_ENV``, ``STRICT_ENV``)."""
     if getattr(model_runner, "is_draft_worker", False):
         return DraftAttnBackend(model_runner)
     config = OasisConfig.from_env() or OasisConfig()
     inject = os.environ.get(INJECT_ENV)
-    return OasisAttnBackend(model_runner, config, FaultInjection(int(inject) if inject else None))
+    faults = FaultInjection(int(inject) if inject else None)
+    return OasisAttnBackend(model_runner, config, faults, StrictMode.from_env())
 
 
 class DraftAttnBackend(TorchNativeAttnBackend):

@@ -28,6 +28,7 @@ from sglang_oasis.attention.transfer_failures import TransferFailures
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.disaggregation.pd_partial import Arrival, DecodeFetcher, PrefillStager
 from sglang_oasis.memory.summary_store import BlockSummaryStore
+from sglang_oasis.sglang_hooks import FREED_ROW_LISTENER
 from sglang_oasis.stats import OasisStats
 
 logger = logging.getLogger(__name__)
@@ -81,6 +82,8 @@ class PDNode:
             logger.info("oasis remote partial fetching: prefill hand-offs at %s", self.stager.url)
         else:
             self.remote = self.selector.prefetcher.remote = DecodeFetcher(self, host)
+            # SGLang frees a finished request's row: release its staging then (sglang_hooks.py).
+            setattr(self.req_to_token_pool, FREED_ROW_LISTENER, self.remote.release_slot)
             logger.info(
                 "oasis remote partial fetching: decode reads through %s", self.remote.endpoint.session_id
             )

@@ -60,8 +60,9 @@ class RequestSlots:
         return slot
 
     def _forget_records(self, slot: int) -> None:
-        """A newly claimed slot has no window pins and no recorded pages yet."""
+        """A newly claimed slot has no window pins, no recorded pages and no active tokens yet."""
         self.tier.pinned[slot] = -1
+        self.tier.active.reset(slot)
         self.pages[slot] = -1
 
     def admit(

@@ -96,7 +96,13 @@ class Selector:
         self.prompt_len: dict[int, int] = {}  # request row -> tokens after its last extend
         self.pipeline: PrefetchPipeline[JobResult] = PrefetchPipeline(config.prefetch == "async", device)
         self.prefetcher = BlockPrefetcher(
-            self.working_sets, self.summaries, kv_pool, config.top_k, config.sink_blocks, self.num_kv_heads
+            self.working_sets,
+            self.summaries,
+            tier.active,
+            kv_pool,
+            config.top_k,
+            config.sink_blocks,
+            self.num_kv_heads,
         )
         self.caps = FetchCaps(config, int(kv_pool.layer_num))
 
@@ -209,7 +215,7 @@ class Selector:
     def _account(self, result: JobResult) -> None:
         """Fold a finished job into the counters, the adaptive cap and the failures (foreground only:
         the counters are not thread-safe)."""
-        host_loads = result.loads  # blocks that just filled up are copied from the host tier too
+        host_loads = result.loads - result.from_active  # blocks that just filled up: from the device
         bytes_loaded = host_loads * self.working_sets.bytes_per_block
         stats = self.stats
         stats.add("scored_selections", result.scored)
@@ -221,6 +227,7 @@ class Selector:
         stats.add("stage_transfer_us", result.transfer_ns // 1000)
         if not result.admission:
             stats.add("blocks_just_filled", result.fresh)
+            stats.add("blocks_from_active", result.from_active)
             stats.add("decode_blocks_loaded", host_loads)
             stats.add("decode_bytes_host_to_device", bytes_loaded)
             stats.add("blocks_deferred", result.deferred)

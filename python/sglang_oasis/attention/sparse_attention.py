@@ -2,43 +2,61 @@
 
 Per request and KV head the keys a decode step (or a verify row) attends are::
 
-    | working set (read in place, head-wise) | active tail: covered * B .. seq_len | verify rows (tree) |
+    | working set (read in place, head-wise) | active tail: covered * B .. first | the step's new tokens |
 
-The working set is the device tier's; the tail (the tokens after the blocks the last selection covered)
-and the verify rows are read from the host tier (SGLang's pool) at every step, and counted
-(``tail_bytes_host_to_device``). Dense layers' verify rows attend every committed token (counted in
-``dense_layer_bytes_host_to_device``).
+Both parts are the device tier's: the working sets, and the active blocks (``memory/active_blocks.py``),
+which hold the tail (the tokens after the blocks the last selection covered) and take each step's new
+tokens as the step stores them. A tail the active blocks do not hold (a PD arrival's) is loaded from the
+host tier first, counted in ``tail_bytes_host_to_device``; one longer than they can hold (an arrival's
+dense first step) is read from the host tier for that step. Dense layers' verify rows attend every
+committed token (counted in ``dense_layer_bytes_host_to_device``).
 """
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
 from sgl_kernel_oasis import ops, sparse_decode_attention
 from sglang_oasis.attention.batch_view import BatchView
-from sglang_oasis.memory.working_set import WorkingSetPool
+from sglang_oasis.memory.active_blocks import concat_ranges
+from sglang_oasis.memory.device_tier import DeviceTier
 from sglang_oasis.stats import OasisStats
+
+
+class Tail(NamedTuple):
+    """What one layer's attention reads besides the working sets, for a batch."""
+
+    k: (
+        torch.Tensor
+    )  # [tokens, kv_heads, head_dim]: the layer's active blocks (+ host tokens, see ``advance``)
+    v: torch.Tensor
+    locs: torch.Tensor  # [bs, tail + new] rows of ``k``: the committed tail, then the step's new tokens
+    valid: torch.Tensor  # [bs, tail] which tail rows are real
 
 
 class SparseAttention:
     def __init__(
         self,
-        working_sets: WorkingSetPool,
+        tier: DeviceTier,
         req_to_token_pool: Any,
         kv_pool: Any,
         block_size: int,
         stats: OasisStats,
+        strict: bool = False,
     ) -> None:
-        self.working_sets = working_sets
+        self.tier = tier
+        self.working_sets = tier.working_sets
+        self.active = tier.active
         self.req_to_token_pool = req_to_token_pool
         self.kv_pool = kv_pool
         self.block_size = block_size
         self.stats = stats
+        self.strict = strict  # tests: decode attention must read device-tier tensors only
         self.num_kv_heads = int(kv_pool.head_num)
         # Bytes of one token's K and V for one KV head in one layer.
-        self.token_bytes = 2 * int(kv_pool.head_dim) * working_sets.k.element_size()
+        self.token_bytes = 2 * int(kv_pool.head_dim) * self.working_sets.k.element_size()
 
     def count_host_read(self, counter: str, tokens: int, keys_only: bool = False) -> None:
         """Count a decode-time read of ``tokens`` tokens' K and V (or keys only) of every KV head of one
@@ -48,59 +66,117 @@ class SparseAttention:
         self.stats.add("bytes_host_to_device", nbytes)
         self.stats.add("decode_bytes_host_to_device", nbytes)
 
-    def tail(self, batch: BatchView, layer_id: int, seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """Pool locations ``[bs, tail]`` of each request's active tail (the tokens after the blocks its
-        last selection covered) and which of them are real (``[bs, tail]`` bool)."""
-        ends = torch.tensor(seq_lens, dtype=torch.int64)
-        starts = self.working_sets.covered[batch.slots, layer_id] * self.block_size
-        positions = starts[:, None] + torch.arange(int((ends - starts).max()))  # [bs, tail]
-        tail_valid = positions < ends[:, None]
-        req_to_token = self.req_to_token_pool.req_to_token
-        positions = positions.clamp(max=req_to_token.shape[1] - 1)
-        locations = torch.where(
-            tail_valid, req_to_token[batch.req_index[:, None], positions].to(torch.int64), 0
+    def advance(
+        self, batch: BatchView, layer_id: int, first: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> Tail:
+        """One step at one layer: each request's tail (positions ``covered * B .. first``) held in the
+        active blocks, loaded from the host tier where it is not; then the step's new tokens (``k``, ``v``
+        ``[bs * n, kv_heads, head_dim]``, positions ``first .. first + n`` of each request) stored after
+        it. A tail longer than the active blocks hold beside the new tokens (a PD arrival's dense first
+        step) is read from the host tier: those tokens are appended to the returned ``k``/``v``."""
+        active, slots = self.active, batch.slots
+        bs = len(batch.reqs)
+        new = k.shape[0] // bs
+        starts = self.working_sets.covered[slots, layer_id] * self.block_size
+        lengths = (first - starts).clamp(min=0)
+        from_host = lengths + new > active.span
+        stale = ~from_host & ~active.holds(slots, layer_id, starts, first)
+        if bool(stale.any()):
+            self._check_host_read("an active tail the device does not hold", batch)
+            rows = stale.nonzero().flatten()
+            locs = self.pool_locs(batch.req_index[rows], starts[rows], first[rows])
+            self.count_host_read("tail_bytes_host_to_device", len(locs))
+            keys, values = (buffer[locs] for buffer in self._pool_layer(layer_id))
+            active.store(layer_id, slots[rows], starts[rows], first[rows], keys, values)
+        heads = self.num_kv_heads
+        active.store(
+            layer_id, slots, first, first + new, k.view(bs * new, heads, -1), v.view(bs * new, heads, -1)
         )
-        self.count_host_read("tail_bytes_host_to_device", int(tail_valid.sum()))
-        return locations, tail_valid
+        positions = starts[:, None] + torch.arange(int(lengths.max()) if len(lengths) else 0)  # [bs, tail]
+        valid = positions < first[:, None]
+        locs = active.rows(slots, positions)
+        new_locs = active.rows(slots, first[:, None] + torch.arange(new))
+        tail_k, tail_v = active.k[layer_id], active.v[layer_id]
+        if bool(from_host.any()):
+            self._check_host_read("a dense first step", batch)
+            rows = from_host.nonzero().flatten()
+            pool_locs = self.pool_locs(batch.req_index[rows], starts[rows], first[rows])
+            self.count_host_read("tail_bytes_host_to_device", len(pool_locs))
+            host_k, host_v = (buffer[pool_locs] for buffer in self._pool_layer(layer_id))
+            at = torch.zeros((len(rows), positions.shape[1]), dtype=torch.int64)
+            at[valid[rows]] = tail_k.shape[0] + torch.arange(len(pool_locs))
+            locs[rows] = at
+            tail_k = torch.cat([tail_k, host_k.to(tail_k.dtype)])
+            tail_v = torch.cat([tail_v, host_v.to(tail_v.dtype)])
+        return Tail(tail_k, tail_v, torch.cat([locs, new_locs], dim=1), valid)
+
+    def _pool_layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.kv_pool.get_key_buffer(layer_id), self.kv_pool.get_value_buffer(layer_id)
+
+    def pool_locs(self, reqs: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
+        """Host-tier locations of positions ``[starts[i], ends[i])`` of requests ``reqs``, concatenated."""
+        rows = torch.repeat_interleave(reqs, (ends - starts).clamp(min=0))
+        return self.req_to_token_pool.req_to_token[rows, concat_ranges(starts, ends)].to(torch.int64)
+
+    def _check_host_read(self, what: str, batch: BatchView) -> None:
+        if self.strict and not batch.admission:
+            raise RuntimeError(f"oasis strict device mode: decode attention read {what} from the host tier")
 
     def headwise(
-        self,
-        batch: BatchView,
-        q_rows: torch.Tensor,
-        layer: Any,
-        tail_locs: torch.Tensor,
-        tail_valid: torch.Tensor,
+        self, batch: BatchView, q_rows: torch.Tensor, layer: Any, tail: Tail, valid: torch.Tensor
     ) -> torch.Tensor:
         """``[bs, rows, q_heads, dim]`` queries over each KV head's working set (read in place through
-        the head-wise mapping) and the tail tokens ``tail_locs`` (row r sees those in ``tail_valid[:, r]``):
-        the Triton kernel on CUDA, its torch reference on CPU."""
+        the head-wise mapping) and the tail (row r sees the tokens ``valid[:, r]`` marks): the Triton
+        kernel on CUDA, its torch reference on CPU."""
         layer_id = layer.layer_id
         ws_k, ws_v = self.working_sets.block_views()
+        if (
+            self.strict
+            and not batch.admission
+            and not all(self.tier.owns(t) for t in (ws_k, ws_v, tail.k, tail.v))
+        ):
+            raise RuntimeError(
+                "oasis strict device mode: decode attention was given a tensor outside the device tier"
+            )
         device = ws_k.device  # host-built index tensors: non_blocking, so the stream need not drain first
         return ops.headwise_decode_attention(
             q_rows,
             ws_k,
             ws_v,
             self.working_sets.slot_rows(batch.slots, layer_id).to(device, non_blocking=True),
-            self.kv_pool.get_key_buffer(layer_id),
-            self.kv_pool.get_value_buffer(layer_id),
-            tail_locs.to(device, non_blocking=True),
-            tail_valid.to(device, non_blocking=True),
+            tail.k,
+            tail.v,
+            tail.locs.to(device, non_blocking=True),
+            valid.to(device, non_blocking=True),
             layer.scaling,
         )
 
+    def decode(
+        self,
+        batch: BatchView,
+        q: torch.Tensor,
+        layer: Any,
+        seq_lens: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+    ) -> torch.Tensor:
+        """A decode step's ``[bs, q_heads, dim]`` queries: the token at ``seq_len - 1`` is stored, then
+        attended with the working set and the tail."""
+        tail = self.advance(batch, layer.layer_id, seq_lens - 1, k, v)
+        valid = torch.cat([tail.valid, torch.ones((len(batch.reqs), 1), dtype=torch.bool)], dim=1)
+        return self.headwise(batch, q[:, None], layer, tail, valid[:, None, :])[:, 0]
+
     def verify(
-        self, batch: BatchView, q_rows: torch.Tensor, layer: Any, seq_lens: torch.Tensor, draft_locs: torch.Tensor,
-        tree: torch.Tensor,
+        self, batch: BatchView, q_rows: torch.Tensor, layer: Any, seq_lens: torch.Tensor, k: torch.Tensor,
+        v: torch.Tensor, tree: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        """Verify rows ``[bs, rows, q_heads, dim]`` of a sparse layer: the working set, the active tail,
-        then the draft rows' own tokens (the tree mask says which rows see them)."""
-        rows = draft_locs.shape[1]
-        tail_locs, tail_valid = self.tail(batch, layer.layer_id, seq_lens.tolist())
-        self.count_host_read("tail_bytes_host_to_device", draft_locs.numel())
-        locs = torch.cat([tail_locs, draft_locs.cpu()], dim=1)
-        valid = torch.cat([tail_valid[:, None, :].expand(-1, rows, -1), tree], dim=2)
-        return self.headwise(batch, q_rows, layer, locs, valid)
+        """Verify rows ``[bs, rows, q_heads, dim]`` of a sparse layer (row r at position ``seq_len + r``):
+        the working set, the active tail, then the rows' own tokens (the tree mask says which rows see
+        them)."""
+        rows = q_rows.shape[1]
+        tail = self.advance(batch, layer.layer_id, seq_lens, k, v)
+        valid = torch.cat([tail.valid[:, None, :].expand(-1, rows, -1), tree], dim=2)
+        return self.headwise(batch, q_rows, layer, tail, valid)
 
     def dense_verify(
         self, batch: BatchView, q_rows: torch.Tensor, layer: Any, seq_lens: torch.Tensor, draft_locs: torch.Tensor,

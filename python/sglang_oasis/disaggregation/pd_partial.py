@@ -478,22 +478,17 @@ class DecodeFetcher:
         return all(not self.ensure(layer, {slot: full}) for layer in range(request.layout.num_layers))
 
     def release_slot(self, slot: int) -> None:
+        """The request in ``slot`` is done (SGLang freed its row, ``sglang_hooks.release_freed_rows``, or
+        a new request takes it): drop its fetch state and release its staging on the prefill node (over
+        HTTP, in the background: never on the scheduler thread)."""
         with self._lock:
             staged = self._staged.pop(slot, None)
             self.arrivals.pop(slot, None)
         self.fetcher.release(slot)
         if staged is not None:
-            self._release_remote(staged[1], staged[2])
-
-    def release_finished(self, free_slots: set[int], generations: list[int]) -> None:
-        """Releases the staging of requests whose slot is free or taken by a newer request."""
-        with self._lock:
-            done = [
-                slot for slot, (generation, _, _) in self._staged.items()
-                if slot in free_slots or generations[slot] != generation
-            ]  # fmt: skip
-        for slot in done:
-            self.release_slot(slot)
+            threading.Thread(
+                target=self._release_remote, args=staged[1:], name="oasis-release", daemon=True
+            ).start()
 
     @staticmethod
     def _release_remote(url: str, room: int) -> None:

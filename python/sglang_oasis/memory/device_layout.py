@@ -5,13 +5,15 @@ the launcher can size ``--max-running-requests`` before anything is imported.
     summaries       = 2 (min, max) x layers x host pages x KV heads x head_dim x element bytes
                       + 8 bytes per host page (its epoch)
     per request     = 2 (K, V) x layers x KV heads x (top-K + sinks) x block x head_dim x element bytes
+                      + 2 (K, V) x layers x KV heads x active span x head_dim x element bytes
                       + 8 bytes x layers x KV heads x (2 x (top-K + sinks) + window pins)   (index tensors)
-                      + 8 bytes x layers                                                   (covered)
+                      + 8 bytes x layers x 3                          (covered; active blocks' start, end)
     request slots   = (budget - summaries) // per request
 """
 
 from __future__ import annotations
 
+import math
 from typing import TYPE_CHECKING, NamedTuple
 
 if TYPE_CHECKING:
@@ -49,6 +51,7 @@ class TierShape(NamedTuple):
     block_size: int
     slots_per_head: int  # top-K + sink blocks
     window_blocks: int  # blocks per layer and KV head the prefill window pins
+    active_tokens: int  # ring positions per layer and KV head of the active blocks (``active_span``)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -63,7 +66,16 @@ class TierShape(NamedTuple):
         return cls(
             num_layers, num_kv_heads, head_dim, element_bytes, host_pages, config.block_size,
             config.top_k + config.sink_blocks, config.window_blocks,
+            active_span(config.block_size, config.verify_rows),
         )  # fmt: skip
+
+
+def active_span(block_size: int, verify_rows: int) -> int:
+    """Token positions the active blocks hold per request, layer and KV head
+    (``memory/active_blocks.py``): the tail after the covered blocks (less than one block: every step's
+    selection covers every full block) plus one step's new tokens (a decode's one; a verify's ``rows``,
+    and as many accepted drafts), in whole blocks so that a block that fills up is copied out whole."""
+    return block_size * math.ceil((block_size + 2 * verify_rows) / block_size)
 
 
 def budget_bytes(config: OasisConfig, shape: TierShape) -> int:
@@ -80,7 +92,8 @@ def layout(budget_bytes: int, shape: TierShape, max_request_slots: int | None = 
     heads = s.num_layers * s.num_kv_heads
     request = 2 * heads * s.slots_per_head * s.block_size * s.head_dim * s.element_bytes  # K and V
     request += 2 * heads * s.slots_per_head * INDEX_BYTES  # slot_block, last_selected
-    request += s.num_layers * INDEX_BYTES  # covered
+    request += 2 * heads * s.active_tokens * s.head_dim * s.element_bytes  # active blocks' K and V
+    request += 3 * s.num_layers * INDEX_BYTES  # covered; active blocks' start and end
     request += heads * s.window_blocks * INDEX_BYTES  # pinned
     slots = max(0, budget_bytes - summary) // request
     if max_request_slots is not None:

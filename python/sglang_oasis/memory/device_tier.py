@@ -8,6 +8,8 @@
     per request slot     the working sets (K + sink blocks of B tokens per layer and KV head, K and V),
                          their head-wise map (block held by each slot, last selection step), the blocks
                          the last selection covered, and the prefill window's pinned block ids
+                         the active blocks (``active_blocks.py``): the request's newest tokens per layer
+                         and KV head (the tail after the covered blocks, and a step's new tokens)
 
     request slots = (budget - summaries) // bytes per request slot
 
@@ -19,9 +21,7 @@ number of request slots, so SGLang's own admission keeps a request waiting until
 Finished requests keep their slot (and its resident blocks, which warm starts reuse) until a new request
 needs it; the least recently claimed finished slot goes first.
 
-Not here yet: each request's active tail (tokens after its covered blocks) is read from the host tier
-at every decode step (counted in ``tail_bytes_host_to_device``); the EAGLE-3 draft model's one-layer KV
-is SGLang's own pool.
+Not here: the EAGLE-3 draft model's one-layer KV is SGLang's own pool (the draft worker's).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any
 import torch
 
 from sglang_oasis.config import OasisConfig
+from sglang_oasis.memory.active_blocks import ActiveBlocks
 from sglang_oasis.memory.device_layout import (
     DeviceTierError,
     DeviceTierLayout,
@@ -64,6 +65,10 @@ class DeviceTier:
         self.working_sets = WorkingSetPool(
             slots, shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.slots_per_head,
             shape.block_size, dtype, device,
+        )  # fmt: skip
+        self.active = ActiveBlocks(
+            slots, shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.block_size,
+            shape.active_tokens, dtype, device,
         )  # fmt: skip
         # Per request slot, layer and KV head: the blocks the prefill window keeps selected (-1: none).
         self.pinned = torch.full((slots, shape.num_layers, shape.num_kv_heads, shape.window_blocks), -1)
@@ -108,6 +113,10 @@ class DeviceTier:
             "last_selected": ws.last_selected,
             "covered": ws.covered,
             "pinned": self.pinned,
+            "active_k": self.active.k,
+            "active_v": self.active.v,
+            "active_start": self.active.start,
+            "active_end": self.active.end,
             "summary_kmin": summaries.kmin,
             "summary_kmax": summaries.kmax,
             "summary_epoch": summaries.epoch,
@@ -116,6 +125,11 @@ class DeviceTier:
     @property
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in self.tensors().values())
+
+    def owns(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor`` is (a view of) one of the device tier's tensors."""
+        storage = tensor.untyped_storage().data_ptr()
+        return any(t.untyped_storage().data_ptr() == storage for t in self.tensors().values())
 
     @property
     def num_request_slots(self) -> int:

@@ -4,7 +4,7 @@
     slot_block[req, layer, head, slot]          logical block index mirrored by the slot (EMPTY if none)
     last_selected[req, layer, head, slot]       decode step of its last selection (for LRU eviction)
     covered[req, layer]                         full blocks the last selection was made over; tokens
-                                                from covered * B on are the active tail, read directly
+                                                from covered * B on are the active tail (``active_blocks.py``)
 
 Request slots are SGLang's ``req_pool_indices``; a slot is reset when a new request takes it (SGLang
 bumps the slot's generation on every allocation; the owner key is that generation).
@@ -34,6 +34,12 @@ class TransferPlan(NamedTuple):
     @property
     def num_loads(self) -> int:
         return int(self.blocks.numel())
+
+    def subset(self, keep: torch.Tensor, deferred: int = 0) -> TransferPlan:
+        """The loads ``keep`` (``[loads]`` bool) marks."""
+        return TransferPlan(
+            self.batch_rows[keep], self.heads[keep], self.slots[keep], self.blocks[keep], deferred
+        )
 
 
 class WorkingSetPool:
@@ -178,10 +184,23 @@ class WorkingSetPool:
     ) -> None:
         """Copy the planned blocks from the host tier (``block_pages[b, block]`` = host page of request
         ``b``'s logical block) into their device slots: one batched ``copy_blocks_to_slots``."""
+        if plan.blocks.numel():
+            self.load_pages(plan, reqs, layer, block_pages[plan.batch_rows, plan.blocks], k_buffer, v_buffer)
+
+    def load_pages(
+        self,
+        plan: TransferPlan,
+        reqs: torch.Tensor,
+        layer: int,
+        pages: torch.Tensor,
+        k_buffer: torch.Tensor,
+        v_buffer: torch.Tensor,
+    ) -> None:
+        """Copy load i of the plan from page ``pages[i]`` of ``k_buffer``/``v_buffer`` (``[tokens, kv_heads,
+        head_dim]``: a layer of the host tier, or of the active blocks) into its slot."""
         if not plan.blocks.numel():
             return
         rows = self._block_rows(reqs[plan.batch_rows], layer, plan.heads) + plan.slots
-        pages = block_pages[plan.batch_rows, plan.blocks]
         device = self.k.device
         ws_k, ws_v = self.block_views()
         # non_blocking: a copy from pageable host memory is staged at once, and the stream need not drain

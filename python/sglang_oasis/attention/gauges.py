@@ -1,0 +1,58 @@
+"""The oasis backend's gauges: set once (capacities), and refreshed by a background thread, since they
+change when requests finish, which no forward pass sees while the server is idle. The thread only reads
+and publishes; it releases nothing (remote staging is released from SGLang's request lifecycle,
+``sglang_hooks.release_freed_rows``)."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from typing import Any
+
+from sglang_oasis.attention.request_slots import RequestSlots
+from sglang_oasis.stats import OasisStats
+
+logger = logging.getLogger(__name__)
+
+
+class Gauges:
+    def __init__(
+        self, slots: RequestSlots, kv_pool: Any, allocator: Any, stats: OasisStats, export: bool
+    ) -> None:
+        self.slots = slots
+        self.tier = slots.tier
+        self.kv_pool = kv_pool
+        self.allocator = allocator  # SGLang's token allocator of the host tier (None: not known)
+        self.stats = stats
+        self.export = export  # --enable-metrics: publish to Prometheus too
+        tier = self.tier
+        for name, value in (
+            ("host_tokens_capacity", int(kv_pool.size)),
+            ("device_working_set_bytes", tier.working_sets.nbytes),
+            ("device_summary_bytes", tier.summaries.nbytes),
+            ("device_bytes_capacity", tier.nbytes),
+            ("device_request_slots", tier.num_request_slots),
+        ):
+            stats.set(name, value)
+        self._thread = threading.Thread(target=self._run, name="oasis-gauges", daemon=True)
+        self._thread.start()
+
+    def refresh(self) -> None:
+        live = self.tier.live_slots(self.slots.finished())
+        self.stats.set("running_requests", len(live))
+        self.stats.set("device_bytes_used", self.tier.used_bytes(len(live)))
+        block = self.tier.working_sets.block_size
+        self.stats.set("device_working_set_tokens", self.tier.working_sets.resident_blocks(live) * block)
+        if self.allocator is not None:
+            self.stats.set("host_tokens_used", int(self.kv_pool.size - self.allocator.available_size()))
+        if self.export:
+            self.stats.publish_prometheus()
+
+    def _run(self, period_s: float = 0.5) -> None:
+        while True:
+            try:
+                self.refresh()
+            except Exception:  # a gauge is not worth a crash; read again next period
+                logger.debug("oasis gauge refresh failed", exc_info=True)
+            time.sleep(period_s)
