@@ -57,3 +57,25 @@ def test_the_prefetcher_reports_the_generation_the_job_was_built_with() -> None:
     generation, message = result.failed[9]
     assert generation == 4 and "injected transfer failure" in message
     assert result.loads == 4 and sorted(tier.working_sets.slot_block[0, 0, 0].tolist()) == [0, 1]
+
+
+def test_an_error_anywhere_in_a_job_fails_its_requests_not_the_process() -> None:
+    """Issue 25 item 9: an exception outside the transfer (here: the summaries' scoring is given a query
+    of the wrong width) used to be re-raised in ``wait`` and kill the scheduler; it fails the job's
+    requests, each with the generation the job was built with."""
+    shape = TierShape(
+        1, 1, 2, 4, host_pages=8, block_size=4, slots_per_head=1, window_blocks=0, active_tokens=4
+    )
+    tier = DeviceTier(shape, layout(10**9, shape, max_request_slots=2), torch.float32, "cpu")
+    prefetcher = BlockPrefetcher(
+        tier.working_sets, tier.summaries, tier.active, Pool(), top_k=1, sink_blocks=0, num_kv_heads=1
+    )
+    job = SelectionJob(
+        layer_id=0, reqs=torch.tensor([5, 9]), slots=torch.tensor([0, 1]), generations=(11, 4),
+        queries=torch.randn(2, 1, 3), prior=None, pinned=None, full=torch.tensor([2, 2]),
+        pages=torch.tensor([[0, 1], [2, 3]]), step=1, admission=False, cap=None, fail_reqs=(),
+    )  # fmt: skip
+    result = prefetcher.run(job)
+    assert result.failed.keys() == {5, 9}
+    assert result.failed[5][0] == 11 and result.failed[9][0] == 4
+    assert result.failed[5][1].startswith("layer 0: AssertionError")

@@ -15,6 +15,18 @@ class BatchView(NamedTuple):
     step: int  # decode steps so far
     admission: bool  # an extend, or the dense first step of PD arrivals: selections are not capped
 
+    def subset(self, rows: torch.Tensor) -> BatchView:
+        """The requests ``rows`` (``[bs]`` bool) marks, as a batch of their own."""
+        keep = rows.tolist()
+        return BatchView(
+            [req for req, kept in zip(self.reqs, keep, strict=True) if kept],
+            self.req_index[rows],
+            self.slots[rows],
+            [gen for gen, kept in zip(self.generations, keep, strict=True) if kept],
+            self.step,
+            self.admission,
+        )
+
     @classmethod
     def empty(cls) -> BatchView:
         none = torch.zeros(0, dtype=torch.int64)

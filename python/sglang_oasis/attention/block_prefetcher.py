@@ -94,7 +94,22 @@ class BlockPrefetcher:
         self.remote: Any = None
 
     def run(self, job: SelectionJob) -> JobResult:
-        """Prediction -> selection -> transfer for one layer of a batch (runs in the pipeline)."""
+        """Prediction -> selection -> transfer for one layer of a batch (runs in the pipeline). An error
+        anywhere in it fails the job's requests (reported like a failed transfer), never the process: the
+        scheduler would otherwise meet it in ``wait`` and die with every request."""
+        try:
+            return self._run(job)
+        except Exception as error:
+            logger.exception("oasis: selection job of layer %d failed", job.layer_id)
+            message = f"layer {job.layer_id}: {type(error).__name__}: {error}"
+            failed = {
+                req: (generation, message)
+                for req, generation in zip(job.reqs.tolist(), job.generations, strict=True)
+            }
+            return JobResult(job.layer_id, job.admission, len(job.reqs),
+                             0, 0, 0, 0, 0, 0, 0, 0, failed)  # fmt: skip
+
+    def _run(self, job: SelectionJob) -> JobResult:
         started = time.perf_counter_ns()
         # Blocks from the last selection's coverage on filled up since: the active block, no transfer.
         fresh_from = None if job.admission else self.working_sets.covered[job.slots, job.layer_id].clone()

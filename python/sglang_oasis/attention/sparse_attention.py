@@ -162,6 +162,13 @@ class SparseAttention:
     ) -> torch.Tensor:
         """A decode step's ``[bs, q_heads, dim]`` queries: the token at ``seq_len - 1`` is stored, then
         attended with the working set and the tail."""
+        apart = self._long_tails_apart(batch, layer.layer_id, seq_lens - 1, 1)
+        if apart is not None:
+            out = q.new_empty((*q.shape[:2], v.shape[-1]))
+            for rows in (apart, ~apart):
+                at = rows.to(q.device)
+                out[at] = self.decode(batch.subset(rows), q[at], layer, seq_lens[rows], k[at], v[at])
+            return out
         tail = self.advance(batch, layer.layer_id, seq_lens - 1, k, v)
         valid = torch.cat([tail.valid, torch.ones((len(batch.reqs), 1), dtype=torch.bool)], dim=1)
         return self.headwise(batch, q[:, None], layer, tail, valid[:, None, :])[:, 0]
@@ -170,13 +177,34 @@ class SparseAttention:
         self, batch: BatchView, q_rows: torch.Tensor, layer: Any, seq_lens: torch.Tensor, k: torch.Tensor,
         v: torch.Tensor, tree: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
-        """Verify rows ``[bs, rows, q_heads, dim]`` of a sparse layer (row r at position ``seq_len + r``):
-        the working set, the active tail, then the rows' own tokens (the tree mask says which rows see
-        them)."""
-        rows = q_rows.shape[1]
+        """Verify rows ``[bs, rows, q_heads, dim]`` of a sparse layer (row r at position ``seq_len + r``;
+        ``k``, ``v`` ``[bs * rows, kv_heads, dim]``): the working set, the active tail, then the rows' own
+        tokens (the tree mask says which rows see them)."""
+        bs, rows = q_rows.shape[:2]
+        apart = self._long_tails_apart(batch, layer.layer_id, seq_lens, rows)
+        if apart is not None:
+            out = q_rows.new_empty((*q_rows.shape[:3], v.shape[-1]))
+            k_rows, v_rows = k.view(bs, rows, *k.shape[1:]), v.view(bs, rows, *v.shape[1:])
+            for part in (apart, ~apart):
+                at = part.to(q_rows.device)
+                out[at] = self.verify(
+                    batch.subset(part), q_rows[at], layer, seq_lens[part], k_rows[at].flatten(0, 1),
+                    v_rows[at].flatten(0, 1), tree[part],
+                )  # fmt: skip
+            return out
         tail = self.advance(batch, layer.layer_id, seq_lens, k, v)
         valid = torch.cat([tail.valid[:, None, :].expand(-1, rows, -1), tree], dim=2)
         return self.headwise(batch, q_rows, layer, tail, valid)
+
+    def _long_tails_apart(
+        self, batch: BatchView, layer_id: int, first: torch.Tensor, new: int
+    ) -> torch.Tensor | None:
+        """``[bs]`` bool, the rows whose tail is longer than the active blocks hold (a PD arrival's dense
+        first step), when the batch mixes them with others: they attend in a call of their own, so the
+        other rows are not padded to their whole contexts. None: one call for the batch."""
+        starts = self.working_sets.covered[batch.slots, layer_id] * self.block_size
+        long = (first - starts).clamp(min=0) + new > self.active.span
+        return long if bool(long.any()) and not bool(long.all()) else None
 
     def dense_verify(
         self, batch: BatchView, q_rows: torch.Tensor, layer: Any, seq_lens: torch.Tensor, draft_locs: torch.Tensor,
