@@ -152,6 +152,11 @@ def sparse_mode_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[st
         )
     if backend is None:
         extra += ["--attention-backend", "oasis"]
+    if given(sglang_argv, "--enable-mixed-chunk"):  # decode rows would go through the extend path
+        raise LaunchError(
+            "--enable-mixed-chunk: sparse mode decodes over working sets and cannot batch decode rows with "
+            "a prefill chunk (or pass --oasis-mode dense)"
+        )
     page_size = option_value(sglang_argv, "--page-size")
     if page_size is not None and page_size != str(config.block_size):
         raise LaunchError(
