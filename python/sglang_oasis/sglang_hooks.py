@@ -52,6 +52,11 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
      release callback (only ``register_on_alloc_rows``). The hook tells the pool's listener
      (``DecodeFetcher.release_slot``, set on the pool instance by the oasis backend) which row it freed,
      so the prefill node's staging is released from the request's own lifecycle, not by polling.
+   - ``mem_cache.common.backup_kv_cache`` (decode retraction): SGLang backs up a retracted request's
+     local pool pages and later resumes it in a new row; blocks still on the prefill node would be
+     missing (zeros) after the resume, and its KV could enter the radix cache so. The hook first reads
+     them (``DecodeFetcher.complete``, the pool's ``oasis_before_backup``), so the backup is whole; if
+     that read fails it answers False, SGLang's "cannot be backed up", and SGLang aborts the request.
 """
 
 from __future__ import annotations
@@ -75,6 +80,8 @@ BOOTSTRAP_ROUTES_TARGET = "sglang.srt.disaggregation.common.conn.CommonKVBootstr
 DECODE_COMMIT_TARGET = "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req"
 DECODE_FREE_TARGET = "sglang.srt.disaggregation.decode.DecodeReqToTokenPool.free"
 FREED_ROW_LISTENER = "oasis_on_free_row"  # attribute of a DecodeReqToTokenPool: called with each freed row
+BACKUP_TARGET = "sglang.srt.mem_cache.common.backup_kv_cache"
+BEFORE_BACKUP_LISTENER = "oasis_before_backup"  # attribute of a req-to-token pool: row -> KV whole locally?
 BACKEND_NAME = "oasis"
 REJECTED_DRAFT = -1  # no token id: never equal to the target's prediction
 
@@ -342,6 +349,24 @@ def release_freed_rows(original: Callable[..., Any], pool: Any, req: Any, *args:
     return result
 
 
+def complete_before_backup(
+    original: Callable[..., Any], req: Any, tree_cache: Any, req_to_token_pool: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """``backup_kv_cache``: a retracted request's still-remote blocks are read before its KV is backed
+    up; False (SGLang aborts the request) when they cannot be."""
+    complete = getattr(req_to_token_pool, BEFORE_BACKUP_LISTENER, None)
+    row = getattr(getattr(req, "kv", None), "req_pool_idx", None)
+    if complete is not None and row is not None:
+        try:
+            whole = bool(complete(int(row)))
+        except Exception:
+            logger.exception("oasis: reading request %s's remote blocks before its backup failed", req.rid)
+            whole = False
+        if not whole:
+            return False
+    return original(req, tree_cache, req_to_token_pool, *args, **kwargs)
+
+
 def register(config: OasisConfig) -> None:
     """Register the hooks this configuration needs (SGLang applies them after all plugins load)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -361,6 +386,7 @@ def register(config: OasisConfig) -> None:
         HookRegistry.register(BOOTSTRAP_ROUTES_TARGET, remote_fetch_routes, HookType.AROUND)
         HookRegistry.register(DECODE_COMMIT_TARGET, fetch_admission_blocks, HookType.AROUND)
         HookRegistry.register(DECODE_FREE_TARGET, release_freed_rows, HookType.AROUND)
+        HookRegistry.register(BACKUP_TARGET, complete_before_backup, HookType.AROUND)
 
 
 def patch_cpu_disaggregation() -> None:

@@ -95,6 +95,7 @@ CHECK = textwrap.dedent(
         hooks.BOOTSTRAP_ROUTES_TARGET: ["self"],
         hooks.DECODE_COMMIT_TARGET: ["self", "decode_req"],
         hooks.DECODE_FREE_TARGET: ["self", "req"],
+        hooks.BACKUP_TARGET: ["req", "tree_cache", "req_to_token_pool", "token_to_kv_pool_allocator", "backend"],
         "sglang.srt.disaggregation.utils.prepare_abort": ["req", "error_message", "status_code"],
         "sglang.srt.mem_cache.common.release_kv_cache": ["req", "tree_cache"],
     }
@@ -122,6 +123,23 @@ CHECK = textwrap.dedent(
     request = NS(kv=NS(req_pool_idx=7, holds_kv=True))
     hooks.release_freed_rows(DecodeReqToTokenPool.free, pool, request)
     assert pool.free_slots == [7] and request.kv.req_pool_idx is None and freed == [7]
+
+    # complete_before_backup: a retracted request's remote blocks are read before SGLang backs it up;
+    # if they cannot be, SGLang hears "cannot be backed up" (and aborts it) and nothing is backed up.
+    from sglang.srt.mem_cache.common import backup_kv_cache
+    assert "return False" in inspect.getsource(backup_kv_cache)  # False: SGLang aborts the request
+    calls: list[object] = []
+    def backup(req, tree_cache, req_to_token_pool, allocator, backend):
+        calls.append("backup")
+        return True
+    for whole, expected in ((True, ["complete 3", "backup"]), (False, ["complete 3"])):
+        calls.clear()
+        def complete(row, whole=whole):
+            calls.append(f"complete {row}")
+            return whole
+        pool = NS(**{hooks.BEFORE_BACKUP_LISTENER: complete})
+        answer = hooks.complete_before_backup(backup, NS(kv=NS(req_pool_idx=3), rid="r"), None, pool, None, "cpu_tensor")
+        assert answer is whole and calls == expected
 
     # send_last_page_only: earlier chunks send nothing, the last stages and sends only the last page.
     import numpy as np

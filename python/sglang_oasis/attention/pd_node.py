@@ -28,7 +28,7 @@ from sglang_oasis.attention.transfer_failures import TransferFailures
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.disaggregation.pd_partial import Arrival, DecodeFetcher, PrefillStager
 from sglang_oasis.memory.summary_store import BlockSummaryStore
-from sglang_oasis.sglang_hooks import FREED_ROW_LISTENER
+from sglang_oasis.sglang_hooks import BEFORE_BACKUP_LISTENER, FREED_ROW_LISTENER
 from sglang_oasis.stats import OasisStats
 
 logger = logging.getLogger(__name__)
@@ -84,6 +84,8 @@ class PDNode:
             self.remote = self.selector.prefetcher.remote = DecodeFetcher(self, host)
             # SGLang frees a finished request's row: release its staging then (sglang_hooks.py).
             setattr(self.req_to_token_pool, FREED_ROW_LISTENER, self.remote.release_slot)
+            # SGLang backs up a retracted request's KV: its remote blocks are read first (sglang_hooks.py).
+            setattr(self.req_to_token_pool, BEFORE_BACKUP_LISTENER, self.remote.complete)
             logger.info(
                 "oasis remote partial fetching: decode reads through %s", self.remote.endpoint.session_id
             )
