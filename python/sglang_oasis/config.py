@@ -198,6 +198,14 @@ class OasisConfig:
             "releases it (it releases when the request finishes); remote partial fetching only.",
         },
     )
+    remote_fetch_max_staged_mib: int = field(
+        default=4096,
+        metadata={
+            "help": "Prefill node of remote partial fetching: at most this many MiB of staged KV and "
+            "summaries held for decode nodes; a request that would go beyond it is sent whole, as "
+            "without remote fetching (its decode node attends densely at its first step). 0: no cap.",
+        },
+    )
     cpu_defaults: bool = field(
         default=True,
         metadata={
@@ -236,7 +244,7 @@ class OasisConfig:
             )
         if not 0 < self.fetch_ratio <= 1:
             raise OasisConfigError(f"{_option('fetch_ratio')}: must be in (0, 1], got {self.fetch_ratio}")
-        for name in ("sink_blocks", "prefill_window", "recall_sample_every"):
+        for name in ("sink_blocks", "prefill_window", "recall_sample_every", "remote_fetch_max_staged_mib"):
             if getattr(self, name) < 0:
                 raise OasisConfigError(f"{_option(name)}: must be >= 0, got {getattr(self, name)}")
         if self.host_kv_tokens is not None and self.host_kv_tokens < self.block_size:

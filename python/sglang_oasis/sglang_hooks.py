@@ -167,6 +167,15 @@ def mark_staged_send(
     stager = getattr(_backend(scheduler), "stager", None)
     sender: Any = getattr(req, "disagg_kv_sender", None)
     if stager is not None and stager.ready.is_set() and _is_mooncake_sender(sender):
+        if getattr(sender, "_oasis_whole", False):  # decided at its first send: it goes whole
+            return original(scheduler, req, last_chunk=last_chunk, end_idx=end_idx)
+        if getattr(sender, "_oasis_stager", None) is None and not stager.has_room(len(req.origin_input_ids)):
+            sender._oasis_whole = True  # staging it would pass the cap: backpressure, SGLang sends it all
+            stager.backend.stats.add("staging_whole_sends")
+            logger.warning(
+                "oasis: staging is full (--oasis-remote-fetch-max-staged-mib); request %s goes whole", req.rid
+            )
+            return original(scheduler, req, last_chunk=last_chunk, end_idx=end_idx)
         sender._oasis_stager = stager
         if last_chunk:
             tokens = end_idx if end_idx is not None else min(req.extend_end, len(req.origin_input_ids))

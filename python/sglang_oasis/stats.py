@@ -50,6 +50,8 @@ COUNTERS = {
     "in one layer counts once)",
     "staged_requests": "PD prefill node: requests whose full KV was staged for remote partial fetching",
     "remote_requests": "PD decode node: requests admitted by remote partial fetching",
+    "staging_whole_sends": "PD prefill node: requests sent whole because staging them would pass "
+    "--oasis-remote-fetch-max-staged-mib",
     "remote_admission_bytes": "PD decode node: KV bytes read from prefill nodes at admission (the union "
     "over KV heads of each request's first selection)",
     "remote_admission_blocks": "PD decode node: (block, layer) pairs read at admission (K and V of every "

@@ -7,18 +7,23 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from sgl_kernel_oasis import build_block_summaries
+from sglang_oasis.disaggregation.pd_partial import PrefillStager
 from sglang_oasis.disaggregation.remote_fetch import RemotePartialFetcher
 from sglang_oasis.disaggregation.staging import KVStagingArea, StagedKVLayout
 from sglang_oasis.disaggregation.transfer_engine import MooncakeEndpoint, RemoteReadError
 from sglang_oasis.server_process import child_env
+from sglang_oasis.stats import OasisStats
 from sglang_oasis_testing.staging_peer import seeded_kv
 
 os.environ.setdefault("MC_TRANSFER_TIMEOUT", "5")
@@ -246,3 +251,71 @@ def test_a_dead_prefill_peer_fails_only_its_requests(
         if peer.poll() is None:
             os.killpg(peer.pid, signal.SIGKILL)
             peer.wait(timeout=30)
+
+
+class StagingBackend:
+    """What ``PrefillStager`` reads of the attention backend: one request of TOKENS tokens in row 1."""
+
+    block_size = B
+
+    def __init__(self, fail_selection: bool = False) -> None:
+        self.keys, self.values = seeded_kv(7, 0, LAYERS, TOKENS, HEADS, DIM)
+        req_to_token = torch.zeros(2, 128, dtype=torch.int32)
+        req_to_token[1, :TOKENS] = torch.arange(TOKENS, dtype=torch.int32)
+        self.req_to_token_pool = SimpleNamespace(req_to_token=req_to_token)
+        self.token_to_kv_pool = SimpleNamespace(
+            layer_num=LAYERS,
+            get_key_buffer=lambda layer: self.keys[layer],
+            get_value_buffer=lambda layer: self.values[layer],
+        )
+        self.stats = OasisStats(None, owner=False)
+        self.fail_selection = fail_selection
+
+    def finish_pending(self) -> None:
+        pass
+
+    def admission_selection(self, req: int, num_tokens: int) -> torch.Tensor:
+        if self.fail_selection:
+            raise RuntimeError("selection lost")
+        return torch.ones((LAYERS, HEADS, num_tokens // B), dtype=torch.bool)
+
+    def admission_pins(self, req: int, num_tokens: int) -> torch.Tensor | None:
+        return None
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _stager(backend: StagingBackend, ttl_s: float = 3600, max_bytes: int = 0) -> PrefillStager:
+    # No bootstrap server listens on this port: the stager keeps retrying its registration quietly.
+    return PrefillStager(backend, "127.0.0.1", free_port(), 0, ttl_s, max_bytes=max_bytes)
+
+
+def test_staging_is_capped_swept_and_released_on_errors() -> None:
+    """Issue 25 item 3: a byte cap (a request that would pass it goes whole), a periodic sweeper for
+    hand-offs no decode node released, and nothing left registered when staging fails half-way."""
+    backend = StagingBackend()
+    stager = _stager(backend, ttl_s=0.5)
+    assert stager.has_room(TOKENS), "no cap: always room"
+    stager.stage(room=11, slot=1, num_tokens=TOKENS, decode_prefix_len=0)
+    one = stager.staging.nbytes
+    assert one > 0 and stager.handoff(11) is not None
+    capped = _stager(StagingBackend(), max_bytes=one + one // 2)
+    assert capped.has_room(TOKENS)
+    capped.stage(room=12, slot=1, num_tokens=TOKENS, decode_prefix_len=0)
+    assert not capped.has_room(TOKENS), "a second request would pass the cap"
+    assert capped.release(12) and capped.has_room(TOKENS)
+    # The sweeper releases an unreleased hand-off after the TTL without any new request staged.
+    deadline = time.monotonic() + 10
+    while stager.handoff(11) is not None:
+        assert time.monotonic() < deadline, "the hand-off never expired"
+        time.sleep(0.2)
+    assert stager.staging.nbytes == 0 and backend.stats.snapshot()["staged_bytes"] == 0
+    # A failure after the KV was staged (here: the selection) releases what was registered.
+    failing = _stager(StagingBackend(fail_selection=True))
+    with pytest.raises(RuntimeError, match="selection lost"):
+        failing.stage(room=13, slot=1, num_tokens=TOKENS, decode_prefix_len=0)
+    assert failing.staging.nbytes == 0 and len(failing.staging) == 0 and failing.handoff(13) is None

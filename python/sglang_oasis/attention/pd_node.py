@@ -78,7 +78,8 @@ class PDNode:
         if mode == "prefill":
             self.selector.prefetcher.record_admissions = self._admission_selections
             port = int(args.disaggregation_bootstrap_port)
-            self.stager = PrefillStager(self, host, port, engine_rank=0, ttl_s=self.config.remote_fetch_ttl)
+            cap = self.config.remote_fetch_max_staged_mib * 2**20
+            self.stager = PrefillStager(self, host, port, 0, self.config.remote_fetch_ttl, max_bytes=cap)
             logger.info("oasis remote partial fetching: prefill hand-offs at %s", self.stager.url)
         else:
             self.remote = self.selector.prefetcher.remote = DecodeFetcher(self, host)

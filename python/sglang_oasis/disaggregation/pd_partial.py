@@ -196,10 +196,12 @@ class PrefillStager:
     """Prefill side: stages finished prefills and serves their hand-offs until the decode node is done."""
 
     def __init__(
-        self, backend: StagingSource, host: str, bootstrap_port: int, engine_rank: int, ttl_s: float
-    ) -> None:
+        self, backend: StagingSource, host: str, bootstrap_port: int, engine_rank: int, ttl_s: float,
+        max_bytes: int = 0,
+    ) -> None:  # fmt: skip
         self.backend = backend
         self.ttl_s = ttl_s
+        self.max_bytes = max_bytes  # 0: no cap
         self.endpoint = MooncakeEndpoint(host)
         self.staging = KVStagingArea(self.endpoint, backend.block_size)
         self._handoffs: dict[int, tuple[bytes, float]] = {}  # room -> (json, staged at)
@@ -214,6 +216,40 @@ class PrefillStager:
             target=self._register, args=(host, bootstrap_port, engine_rank), name="oasis-handoff-register",
             daemon=True,
         ).start()  # fmt: skip
+        threading.Thread(target=self._sweep, name="oasis-staging-sweeper", daemon=True).start()
+
+    def has_room(self, num_tokens: int) -> bool:
+        """Whether staging a ``num_tokens``-token prompt (its KV in whole blocks, and its summaries)
+        keeps the staged bytes within ``--oasis-remote-fetch-max-staged-mib``."""
+        if not self.max_bytes:
+            return True
+        k_buffers, _ = pool_buffers(self.backend.token_to_kv_pool)
+        per_token = 2 * sum(buffer[0].numel() * buffer.element_size() for buffer in k_buffers)
+        block = self.backend.block_size
+        tokens = -(-num_tokens // block) * block
+        return self.staging.nbytes + tokens * per_token * (block + 1) // block <= self.max_bytes
+
+    def expire(self, now: float | None = None) -> list[int]:
+        """Release the hand-offs older than the TTL (their decode node never released them)."""
+        now = time.monotonic() if now is None else now
+        with self._lock:
+            expired = [room for room, (_, at) in self._handoffs.items() if now - at > self.ttl_s]
+        for room in expired:
+            logger.warning(
+                "oasis: staged KV of bootstrap room %d expired unreleased after %.0f s", room, self.ttl_s
+            )
+            self.release(room)
+        return expired
+
+    def _sweep(self) -> None:
+        """Expire unreleased hand-offs periodically, also while no new request is staged."""
+        period = max(1.0, min(30.0, self.ttl_s / 4))
+        while True:
+            time.sleep(period)
+            try:
+                self.expire()
+            except Exception:  # the next sweep tries again
+                logger.exception("oasis: sweeping staged KV failed")
 
     def _register(self, host: str, bootstrap_port: int, engine_rank: int) -> None:
         """Tell the prefill's bootstrap server (started after this process) where this rank's hand-offs
@@ -237,7 +273,15 @@ class PrefillStager:
                 time.sleep(0.5)
 
     def stage(self, room: int, slot: int, num_tokens: int, decode_prefix_len: int) -> None:
-        """Stage request slot ``slot``'s first ``num_tokens`` tokens of KV and keep its hand-off."""
+        """Stage request slot ``slot``'s first ``num_tokens`` tokens of KV and keep its hand-off. If any
+        part fails, whatever was staged for the room is released before the error goes on."""
+        try:
+            self._stage(room, slot, num_tokens, decode_prefix_len)
+        except Exception:
+            self.release(room)
+            raise
+
+    def _stage(self, room: int, slot: int, num_tokens: int, decode_prefix_len: int) -> None:
         backend = self.backend
         backend.finish_pending()  # the last extend's selection job may still be running
         locations = backend.req_to_token_pool.req_to_token[slot, :num_tokens].to(torch.int64)
@@ -257,15 +301,9 @@ class PrefillStager:
         selection = backend.admission_selection(slot, num_tokens)
         pinned = backend.admission_pins(slot, num_tokens)
         body = Handoff(layout, selection, decode_prefix_len, draft_layout, pinned).to_json()
-        now = time.monotonic()
         with self._lock:
-            self._handoffs[room] = (body, now)
-            expired = [r for r, (_, at) in self._handoffs.items() if now - at > self.ttl_s]
-        for old in expired:
-            logger.warning(
-                "oasis: staged KV of bootstrap room %d expired unreleased after %.0f s", old, self.ttl_s
-            )
-            self.release(old)
+            self._handoffs[room] = (body, time.monotonic())
+        self.expire()
         backend.stats.add("staged_requests")
         backend.stats.set("staged_bytes", self.staging.nbytes)
 

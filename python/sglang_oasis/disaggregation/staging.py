@@ -109,10 +109,16 @@ class KVStagingArea:
             summary = torch.empty((layers, 2, pages, heads, dim), dtype=keys.dtype)
             for layer in range(layers):
                 summary[layer, 0], summary[layer, 1] = build_block_summaries(keys[layer].cpu(), b)
+        kv_address = self.endpoint.register(kv)
+        try:
+            summary_address = 0 if summary is None else self.endpoint.register(summary)
+        except Exception:  # never leave the KV registered without a record to release it by
+            self.endpoint.unregister(kv)
+            raise
         layout = StagedKVLayout(
             session=self.endpoint.session_id,
-            kv_address=self.endpoint.register(kv),
-            summary_address=0 if summary is None else self.endpoint.register(summary),
+            kv_address=kv_address,
+            summary_address=summary_address,
             num_layers=layers,
             num_tokens=tokens,
             block_size=b,
