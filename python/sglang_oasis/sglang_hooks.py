@@ -45,8 +45,9 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
      cache's ``checkpoint`` (which inserts a finished request) is wrapped on that instance so a
      request's still-remote blocks are read before its KV becomes a shared prefix; if that fails the
      request is not inserted.
-   A decode server without remote fetching (dense mode or ``--oasis-remote-fetch false``) wraps the same
-   commit to refuse, by name, requests whose prefill node staged them (their KV never arrives whole).
+   A decode server without remote fetching (dense mode or ``--oasis-remote-fetch false``, or fetching
+   off because of ``--tp-size`` > 1 or another transfer backend) refuses at the same commit, by name,
+   requests whose prefill node staged them (their KV never arrives whole).
    - ``DecodeReqToTokenPool.free`` (decode): where SGLang frees a finished (or aborted) request's row,
      the one moment the decode node knows a request is done with its remote blocks; SGLang has no
      release callback (only ``register_on_alloc_rows``). The hook tells the pool's listener
@@ -253,7 +254,10 @@ def fetch_admission_blocks(original: Callable[..., Any], queue: Any, decode_req:
     result = original(queue, decode_req)
     remote = getattr(_backend(queue.scheduler), "remote", None)
     req = decode_req.req
-    if remote is None or req.finished() or getattr(req, "bootstrap_room", None) is None:
+    if remote is None:  # fetching is off on this node (--tp-size > 1, another transfer backend)
+        _refuse_if_staged(req)
+        return result
+    if req.finished() or getattr(req, "bootstrap_room", None) is None:
         return result
     if getattr(req, "bootstrap_host", None) == _fake_bootstrap_host():
         return result
@@ -289,10 +293,16 @@ def refuse_staged_requests(original: Callable[..., Any], queue: Any, decode_req:
     staged its KV (so sent only its last page) fails with a message naming the mismatch, instead of
     decoding over KV that never arrived."""
     result = original(queue, decode_req)
-    req = decode_req.req
+    _refuse_if_staged(decode_req.req)
+    return result
+
+
+def _refuse_if_staged(req: Any) -> None:
+    """Abort ``req`` if its prefill node staged its KV (so sent only its last page): this decode node
+    does not fetch, and would decode over KV that never arrived."""
     host, port = getattr(req, "bootstrap_host", None), getattr(req, "bootstrap_port", None)
     if req.finished() or host is None or port is None or host == _fake_bootstrap_host():
-        return result
+        return
     from sglang_oasis.disaggregation.pd_partial import prefill_stages
 
     if prefill_stages(host, int(port)):
@@ -305,10 +315,10 @@ def refuse_staged_requests(original: Callable[..., Any], queue: Any, decode_req:
             req,
             f"oasis: the prefill node at {host}:{port} stages KV for remote partial fetching (sends only "
             "what the decode node reads) but this decode server does not fetch it: start both servers "
-            "with --oasis-mode sparse and the same --oasis-remote-fetch",
+            "with --oasis-mode sparse and the same --oasis-remote-fetch (fetching also needs --tp-size 1 "
+            "and the mooncake transfer backend on the decode server)",
             status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
         )
-    return result
 
 
 def _fake_bootstrap_host() -> str | None:

@@ -200,6 +200,13 @@ CHECK = textwrap.dedent(
     again = decode_request(staging_port)
     hooks.refuse_staged_requests(lambda q, d: "committed", NS(), again)
     assert again.req.finished_reason is not None and sorted(Bootstrap.asked) == sorted([staging_port, plain_port])
+    # A sparse decode server whose fetching turned itself off (no fetcher: --tp-size 2, ...) refuses too.
+    off, whole = decode_request(staging_port), decode_request(plain_port)
+    queue = NS(scheduler=NS(tp_worker=NS(model_runner=NS(attn_backend=NS(remote=None)))))
+    for decode_req in (off, whole):
+        assert hooks.fetch_admission_blocks(lambda q, d: "committed", queue, decode_req) == "committed"
+    assert off.req.finished_reason is not None and "--tp-size 1" in off.req.finished_reason.message
+    assert whole.req.finished_reason is None
     print("hooks-ok")
     """
 )
