@@ -137,6 +137,13 @@ def cpu_threads_env(sglang_argv: Sequence[str]) -> None:
     )
 
 
+# SGLang's options that start more than one model rank.
+PARALLEL_OPTIONS = (
+    "--tp-size", "--tensor-parallel-size", "--tp", "--dp-size", "--data-parallel-size", "--dp", "--pp-size",
+    "--pipeline-parallel-size",
+)  # fmt: skip
+
+
 class LaunchError(ValueError):
     """Options that contradict each other; the message names them."""
 
@@ -152,6 +159,14 @@ def sparse_mode_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[st
         )
     if backend is None:
         extra += ["--attention-backend", "oasis"]
+    for option in PARALLEL_OPTIONS:  # issue 25: per-rank selection, agreed failures, per-rank stats
+        value = option_value(sglang_argv, option)
+        if value is not None and value.isdigit() and int(value) > 1:
+            raise LaunchError(
+                f"{option} {value}: sparse mode runs one model rank for now (each rank would select for its "
+                "own KV heads and the ranks would have to agree on failed requests; not built); serve it "
+                "with --oasis-mode dense"
+            )
     if given(sglang_argv, "--enable-mixed-chunk"):  # decode rows would go through the extend path
         raise LaunchError(
             "--enable-mixed-chunk: sparse mode decodes over working sets and cannot batch decode rows with "
