@@ -34,6 +34,12 @@ to; with K covering every block it is expected to be 0.
 
     python benchmark/bench_overhead.py --json overhead.json [--num-layers N] [--context-tokens 1024]
         [--output-tokens 64] [--repeats 3] [--sparse-top-k 16] [--block-size 16] [--dtype float32]
+        [--recall-sample-every N]
+
+With ``--recall-sample-every N`` a fifth server, ``sparse_k_sparse_recall``, is ``sparse_k_sparse`` with
+the recall telemetry on (``--oasis-recall-sample-every N``); ``recall_cost_ratio`` = its TPOT over
+``sparse_k_sparse``'s (the telemetry's cost), and it records ``recall_mean``, ``recall_p10``,
+``lookahead_agreement`` and ``recall_samples`` as the server reports them after its repeats.
 
 Writes ``ratio_k_covering`` (sparse_async TPOT / dense TPOT, K covering every block), ``ratio_k_sparse``
 (sparse_k_sparse / dense, K < N), ``ratio_tpot`` (the same as ``ratio_k_covering``, kept for
@@ -64,6 +70,7 @@ from sglang_oasis.server_process import ServerProcess
 
 MODES = ("dense", "sparse_async", "sparse_sync", "sparse_k_sparse")
 COVERING_MODES = ("sparse_async", "sparse_sync")  # K covering every block, no fetch cap
+RECALL_MODE = "sparse_k_sparse_recall"  # sparse_k_sparse with recall telemetry (--recall-sample-every N)
 TARGET_RATIO_TPOT = 1.15
 # ratio key -> the sparse mode whose TPOT it divides by dense's
 RATIOS = {
@@ -171,14 +178,16 @@ def _fmt(value: float | None) -> str:
 
 
 def server_args(
-    mode: str, model: Path, top_k: int, block_size: int, pool_tokens: int, context_length: int, dtype: str
-) -> list[str]:
+    mode: str, model: Path, top_k: int, block_size: int, pool_tokens: int, context_length: int, dtype: str,
+    recall_every: int = 0,
+) -> list[str]:  # fmt: skip
     common = ["--model-path", str(model), "--context-length", str(context_length), "--dtype", dtype]
     if mode == "dense":
         return [*common, "--oasis-mode", "dense", "--max-total-tokens", str(pool_tokens)]
     # K < N keeps the product's default fetch ratio; K covering loads every block at once
-    fetch = [] if mode == "sparse_k_sparse" else ["--oasis-fetch-ratio", "1.0"]
-    return [
+    fetch = [] if mode.startswith("sparse_k_sparse") else ["--oasis-fetch-ratio", "1.0"]
+    recall = ["--oasis-recall-sample-every", str(recall_every)] if mode == RECALL_MODE else []
+    return [*recall,
         *common, "--oasis-mode", "sparse", "--oasis-top-k", str(top_k), "--oasis-block-size", str(block_size),
         *fetch, "--oasis-prefetch", "sync" if mode == "sparse_sync" else "async",
         "--oasis-host-kv-tokens", str(pool_tokens), "--oasis-device-kv-tokens", str(4 * top_k * block_size),
@@ -223,6 +232,12 @@ def main() -> int:
         default=16,
         help="K of sparse_k_sparse; below the context's full blocks (default: 16)",
     )
+    parser.add_argument(
+        "--recall-sample-every",
+        type=int,
+        default=0,
+        help="N > 0: also run sparse_k_sparse with --oasis-recall-sample-every N (its cost: recall_cost_ratio)",
+    )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--dtype", default="float32", help="SGLang --dtype of every server")
     args = parser.parse_args()
@@ -251,33 +266,52 @@ def main() -> int:
     }  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     print(f"server logs in {logs}", flush=True)
-    for mode in MODES:
+    modes = (*MODES, RECALL_MODE) if args.recall_sample_every > 0 else MODES
+    results["settings"]["recall_sample_every"] = args.recall_sample_every
+    for mode in modes:
         print(f"[bench_overhead] {mode} ...", flush=True)
-        mode_k = args.sparse_top_k if mode == "sparse_k_sparse" else top_k
-        argv = server_args(mode, model, mode_k, args.block_size, pool_tokens, context_length, args.dtype)
+        mode_k = args.sparse_top_k if mode.startswith("sparse_k_sparse") else top_k
+        argv = server_args(
+            mode,
+            model,
+            mode_k,
+            args.block_size,
+            pool_tokens,
+            context_length,
+            args.dtype,
+            args.recall_sample_every,
+        )
         try:
             with ServerProcess(argv, log_path=logs / f"{mode}.log") as server:
                 results[mode] = measure(server, prompt, args.output_tokens, args.repeats)
+                if mode == RECALL_MODE:
+                    stats = oasis_stats(server.url)
+                    for name in ("recall_mean", "recall_p10", "lookahead_agreement", "recall_samples"):
+                        results[mode][name] = stats.get(name)
         except Exception as exc:  # a failed server or request: record it and go on
             results[mode] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
         if mode != "dense":
             results[mode]["top_k"] = mode_k
-        if mode == "sparse_k_sparse" and "error" not in results[mode]:
+        if mode.startswith("sparse_k_sparse") and "error" not in results[mode]:
             error = unscored_error(results[mode])
             if error is not None:
                 results[mode]["error"] = error
 
     reference = results["dense"].get("outputs", [None])[0]
-    for mode in MODES:
+    for mode in modes:
         outputs = results[mode].pop("outputs", None)
         if outputs is not None and mode != "dense":
             results[mode].update(agreement_with_dense(outputs, reference))
     results.update(tpot_ratios(results))
     results["target_ratio_tpot"] = TARGET_RATIO_TPOT
+    if RECALL_MODE in results:  # the telemetry's cost: the same server with and without it
+        results["recall_cost_ratio"] = ratio(
+            results[RECALL_MODE].get("tpot_ms"), results["sparse_k_sparse"].get("tpot_ms")
+        )
 
     dense_ms = results["dense"].get("tpot_ms")
     rows = []
-    for mode in MODES:
+    for mode in modes:
         r = results[mode]
         runs = " ".join(f"{t:.1f}" for t in r.get("tpot_ms_runs", [])) or "-"
         bytes_per_step = r.get("decode_bytes_per_step")
@@ -305,12 +339,19 @@ def main() -> int:
         f"ratio_k_sparse {_fmt(results['ratio_k_sparse'])} (K={args.sparse_top_k} of {full_blocks} blocks),",
         f"{args.context_tokens}+{args.output_tokens} tokens",
     )
+    if RECALL_MODE in results:
+        r = results[RECALL_MODE]
+        print(
+            f"recall_cost_ratio {_fmt(results['recall_cost_ratio'])} (every {args.recall_sample_every} steps):",
+            f"recall_mean {_fmt(r.get('recall_mean'))}, recall_p10 {_fmt(r.get('recall_p10'))},",
+            f"lookahead_agreement {_fmt(r.get('lookahead_agreement'))}",
+        )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     first = (*RATIOS, "target_ratio_tpot", *MODES)  # run_all shows the first 8 numbers
     results = {**{key: results[key] for key in first}, **results}
     args.json.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.json}")
-    return 1 if any("error" in results[mode] for mode in MODES) else 0
+    return 1 if any("error" in results[mode] for mode in modes) else 0
 
 
 if __name__ == "__main__":

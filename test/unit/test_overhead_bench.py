@@ -197,3 +197,12 @@ def test_server_args_k_sparse_keeps_the_default_fetch_ratio() -> None:
     assert k_sparse[k_sparse.index("--oasis-top-k") + 1] == "16"
     assert k_sparse[k_sparse.index("--oasis-mode") + 1] == "sparse"
     assert "--oasis-top-k" not in argv["dense"]
+
+
+def test_the_recall_mode_is_k_sparse_with_the_telemetry_on() -> None:
+    from bench_overhead import RECALL_MODE, server_args
+
+    args = server_args(RECALL_MODE, Path("m"), 16, 16, 4096, 2048, "float32", recall_every=32)
+    plain = server_args("sparse_k_sparse", Path("m"), 16, 16, 4096, 2048, "float32", recall_every=32)
+    assert args[:2] == ["--oasis-recall-sample-every", "32"] and args[2:] == plain
+    assert "--oasis-recall-sample-every" not in plain and "--oasis-fetch-ratio" not in plain
