@@ -109,7 +109,7 @@ def test_verify_rows_attend_causally_over_the_whole_context_when_k_covers_it() -
     """K covering every block: each row's output equals dense causal attention over the context plus
     the verify rows up to itself."""
     pool = TinyKVPool(64)
-    backend = _backend(pool, top_k=8)
+    backend = _backend(pool, top_k=8, recall_sample_every=1)
     seq_len = 3 * BLOCK + 2
     gen = torch.Generator().manual_seed(0)
     pool.k[:seq_len, 0] = torch.randn(seq_len, DIM, generator=gen)
@@ -126,6 +126,10 @@ def test_verify_rows_attend_causally_over_the_whole_context_when_k_covers_it() -
         visible = seq_len + row + 1
         weights = torch.softmax(keys[:visible] @ q[row] * 0.7, dim=0)
         torch.testing.assert_close(out[row], weights @ values[:visible])
+    # Recall telemetry samples the real row (its own key at its verify location): every block is held.
+    stats = backend.stats.snapshot()
+    assert stats["recall_samples"] == 1 and stats["recall_mean_ppm"] == 1_000_000
+    assert stats["lookahead_agreement_ppm"] == 1_000_000
 
 
 def test_a_request_whose_kv_arrived_from_a_prefill_node_is_summarised_and_admitted_at_decode() -> None:

@@ -270,6 +270,11 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         out = self.attention.verify(
             self.batch, q_rows, layer, seq_lens, k.view(kv_shape), v.view(kv_shape), tree
         )
+        if self.recall.due(self.step):  # the real row, over the working set the last draft row chose
+            last = draft_locs[:, 0].tolist()
+            self.recall.sample(
+                self.batch, layer_id, q_rows[:, 0], (seq_lens + 1).tolist(), layer.scaling, last
+            )
         self._poison_if_strict(layer_id)
         self.selector.select(self.batch, layer_id, q_rows[:, -1], (seq_lens + 1).tolist())
         return out.reshape(-1, heads * layer.v_head_dim)

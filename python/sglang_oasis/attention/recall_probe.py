@@ -13,7 +13,8 @@ whole context exactly (its keys read from the host tier, counted apart in ``tele
 Over the last ``WINDOW`` (request, layer, KV head) samples the probe publishes ``recall_mean_ppm``,
 ``recall_p10_ppm`` and ``lookahead_agreement_ppm``, and per layer ``recall_layer_ppm_<layer>`` (millionths
 plus one; 0: never sampled). ``GET /oasis/stats`` turns them into ``recall_mean``, ``recall_p10``,
-``recall_per_layer`` and ``lookahead_agreement``. Verify steps (lookahead) are not sampled.
+``recall_per_layer`` and ``lookahead_agreement``. At a verify step (lookahead) the real row's query is
+sampled: the working set it attends is the one the previous step's draft row predicted.
 """
 
 from __future__ import annotations
@@ -57,15 +58,18 @@ class RecallProbe:
         return self.every > 0 and step % self.every == 0
 
     def sample(
-        self, batch: BatchView, layer_id: int, q_rows: torch.Tensor, seq_lens: list[int], scale: float
-    ) -> None:
+        self, batch: BatchView, layer_id: int, q_rows: torch.Tensor, seq_lens: list[int], scale: float,
+        last_locs: list[int] | None = None,
+    ) -> None:  # fmt: skip
         """Measure the batch's sampled requests at ``layer_id`` (``q_rows`` ``[bs, q_heads, dim]``, the
-        step's queries; ``seq_lens`` count the step's token) and publish the window's figures."""
+        step's queries; ``seq_lens`` count the step's token, whose host location is ``last_locs[row]``
+        where given, else SGLang's table's) and publish the window's figures."""
         rows = len(batch.reqs)
         first = (batch.step // max(1, self.every)) * SAMPLED_REQUESTS
         for row in sorted({(first + i) % rows for i in range(min(rows, SAMPLED_REQUESTS))}):
+            last = None if last_locs is None else last_locs[row]
             recall, agreement = self.measure(
-                batch.reqs[row], int(batch.slots[row]), layer_id, q_rows[row], seq_lens[row], scale
+                batch.reqs[row], int(batch.slots[row]), layer_id, q_rows[row], seq_lens[row], scale, last
             )
             self.stats.add("recall_samples", len(recall))
             self._recall.extend(recall.tolist())
@@ -74,11 +78,14 @@ class RecallProbe:
         self._publish(layer_id)
 
     def measure(
-        self, req: int, slot: int, layer_id: int, query: torch.Tensor, seq_len: int, scale: float
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, req: int, slot: int, layer_id: int, query: torch.Tensor, seq_len: int, scale: float,
+        last_loc: int | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
         """``([kv_heads], [kv_heads])``: recall and lookahead agreement of one request at one layer."""
         block = self.block_size
         locs = self.req_to_token_pool.req_to_token[req, :seq_len].to(torch.int64)
+        if last_loc is not None:  # a verify step's real row: its key is at the row's own location
+            locs = torch.cat([locs[:-1], torch.tensor([last_loc], dtype=torch.int64)])
         pool_keys = self.kv_pool.get_key_buffer(layer_id)
         keys = pool_keys[locs.to(pool_keys.device)].float().cpu()  # [T, H, D]
         self.stats.add("telemetry_bytes", keys.numel() * pool_keys.element_size())
