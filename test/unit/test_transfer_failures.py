@@ -39,20 +39,29 @@ class Pool:
         return self.v
 
 
-def test_the_prefetcher_reports_the_generation_the_job_was_built_with() -> None:
+def _prefetcher(top_k: int) -> tuple[DeviceTier, BlockPrefetcher]:
     shape = TierShape(
-        1, 1, 2, 4, host_pages=8, block_size=4, slots_per_head=2, window_blocks=0, active_tokens=4
+        1, 1, 2, 4, host_pages=8, block_size=4, slots_per_head=top_k, window_blocks=0, active_tokens=4
     )
     tier = DeviceTier(shape, layout(10**9, shape, max_request_slots=2), torch.float32, "cpu")
     prefetcher = BlockPrefetcher(
-        tier.working_sets, tier.summaries, tier.active, Pool(), top_k=2, sink_blocks=0, num_kv_heads=1
+        tier.working_sets, tier.summaries, tier.active, Pool(), top_k=top_k, sink_blocks=0, num_kv_heads=1
     )
-    job = SelectionJob(
+    return tier, prefetcher
+
+
+def _job(query_dim: int, fail_reqs: tuple[int, ...]) -> SelectionJob:
+    """Requests 5 (generation 11) and 9 (generation 4) in request slots 0 and 1, two full blocks each."""
+    return SelectionJob(
         layer_id=0, reqs=torch.tensor([5, 9]), slots=torch.tensor([0, 1]), generations=(11, 4),
-        queries=torch.randn(2, 1, 2), prior=None, pinned=None, full=torch.tensor([2, 2]),
-        pages=torch.tensor([[0, 1], [2, 3]]), step=1, admission=False, cap=None, fail_reqs=(9,),
+        queries=torch.randn(2, 1, query_dim), prior=None, pinned=None, full=torch.tensor([2, 2]),
+        pages=torch.tensor([[0, 1], [2, 3]]), step=1, admission=False, cap=None, fail_reqs=fail_reqs,
     )  # fmt: skip
-    result = prefetcher.run(job)
+
+
+def test_the_prefetcher_reports_the_generation_the_job_was_built_with() -> None:
+    tier, prefetcher = _prefetcher(top_k=2)
+    result = prefetcher.run(_job(query_dim=2, fail_reqs=(9,)))
     assert result.failed.keys() == {9}
     generation, message = result.failed[9]
     assert generation == 4 and "injected transfer failure" in message
@@ -63,19 +72,8 @@ def test_an_error_anywhere_in_a_job_fails_its_requests_not_the_process() -> None
     """Issue 25 item 9: an exception outside the transfer (here: the summaries' scoring is given a query
     of the wrong width) used to be re-raised in ``wait`` and kill the scheduler; it fails the job's
     requests, each with the generation the job was built with."""
-    shape = TierShape(
-        1, 1, 2, 4, host_pages=8, block_size=4, slots_per_head=1, window_blocks=0, active_tokens=4
-    )
-    tier = DeviceTier(shape, layout(10**9, shape, max_request_slots=2), torch.float32, "cpu")
-    prefetcher = BlockPrefetcher(
-        tier.working_sets, tier.summaries, tier.active, Pool(), top_k=1, sink_blocks=0, num_kv_heads=1
-    )
-    job = SelectionJob(
-        layer_id=0, reqs=torch.tensor([5, 9]), slots=torch.tensor([0, 1]), generations=(11, 4),
-        queries=torch.randn(2, 1, 3), prior=None, pinned=None, full=torch.tensor([2, 2]),
-        pages=torch.tensor([[0, 1], [2, 3]]), step=1, admission=False, cap=None, fail_reqs=(),
-    )  # fmt: skip
-    result = prefetcher.run(job)
+    _, prefetcher = _prefetcher(top_k=1)
+    result = prefetcher.run(_job(query_dim=3, fail_reqs=()))
     assert result.failed.keys() == {5, 9}
     assert result.failed[5][0] == 11 and result.failed[9][0] == 4
     assert result.failed[5][1].startswith("layer 0: AssertionError")

@@ -82,11 +82,8 @@ class SparseAttention:
         from_host = lengths + new > active.span
         stale = ~from_host & ~active.holds(slots, layer_id, starts, first)
         if bool(stale.any()):
-            self._check_host_read("an active tail the device does not hold", batch)
             rows = stale.nonzero().flatten()
-            locs = self.pool_locs(batch.req_index[rows], starts[rows], first[rows])
-            self.count_host_read("tail_bytes_host_to_device", len(locs))
-            keys, values = (buffer[locs] for buffer in self._pool_layer(layer_id))
+            keys, values = self._read_tails(batch, layer_id, rows, starts, first, "a tail the device lacks")
             active.store(layer_id, slots[rows], starts[rows], first[rows], keys, values)
         heads = self.num_kv_heads
         active.store(
@@ -98,20 +95,25 @@ class SparseAttention:
         new_locs = active.rows(slots, first[:, None] + torch.arange(new))
         tail_k, tail_v = active.k[layer_id], active.v[layer_id]
         if bool(from_host.any()):
-            self._check_host_read("a dense first step", batch)
             rows = from_host.nonzero().flatten()
-            pool_locs = self.pool_locs(batch.req_index[rows], starts[rows], first[rows])
-            self.count_host_read("tail_bytes_host_to_device", len(pool_locs))
-            host_k, host_v = (buffer[pool_locs] for buffer in self._pool_layer(layer_id))
+            host_k, host_v = self._read_tails(batch, layer_id, rows, starts, first, "a dense first step")
             at = torch.zeros((len(rows), positions.shape[1]), dtype=torch.int64)
-            at[valid[rows]] = tail_k.shape[0] + torch.arange(len(pool_locs))
+            at[valid[rows]] = tail_k.shape[0] + torch.arange(len(host_k))
             locs[rows] = at
             tail_k = torch.cat([tail_k, host_k.to(tail_k.dtype)])
             tail_v = torch.cat([tail_v, host_v.to(tail_v.dtype)])
         return Tail(tail_k, tail_v, torch.cat([locs, new_locs], dim=1), valid)
 
-    def _pool_layer(self, layer_id: int) -> tuple[torch.Tensor, torch.Tensor]:
-        return self.kv_pool.get_key_buffer(layer_id), self.kv_pool.get_value_buffer(layer_id)
+    def _read_tails(
+        self, batch: BatchView, layer_id: int, rows: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
+        what: str,
+    ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+        """K and V of positions ``[starts, ends)`` of the batch's ``rows``, read from the host tier and
+        counted (``tail_bytes_host_to_device``); in strict mode, outside admission, an error naming ``what``."""
+        self._check_host_read(what, batch)
+        locs = self.pool_locs(batch.req_index[rows], starts[rows], ends[rows])
+        self.count_host_read("tail_bytes_host_to_device", len(locs))
+        return self.kv_pool.get_key_buffer(layer_id)[locs], self.kv_pool.get_value_buffer(layer_id)[locs]
 
     def pool_locs(self, reqs: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
         """Host-tier locations of positions ``[starts[i], ends[i])`` of requests ``reqs``, concatenated."""
