@@ -90,3 +90,15 @@ def test_nothing_is_reported_before_a_sample() -> None:
     report = counters_and_gauges(_probe_after_selecting(8, 0).stats.snapshot())
     assert report["recall_mean"] is None and report["recall_per_layer"] == {}
     assert not any(name.startswith("recall_layer_ppm") for name in report)
+
+
+def test_an_error_in_the_telemetry_turns_it_off_instead_of_failing_the_step() -> None:
+    backend = _probe_after_selecting(8, 0)
+    backend.set_batch([0])
+
+    def broken(*args: object) -> None:
+        raise IndexError("no such row")
+
+    backend.recall.measure = broken  # type: ignore[method-assign]
+    backend.recall.sample_safely(backend.batch, 0, DIRECTIONS[2][None, None], [SEQ], 1.0)
+    assert backend.recall.every == 0 and not backend.recall.due(32)

@@ -231,7 +231,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
                 self.batch, q_rows, layer, seq_lens, k.view(kv_shape), v.view(kv_shape)
             )
         if self.recall.due(self.step):  # before the host copy is poisoned, before the working set changes
-            self.recall.sample(self.batch, layer_id, q_rows, seq_lens.tolist(), layer.scaling)
+            self.recall.sample_safely(self.batch, layer_id, q_rows, seq_lens.tolist(), layer.scaling)
         self._poison_if_strict(layer_id)
         self.selector.select(self.batch, layer_id, q_rows, seq_lens.tolist())
         return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
@@ -272,7 +272,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         )
         if self.recall.due(self.step):  # the real row, over the working set the last draft row chose
             last = draft_locs[:, 0].tolist()
-            self.recall.sample(
+            self.recall.sample_safely(
                 self.batch, layer_id, q_rows[:, 0], (seq_lens + 1).tolist(), layer.scaling, last
             )
         self._poison_if_strict(layer_id)

@@ -19,6 +19,7 @@ sampled: the working set it attends is the one the previous step's draft row pre
 
 from __future__ import annotations
 
+import logging
 from collections import deque
 from typing import Any
 
@@ -28,6 +29,8 @@ from sglang_oasis.attention.batch_view import BatchView
 from sglang_oasis.memory.device_tier import DeviceTier
 from sglang_oasis.memory.headwise_map import EMPTY
 from sglang_oasis.stats import MAX_RECALL_LAYERS, OasisStats
+
+logger = logging.getLogger(__name__)
 
 SAMPLED_REQUESTS = 4
 WINDOW = 4096
@@ -56,6 +59,14 @@ class RecallProbe:
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step % self.every == 0
+
+    def sample_safely(self, *args: Any) -> None:
+        """``sample``; an error turns the telemetry off (logged) instead of failing the step's requests."""
+        try:
+            self.sample(*args)
+        except Exception:
+            logger.exception("oasis: recall telemetry failed; it is off from now on")
+            self.every = 0
 
     def sample(
         self, batch: BatchView, layer_id: int, q_rows: torch.Tensor, seq_lens: list[int], scale: float,
