@@ -65,6 +65,10 @@ COUNTERS = {
     "held them",
     "remote_failed_reads": "PD decode node: requests failed by a failed remote read after admission",
     "recall_samples": "(request, layer, KV head) recall samples taken (--oasis-recall-sample-every)",
+    "recall_sum_ppm": "sum of the recall samples in millionths (over an interval: its delta over "
+    "recall_samples' is the mean recall)",
+    "lookahead_agreement_sum_ppm": "sum of the lookahead agreement samples in millionths (delta over "
+    "recall_samples': the mean agreement)",
     "telemetry_bytes": "bytes of keys the recall telemetry read from the host tier (not in "
     "bytes_host_to_device)",
 }

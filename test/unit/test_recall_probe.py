@@ -76,6 +76,7 @@ def test_recall_is_one_when_the_working_set_holds_every_block_and_drops_when_the
     backend.recall.sample(backend.batch, 0, query[None], [SEQ], scale=1.0)
     report = counters_and_gauges(backend.stats.snapshot())
     assert report["recall_samples"] == 1
+    assert report["recall_sum_ppm"] == round(1e6 * float(recall[0]))
     assert report["recall_mean"] == pytest.approx(float(recall[0]), abs=1e-6)
     assert report["recall_p10"] == pytest.approx(float(recall[0]), abs=1e-6)
     assert report["lookahead_agreement"] == float(agreement[0])

@@ -10,7 +10,9 @@ whole context exactly (its keys read from the host tier, counted apart in ``tele
 - lookahead agreement: the share of the step's true top-K blocks (by exact mass) that it saw, i.e. how
   well the prediction made at the previous step chose this step's blocks.
 
-Over the last ``WINDOW`` (request, layer, KV head) samples the probe publishes ``recall_mean_ppm``,
+The counters ``recall_samples``, ``recall_sum_ppm`` and ``lookahead_agreement_sum_ppm`` give the mean
+over any interval (their deltas' quotient, as Prometheus rates do). Over the last ``WINDOW`` (request,
+layer, KV head) samples the probe also publishes ``recall_mean_ppm``,
 ``recall_p10_ppm`` and ``lookahead_agreement_ppm``, and per layer ``recall_layer_ppm_<layer>`` (millionths
 plus one; 0: never sampled). ``GET /oasis/stats`` turns them into ``recall_mean``, ``recall_p10``,
 ``recall_per_layer`` and ``lookahead_agreement``. At a verify step (lookahead) the real row's query is
@@ -83,6 +85,8 @@ class RecallProbe:
                 batch.reqs[row], int(batch.slots[row]), layer_id, q_rows[row], seq_lens[row], scale, last
             )
             self.stats.add("recall_samples", len(recall))
+            self.stats.add("recall_sum_ppm", round(1e6 * float(recall.sum())))
+            self.stats.add("lookahead_agreement_sum_ppm", round(1e6 * float(agreement.sum())))
             self._recall.extend(recall.tolist())
             self._agreement.extend(agreement.tolist())
             self._per_layer.setdefault(layer_id, deque(maxlen=WINDOW)).extend(recall.tolist())
