@@ -78,7 +78,7 @@ def test_the_fetch_cap_bounds_decode_loads(tiny_qwen3_capped_server: ServerProce
     # Recall telemetry: K = 4 of 20+ blocks misses attention the whole context has (the tiny random
     # model's attention is spread out), and the telemetry's host reads are not in the counters above.
     assert grew("recall_samples") == steps * LAYERS * KV_HEADS and grew("telemetry_bytes") > 0
-    assert after["recall_mean"] < 0.9 and after["recall_p10"] <= after["recall_mean"]
+    assert after["recall_mean"] < 0.9 and 0 < after["recall_p10"] < 0.9
     assert set(after["recall_per_layer"]) == {str(layer) for layer in range(LAYERS)}
     per_step = after["per_decode_step"]
     assert per_step["bytes_host_to_device"] >= 0 and per_step["blocks_deferred"] > 0
