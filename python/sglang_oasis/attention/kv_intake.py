@@ -66,9 +66,7 @@ class KVIntake:
             if not len(locations):
                 continue
             if bool(held[rows[0]]):
-                counts = (seq_lens[rows] - starts[rows]).clamp(min=0)
-                ring = torch.repeat_interleave(slots[rows], counts) * active.span
-                ring = ring + concat_ranges(starts[rows], seq_lens[rows]) % active.span
+                ring = active.range_rows(slots[rows], starts[rows], seq_lens[rows])
                 keys = active.k[layer_id][ring.to(active.k.device)]
             else:
                 self.attention.count_host_read(

@@ -195,7 +195,8 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             self.intake.extend(
                 self.batch, layer_id, seq_lens_cpu, extend_lens, forward_batch.out_cache_loc, k, v
             )
-        self.summarised[self.batch.req_index, layer_id] = seq_lens_cpu
+        else:  # nothing new to fold in (KVIntake.extend records it otherwise)
+            self.summarised[self.batch.req_index, layer_id] = seq_lens_cpu
         q_rows = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         last = torch.cumsum(forward_batch.extend_seq_lens, 0) - 1  # last new token of each request
         seq_lens = forward_batch.seq_lens.tolist()

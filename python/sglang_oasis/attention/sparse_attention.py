@@ -77,9 +77,7 @@ class SparseAttention:
         active, slots = self.active, batch.slots
         bs = len(batch.reqs)
         new = k.shape[0] // bs
-        starts = self.working_sets.covered[slots, layer_id] * self.block_size
-        lengths = (first - starts).clamp(min=0)
-        from_host = lengths + new > active.span
+        starts, lengths, from_host = self._tails(batch, layer_id, first, new)
         stale = ~from_host & ~active.holds(slots, layer_id, starts, first)
         if bool(stale.any()):
             rows = stale.nonzero().flatten()
@@ -204,9 +202,17 @@ class SparseAttention:
         """``[bs]`` bool, the rows whose tail is longer than the active blocks hold (a PD arrival's dense
         first step), when the batch mixes them with others: they attend in a call of their own, so the
         other rows are not padded to their whole contexts. None: one call for the batch."""
-        starts = self.working_sets.covered[batch.slots, layer_id] * self.block_size
-        long = (first - starts).clamp(min=0) + new > self.active.span
+        long = self._tails(batch, layer_id, first, new)[2]
         return long if bool(long.any()) and not bool(long.all()) else None
+
+    def _tails(
+        self, batch: BatchView, layer_id: int, first: torch.Tensor, new: int
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``[bs]`` each: where each request's tail starts (after its covered blocks), its length up to
+        ``first``, and whether it is longer than the active blocks hold beside ``new`` tokens."""
+        starts = self.working_sets.covered[batch.slots, layer_id] * self.block_size
+        lengths = (first - starts).clamp(min=0)
+        return starts, lengths, lengths + new > self.active.span
 
     def dense_verify(
         self, batch: BatchView, q_rows: torch.Tensor, layer: Any, seq_lens: torch.Tensor, draft_locs: torch.Tensor,

@@ -60,6 +60,12 @@ class ActiveBlocks:
         """Rows of ``k[layer]`` holding ``positions`` (``[bs, n]``) of the request slots ``slots`` (``[bs]``)."""
         return slots[:, None] * self.span + positions % self.span
 
+    def range_rows(self, slots: torch.Tensor, first: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
+        """Rows of ``k[layer]`` holding positions ``[first[i], end[i])`` of each slot ``slots[i]``,
+        concatenated slot by slot in position order."""
+        counts = (end - first).clamp(min=0)
+        return torch.repeat_interleave(slots, counts) * self.span + concat_ranges(first, end) % self.span
+
     def pages(self, slots: torch.Tensor, blocks: torch.Tensor) -> torch.Tensor:
         """Pages (``block_size`` rows of ``k[layer]``) holding logical ``blocks`` of ``slots`` (``[n]``)."""
         per_slot = self.span // self.block_size
@@ -90,9 +96,7 @@ class ActiveBlocks:
         if total != k.shape[0]:
             raise ValueError(f"{k.shape[0]} tokens given for {total} positions")
         if total:
-            positions = concat_ranges(first, end)
-            rows = torch.repeat_interleave(slots, counts) * self.span + positions % self.span
-            rows = rows.to(self.k.device, non_blocking=True)
+            rows = self.range_rows(slots, first, end).to(self.k.device, non_blocking=True)
             self.k[layer].index_copy_(0, rows, k.to(self.k.dtype))
             self.v[layer].index_copy_(0, rows, v.to(self.v.dtype))
         start, held_end = self.start[slots, layer], self.end[slots, layer]
