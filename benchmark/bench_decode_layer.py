@@ -124,7 +124,10 @@ def decode(
             profile.disable()
         dense_s += middle - began
         sparse_s += time.perf_counter() - middle
-    oasis.selector.finish_pending()
+    # Stop the backend's threads: a daemon thread still inside a torch op at exit aborts the process
+    # ("terminate called without an active exception", seen once in CI).
+    oasis.selector.pipeline.shutdown()
+    oasis.gauges.stop()
     return dense_s / steps * 1e3, sparse_s / steps * 1e3
 
 

@@ -164,6 +164,10 @@ def test_the_backend_holds_working_sets_for_the_running_cap_not_for_sglang_rows(
     assert backend.tier.num_request_slots == 3
     assert backend.tier.nbytes <= budget
     assert backend.stats.snapshot()["device_bytes_capacity"] == backend.tier.nbytes
+    backend.gauges.refresh()
+    assert backend.stats.snapshot()["running_requests"] == 0
+    backend.gauges.stop()  # its refresh thread ends
+    assert not backend.gauges._thread.is_alive()
 
 
 def test_a_running_cap_the_budget_cannot_hold_is_refused_by_name() -> None:

@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from typing import Any
 
 from sglang_oasis.attention.request_slots import RequestSlots
@@ -35,8 +34,14 @@ class Gauges:
             ("device_request_slots", tier.num_request_slots),
         ):
             stats.set(name, value)
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="oasis-gauges", daemon=True)
         self._thread.start()
+
+    def stop(self) -> None:
+        """End the refresh thread (a process that outlives this backend, or exits cleanly, calls it)."""
+        self._stopped.set()
+        self._thread.join(timeout=5)
 
     def refresh(self) -> None:
         live = self.tier.live_slots(self.slots.finished())
@@ -50,9 +55,9 @@ class Gauges:
             self.stats.publish_prometheus()
 
     def _run(self, period_s: float = 0.5) -> None:
-        while True:
+        while not self._stopped.is_set():
             try:
                 self.refresh()
             except Exception:  # a gauge is not worth a crash; read again next period
                 logger.debug("oasis gauge refresh failed", exc_info=True)
-            time.sleep(period_s)
+            self._stopped.wait(period_s)
