@@ -19,7 +19,13 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
    processed, requests the ``oasis`` backend reports as failed get ``to_finish = FINISH_ABORT(...)``
    (SGLang's own way to abort a running request), so they finish at this step with the message and a
    500, their KV is freed and not inserted into the radix cache, and the rest of the batch goes on.
-5. PD disaggregation on the CPU engine (``patch_cpu_disaggregation``, not a HookRegistry hook: a class
+5. ``Req._compute_max_prefix_len`` (sparse mode with ``--oasis-prefill-window`` N > 0): the prefill
+   window chooses a request's first working set from the exact attention of its prompt's last N
+   queries, and those queries exist only for tokens the extend computes. A radix-cache hit that leaves
+   one new token would make the first working set (and so the greedy output) depend on what the cache
+   held, i.e. on other requests. The hook caps the prefix match at the prompt length minus N, so every
+   extend computes at least the window's tokens (at most N + one page more than SGLang would).
+6. PD disaggregation on the CPU engine (``patch_cpu_disaggregation``, not a HookRegistry hook: a class
    attribute and an environment default, applied in every server process by the plugin). Two places on
    the prefill side assume CUDA: ``MooncakeKVSender.supports_host_tensor_indices`` makes
    ``_send_kv_chunk`` stage page indices in pinned memory behind a ``torch.cuda.Event`` ("Found no
@@ -27,7 +33,7 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
    forward stream (not a ``torch.Stream`` on CPU). On the CPU engine the first is turned off (the
    indices are host tensors already) and so is the second
    (``SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX=0``; the regular send then carries the prefix).
-6. Remote partial fetching under PD disaggregation (``disaggregation/pd_partial.py``; sparse mode with
+7. Remote partial fetching under PD disaggregation (``disaggregation/pd_partial.py``; sparse mode with
    ``--oasis-remote-fetch``). SGLang's KV sender has no notion of a partial payload, so four places:
    - ``SchedulerDisaggregationPrefillMixin.send_kv_chunk`` (prefill): the only place that knows a
      send's request (its slot, prompt length and the decode node's cached prefix); the hook hands them
@@ -62,6 +68,7 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
 from typing import Any
@@ -72,6 +79,7 @@ DRAFT_EXTEND_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory.cr
 VERIFY_GREEDY_TARGET = "sglang.kernels.ops.speculative.spec_tree.verify_tree_greedy_func"
 LAST_LOC_TARGET = "sglang.srt.mem_cache.allocation.get_last_loc"
 PROCESS_RESULT_TARGET = "sglang.srt.managers.scheduler.Scheduler.process_batch_result"
+PREFIX_LIMIT_TARGET = "sglang.srt.managers.schedule_batch.Req._compute_max_prefix_len"
 MOONCAKE_SENDER_TARGET = "sglang.srt.disaggregation.mooncake.conn.MooncakeKVSender"
 HOST_INDICES_ATTRIBUTE = "supports_host_tensor_indices"
 EARLY_SEND_ENV = "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"
@@ -128,6 +136,13 @@ def last_loc_on_cpu(original: Callable[..., Any], req_to_token: Any, *args: Any,
     from sglang.srt.mem_cache.allocation import get_last_loc_torch
 
     return get_last_loc_torch(req_to_token, *args, **kwargs)
+
+
+def cap_prefix_match(
+    window: int, original: Callable[..., Any], req: Any, input_len: int, *args: Any, **kwargs: Any
+) -> Any:
+    """AROUND hook: a prefix match leaves at least the prefill window's ``window`` tokens to compute."""
+    return max(0, min(original(req, input_len, *args, **kwargs), input_len - window))
 
 
 def abort_failed_transfers(
@@ -193,7 +208,7 @@ def _is_mooncake_sender(sender: Any) -> bool:
 def send_last_page_only(
     original: Callable[..., Any], sender: Any, kv_indices: Any, *args: Any, **kwargs: Any
 ) -> Any:
-    """AROUND hook (prefill): a staged request's chunks send nothing but its last page (see hook 6)."""
+    """AROUND hook (prefill): a staged request's chunks send nothing but its last page (see hook 7)."""
     kv_indices, index_slice, is_last, skip = original(sender, kv_indices, *args, **kwargs)
     stager = getattr(sender, "_oasis_stager", None)
     if skip or stager is None:
@@ -226,7 +241,7 @@ def _one_page(kv_indices: Any, page: Any) -> Any:
 
 
 def remote_fetch_routes(original: Callable[..., Any], server: Any) -> Any:
-    """AROUND hook (prefill bootstrap server): ``/oasis/remote_fetch_endpoint`` (see hook 6)."""
+    """AROUND hook (prefill bootstrap server): ``/oasis/remote_fetch_endpoint`` (see hook 7)."""
     from aiohttp import web
 
     from sglang_oasis.disaggregation.pd_partial import ENDPOINT_ROUTE
@@ -250,7 +265,7 @@ def remote_fetch_routes(original: Callable[..., Any], server: Any) -> Any:
 
 def fetch_admission_blocks(original: Callable[..., Any], queue: Any, decode_req: Any) -> Any:
     """AROUND hook (decode): after SGLang commits a transferred request, read what its first working sets
-    need from the prefill node (see hook 6)."""
+    need from the prefill node (see hook 7)."""
     result = original(queue, decode_req)
     remote = getattr(_backend(queue.scheduler), "remote", None)
     req = decode_req.req
@@ -397,6 +412,10 @@ def register(config: OasisConfig) -> None:
     HookRegistry.register(DRAFT_EXTEND_TARGET, draft_extend_backend, HookType.AROUND)
     HookRegistry.register(LAST_LOC_TARGET, last_loc_on_cpu, HookType.AROUND)
     HookRegistry.register(PROCESS_RESULT_TARGET, abort_failed_transfers, HookType.AROUND)
+    if config.prefill_window:
+        HookRegistry.register(
+            PREFIX_LIMIT_TARGET, functools.partial(cap_prefix_match, config.prefill_window), HookType.AROUND
+        )
     if config.lookahead != "previous" and config.draft_policy == "reject":
         HookRegistry.register(VERIFY_GREEDY_TARGET, reject_drafts, HookType.AROUND)
     if config.remote_fetch:
@@ -409,7 +428,7 @@ def register(config: OasisConfig) -> None:
 
 
 def patch_cpu_disaggregation() -> None:
-    """Hook 5: PD disaggregation's prefill side on the CPU engine (call only there)."""
+    """Hook 6: PD disaggregation's prefill side on the CPU engine (call only there)."""
     import importlib
     import os
 
@@ -420,5 +439,5 @@ def patch_cpu_disaggregation() -> None:
     except ImportError:  # no Mooncake build installed: SGLang refuses the mooncake backend itself
         return
     if not hasattr(sender, HOST_INDICES_ATTRIBUTE):
-        raise RuntimeError(f"{MOONCAKE_SENDER_TARGET}.{HOST_INDICES_ATTRIBUTE} is gone: re-check hook 5")
+        raise RuntimeError(f"{MOONCAKE_SENDER_TARGET}.{HOST_INDICES_ATTRIBUTE} is gone: re-check hook 6")
     setattr(sender, HOST_INDICES_ATTRIBUTE, False)

@@ -170,7 +170,7 @@ def test_per_row_masks_match_loop_and_two_separate_calls(num_q: int, num_kv: int
 def test_batched_scores_match_one_request_at_a_time(
     batch: int, q_heads: int, kv_heads: int, blocks: int, dim: int, dtype: torch.dtype
 ) -> None:
-    """The two-matmul form equals the elementwise Quest bound (``score_blocks``) per request."""
+    """The grouped form equals the elementwise Quest bound (``score_blocks``) per request."""
     from sgl_kernel_oasis import score_blocks_batched
 
     gen = torch.Generator().manual_seed(5)
@@ -181,6 +181,28 @@ def test_batched_scores_match_one_request_at_a_time(
     tolerance = {"atol": 1e-4, "rtol": 1e-4} if dtype == torch.float32 else {"atol": 1e-2, "rtol": 1e-2}
     for b in range(batch):
         torch.testing.assert_close(got[b], score_blocks(query[b : b + 1], kmin[b], kmax[b])[0], **tolerance)
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_requests_scores_do_not_depend_on_its_batch(threads: int) -> None:
+    """Issue 25 item 13: a request's block scores are bitwise the same alone and in a batch padded to a
+    longer request's blocks (a matmul's tiling changed the last bit, flipping top-K ties)."""
+    from sgl_kernel_oasis import score_paged_blocks
+
+    gen = torch.Generator().manual_seed(9)
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for own, longest, batch in [(5, 300, 8), (37, 64, 3), (130, 515, 32), (1, 2, 2)]:
+            kmin = torch.randn(600, 2, 64, generator=gen)
+            kmax = kmin + torch.rand(600, 2, 64, generator=gen)
+            query = torch.randn(batch, 1, 4, 64, generator=gen)
+            pages = torch.randint(0, 600, (batch, longest), generator=gen)
+            together = score_paged_blocks(query, kmin, kmax, pages)[0, :, :, :own]
+            alone = score_paged_blocks(query[:1], kmin, kmax, pages[:1, :own])[0]
+            assert torch.equal(together, alone), (own, longest, batch)
+    finally:
+        torch.set_num_threads(previous)
 
 
 def test_top_k_respects_padding_and_short_rows() -> None:

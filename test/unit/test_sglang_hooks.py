@@ -75,6 +75,17 @@ CHECK = textwrap.dedent(
     assert int(failing.to_finish.status_code) == 500 and failing.skip_radix_cache_insert
     assert other.to_finish is None and not backend.failures
 
+    # Prefix cap: SGLang's own limit (input - 1, or the logprob start), then at most input - window.
+    import functools
+    assert list(inspect.signature(Req._compute_max_prefix_len).parameters) == ["self", "input_len"]
+    assert "self._compute_max_prefix_len(input_len)" in inspect.getsource(Req.init_next_round_input)
+    capped = functools.partial(hooks.cap_prefix_match, 32, Req._compute_max_prefix_len)
+    plain = NS(dllm_config=None, return_logprob=False, logprob_start_len=-1, is_dllm=lambda: False)
+    assert Req._compute_max_prefix_len(plain, 100) == 99 and capped(plain, 100) == 68
+    assert capped(plain, 20) == 0
+    logprobs = NS(dllm_config=None, return_logprob=True, logprob_start_len=10, is_dllm=lambda: False)
+    assert capped(logprobs, 100) == 10
+
     # PD on the CPU engine: the sender attribute and the early-send switch are still what prefill reads.
     import os
     from sglang.srt.disaggregation import prefill
@@ -88,7 +99,7 @@ CHECK = textwrap.dedent(
     assert MooncakeKVSender.supports_host_tensor_indices is False
     assert getattr(envs, hooks.EARLY_SEND_ENV).get() is False
 
-    # Hook 6 (remote partial fetching): targets, and what the hooks read of SGLang's objects.
+    # Hook 7 (remote partial fetching): targets, and what the hooks read of SGLang's objects.
     remote_fetch = {
         hooks.PREFILL_SEND_TARGET: ["self", "req", "last_chunk", "end_idx"],
         hooks.SEND_INDICES_TARGET: ["self", "kv_indices", "state_indices"],

@@ -1,6 +1,7 @@
 """``SparseAttention``'s tails on constructed cases: a row whose tail the active blocks hold attends it
 from there; a PD arrival's dense first step (a tail longer than they hold) reads the host tier, in a call
-of its own so that the batch's other rows are not padded to its whole context (issue 25 item 7)."""
+of its own so that the batch's other rows are not padded to its whole context (issue 25 item 7); a
+request's attention reads the same keys in the same shape alone or in any batch (issue 25 item 13)."""
 
 from __future__ import annotations
 
@@ -77,7 +78,9 @@ def test_a_dense_first_step_attends_apart_from_the_rest_of_the_batch(monkeypatch
 
     monkeypatch.setattr(sparse_attention.ops, "headwise_decode_attention", recording)
     out = attention.decode(batch, q, SimpleNamespace(layer_id=0, scaling=0.5), seq_lens, k, v)
-    assert sorted(widths) == [2, 30]  # one call per kind of row; request 0's is not padded to 30
+    # One call per kind of row; request 0's tail is padded to the active span (its width alone or in
+    # any batch), not to request 1's 30 tokens.
+    assert sorted(widths) == [attention.active.span, 30]
     torch.testing.assert_close(out[0], reference(q[0], pool.k[48:50], pool.v[48:50], 0.5))
     torch.testing.assert_close(out[1], reference(q[1], pool.k[:30], pool.v[:30], 0.5))
     stats = attention.stats.snapshot()
@@ -101,4 +104,38 @@ def test_verify_rows_of_a_mixed_batch_equal_each_request_alone() -> None:
 
     together = run([0, 1])
     torch.testing.assert_close(together[0], run([0])[0])
+    torch.testing.assert_close(together[1], run([1])[0])
+
+
+def test_a_request_attends_the_same_alone_as_in_a_batch(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Greedy output must not depend on what else runs: request 0 (a 1-token tail) decodes bitwise the
+    same alone as beside request 1 (a 3-token tail), in a call of the same width."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randn(2, Q_HEADS, DIM, generator=gen)
+    layer = SimpleNamespace(layer_id=0, scaling=0.5)
+    widths: list[int] = []
+    real = sparse_attention.ops.headwise_decode_attention
+
+    def recording(*args: torch.Tensor) -> torch.Tensor:
+        widths.append(args[6].shape[1])
+        return real(*args)
+
+    monkeypatch.setattr(sparse_attention.ops, "headwise_decode_attention", recording)
+
+    def run(rows: list[int]) -> torch.Tensor:
+        attention, pool = _setup(torch.Generator().manual_seed(0))
+        attention.req_to_token_pool.req_to_token[1, :32] = torch.arange(32, dtype=torch.int32)
+        attention.working_sets.covered[1, 0] = 7  # request 1: tail 28..30 held, its new token at 31
+        attention.active.store(
+            0, torch.tensor([1]), torch.tensor([28]), torch.tensor([31]), pool.k[28:31], pool.v[28:31]
+        )
+        index = torch.tensor(rows)
+        batch = BatchView(rows, index, index, [0] * len(rows), step=1, admission=False)
+        seq_lens = torch.tensor([10, 32])[index]
+        new = torch.tensor([49, 31])[index]
+        return attention.decode(batch, q[index], layer, seq_lens, pool.k[new], pool.v[new])
+
+    together, alone = run([0, 1]), run([0])
+    assert widths[0] == widths[1]  # the batch's call and request 0's own: the same tail width
+    assert torch.equal(together[0], alone[0])
     torch.testing.assert_close(together[1], run([1])[0])

@@ -70,6 +70,30 @@ def test_adopt_keeps_the_shared_blocks_of_a_donor_slot() -> None:
     assert torch.equal(ws.k[1][held], donor_k[held])
 
 
+def test_what_a_capped_plan_evicts_does_not_depend_on_where_blocks_sit() -> None:
+    """Issue 25 item 13: a warm start leaves the shared blocks in its donor's slots, a cold start in
+    block order. Blocks 1 and 8 are both unselected and were last selected at the same step; which one
+    the capped plan evicts (the other stays resident, and attended) is the same in both layouts."""
+    resident = []
+    for layout in ([1, 2, 3, 8], [8, 3, 2, 1]):
+        ws = WorkingSetPool(1, 1, 1, 2, 4, B, torch.float32, "cpu")
+        ws.claim(0, owner=1)
+        ws.slot_block[0, 0, 0] = torch.tensor(layout)
+        ws.last_selected[0, 0, 0] = 5
+        selected = torch.zeros(1, 1, 10, dtype=torch.bool)
+        selected[0, 0, [2, 3, 4, 9]] = True
+        priority = torch.arange(10, dtype=torch.float32).expand(1, 1, -1)
+        plan = ws.plan_selections(torch.tensor([0]), 0, selected, 6, cap=1, priority=priority)
+        assert plan.num_loads == 1 and plan.deferred == 1  # block 9 loads (highest priority), 4 waits
+        resident.append(sorted(ws.slot_block[0, 0, 0].tolist()))
+        ref = HeadwiseMap(1, 4)
+        ref.slot_block[0] = torch.tensor(layout)
+        ref.last_selected[0] = 5
+        ref.plan([{2, 3, 4, 9}], 6, cap=1, priority=[dict(enumerate(map(float, range(10))))])
+        assert torch.equal(ref.slot_block, ws.slot_block[0, 0])
+    assert resident[0] == resident[1] == [2, 3, 8, 9]  # the lower block id of the tie went
+
+
 def test_working_set_loads_blocks_and_gathers_them_in_block_order() -> None:
     gen = torch.Generator().manual_seed(1)
     pool_k = torch.randn(40, 2, 3, generator=gen)  # host tier: 10 pages of B tokens

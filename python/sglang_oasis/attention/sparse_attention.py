@@ -87,7 +87,11 @@ class SparseAttention:
         active.store(
             layer_id, slots, first, first + new, k.view(bs * new, heads, -1), v.view(bs * new, heads, -1)
         )
-        positions = starts[:, None] + torch.arange(int(lengths.max()) if len(lengths) else 0)  # [bs, tail]
+        # Every held tail is padded to the same width, whatever the batch: a request's attention then
+        # reduces over the same keys alone or batched, so its output (and greedy tokens) do not depend
+        # on what else runs (a batch-wide longest tail would change the reduction's rounding).
+        width = int(lengths.max()) if bool(from_host.any()) else active.span - new
+        positions = starts[:, None] + torch.arange(width)  # [bs, tail]
         valid = positions < first[:, None]
         locs = active.rows(slots, positions)
         new_locs = active.rows(slots, first[:, None] + torch.arange(new))
@@ -199,11 +203,13 @@ class SparseAttention:
     def _long_tails_apart(
         self, batch: BatchView, layer_id: int, first: torch.Tensor, new: int
     ) -> torch.Tensor | None:
-        """``[bs]`` bool, the rows whose tail is longer than the active blocks hold (a PD arrival's dense
-        first step), when the batch mixes them with others: they attend in a call of their own, so the
-        other rows are not padded to their whole contexts. None: one call for the batch."""
+        """``[bs]`` bool, the first row whose tail is longer than the active blocks hold (a PD arrival's
+        dense first step), when the batch has other rows: it attends in a call of its own, so no other
+        row is padded to its whole context (nor its result to theirs). None: one call for the batch."""
         long = self._tails(batch, layer_id, first, new)[2]
-        return long if bool(long.any()) and not bool(long.all()) else None
+        if len(long) < 2 or not bool(long.any()):
+            return None
+        return torch.arange(len(long)) == int(long.nonzero()[0])
 
     def _tails(
         self, batch: BatchView, layer_id: int, first: torch.Tensor, new: int

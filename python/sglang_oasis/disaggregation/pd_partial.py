@@ -15,7 +15,7 @@ pool. With remote partial fetching the two nodes' sparse backends take over the 
 
 The hand-off travels over a small HTTP side channel in the prefill scheduler process (it owns the staged
 memory); the decode node finds it through the prefill's own bootstrap server, where the prefill
-registers the channel's URL per engine rank (a route sglang-oasis adds, hook 6 in ``sglang_hooks``).
+registers the channel's URL per engine rank (a route sglang-oasis adds, hook 7 in ``sglang_hooks``).
 A prefill node that does not stage (dense mode, or ``--oasis-remote-fetch false``) registers nothing, and
 its requests arrive whole, as in plain SGLang.
 

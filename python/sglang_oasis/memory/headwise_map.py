@@ -14,7 +14,7 @@ Applying a selection for a step::
     needed   = the head's selected blocks (the prediction for the next step)
     keep     = needed ∩ resident           (stay in their slots, last-selected := step)
     missing  = needed − resident           (loaded into free slots first, then into the slots of
-    victims  = resident − needed            victims, least recently selected first)
+    victims  = resident − needed            victims, least recently selected first, ties by block id)
 
 With a fetch cap C (``--oasis-fetch-ratio``), at most C missing blocks per head come from the host tier
 in one step, the highest-priority (summary score) first, ties by block id; the rest are *deferred* and
@@ -121,7 +121,8 @@ class HeadwiseMap:
             missing = fresh | set(by_priority[:cap])
         free_slots = [slot for slot, block in enumerate(blocks) if block == EMPTY]
         victims = sorted(
-            (slot for block, slot in slot_of.items() if block not in needed), key=lambda s: last[s]
+            (slot for block, slot in slot_of.items() if block not in needed),
+            key=lambda s: (last[s], blocks[s]),
         )
         loads = []
         for block, slot in zip(sorted(missing), free_slots + victims, strict=False):

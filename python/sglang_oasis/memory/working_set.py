@@ -19,6 +19,10 @@ import torch
 from sgl_kernel_oasis import ops
 from sglang_oasis.memory.headwise_map import EMPTY
 
+# Block ids are below this (2**24 blocks: contexts of 268M tokens at 16 per block), so victims order by
+# last_selected * BLOCK_ID_SPAN + block id: by last selection, ties by block id.
+BLOCK_ID_SPAN = 1 << 24
+
 
 class TransferPlan(NamedTuple):
     """Blocks to copy into working sets: load i puts logical block ``blocks[i]`` of batch row
@@ -132,7 +136,7 @@ class WorkingSetPool:
 
         Same plan as the per-head reference: kept blocks stay in their slots; admitted missing blocks,
         in ascending order, go to free slots first (in slot order), then to slots of unselected blocks,
-        least recently selected first.
+        least recently selected first (ties: lowest block id first).
         """
         bs, heads, num_blocks = selected.shape
         blocks = self.slot_block[reqs, layer]  # [bs, H, S]
@@ -157,8 +161,10 @@ class WorkingSetPool:
             admitted = capped & (rank < cap)
             deferred = int((capped & ~admitted).sum())
             missing = missing & (fresh | admitted)
-        # Victim order: free slots (key -1), then unselected blocks by last selection; kept slots last.
-        key = torch.where(occupied, last, -1)
+        # Victim order: free slots (key -1), then unselected blocks by last selection, ties by block id
+        # (not by slot: where a block sits depends on the slot's history, e.g. a warm start's donor, and
+        # what is evicted must not); kept slots last.
+        key = torch.where(occupied, last * BLOCK_ID_SPAN + blocks, -1)
         key = torch.where(holds_selected, torch.iinfo(torch.int64).max, key)
         victims = key.sort(dim=-1, stable=True).indices
         missing_first = (~missing).to(torch.int8).sort(dim=-1, stable=True).indices  # ascending ids

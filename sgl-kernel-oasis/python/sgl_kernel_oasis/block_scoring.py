@@ -46,7 +46,8 @@ def score_blocks_batched(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Te
     ``q_d * lo_d`` otherwise, so a query head's bound is ``relu(q) . kmax + min(q, 0) . kmin``, and the
     G heads of a group sum to ``(sum_g relu(q_g)) . kmax + (sum_g min(q_g, 0)) . kmin``: per KV head one
     positive and one negative query vector against the block summaries, no ``[blocks, dim]``
-    intermediate per query head. Equal to ``score_blocks`` up to float rounding (tested).
+    intermediate per query head. Equal to ``score_blocks`` up to float rounding (tested); a request's
+    scores do not depend on the batch it is in (tested bitwise).
 
     Args:
         query: ``[batch, num_q_heads, head_dim]``.
@@ -64,10 +65,13 @@ def score_blocks_batched(query: torch.Tensor, kmin: torch.Tensor, kmax: torch.Te
     q = query.float().view(batch, num_kv_heads, group, head_dim)
     positive = q.clamp(min=0).sum(dim=2)  # [batch, kv_heads, dim]
     negative = q.clamp(max=0).sum(dim=2)
-    hi = kmax.float().permute(0, 2, 3, 1)  # [batch, kv_heads, dim, blocks]
-    lo = kmin.float().permute(0, 2, 3, 1)
-    scores = torch.matmul(positive[:, :, None, :], hi) + torch.matmul(negative[:, :, None, :], lo)
-    return scores[:, :, 0, :]
+    hi = kmax.float().permute(0, 2, 1, 3)  # [batch, kv_heads, blocks, dim]
+    lo = kmin.float().permute(0, 2, 1, 3)
+    # A product and a sum over dim, not a matmul: each score is then reduced the same way whatever the
+    # batch and its padding to the longest request (a matmul's tiling changes with them, and so does
+    # the last bit of a score, enough to flip a top-K tie: greedy output would depend on other
+    # requests). On CPU it is also faster than the matmul at decode shapes.
+    return (hi * positive[:, :, None, :] + lo * negative[:, :, None, :]).sum(dim=-1)
 
 
 def score_paged_blocks(
