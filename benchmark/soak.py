@@ -102,14 +102,16 @@ def _finish(meta: dict[str, Any]) -> tuple[str, str | None]:
     return "completed", None
 
 
-def send(url: str, request: SoakRequest, timeout_s: float = 600.0) -> Outcome:
-    """Serve one request with its fate."""
+def send(url: str, request: SoakRequest, abort_urls: Sequence[str] = (), timeout_s: float = 600.0) -> Outcome:
+    """Serve one request with its fate (``abort_urls``: the servers an abort goes to; default ``url``)."""
     timer = None
     if request.fate == "abort":
-        timer = threading.Timer(
-            request.fate_at,
-            lambda: requests.post(url + "/abort_request", json={"rid": request.rid}, timeout=30),
-        )
+
+        def abort() -> None:
+            for server in abort_urls or [url]:
+                requests.post(server + "/abort_request", json={"rid": request.rid}, timeout=30)
+
+        timer = threading.Timer(request.fate_at, abort)
         timer.start()
     try:
         body = _body(request, request.rid, request.stream)
@@ -148,9 +150,11 @@ def _read_stream(response: requests.Response, request: SoakRequest) -> Outcome:
     return Outcome(status, ids, int(meta.get("num_retractions") or 0), error)
 
 
-def run_mix(url: str, reqs: Sequence[SoakRequest], concurrency: int) -> list[Outcome]:
+def run_mix(
+    url: str, reqs: Sequence[SoakRequest], concurrency: int, abort_urls: Sequence[str] = ()
+) -> list[Outcome]:
     with ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(lambda r: send(url, r), reqs))
+        return list(pool.map(lambda r: send(url, r, abort_urls), reqs))
 
 
 def solo_outputs(

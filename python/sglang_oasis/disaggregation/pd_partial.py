@@ -151,10 +151,19 @@ def _unpack_bits(text: str, shape: tuple[int, ...]) -> torch.Tensor:
     return torch.from_numpy(np.unpackbits(bits)[:count].astype(bool).reshape(shape))
 
 
+UNREACHABLE_TTL_S = 10.0  # how long a bootstrap server that did not answer is not asked again
+_unreachable: dict[tuple[str, int], tuple[str, float]] = {}  # bootstrap address -> (failure, when)
+
+
 def handoff_endpoint(bootstrap_host: str, bootstrap_port: int) -> str | None:
     """The hand-off URL the prefill node at this bootstrap address registered with its bootstrap server;
     None if it does not stage KV (its requests arrive whole). Raises ``RemoteFetchError`` if the bootstrap
-    server cannot answer."""
+    server cannot answer; that is remembered for ``UNREACHABLE_TTL_S``, so requests arriving meanwhile
+    fail at once instead of each holding the decode scheduler's thread for the HTTP timeout."""
+    key, now = (bootstrap_host, int(bootstrap_port)), time.monotonic()
+    known = _unreachable.get(key)
+    if known is not None and now - known[1] < UNREACHABLE_TTL_S:
+        raise RemoteFetchError(f"{known[0]} ({now - known[1]:.1f} s ago; not asked again yet)")
     address = f"http://{bootstrap_host}:{bootstrap_port}{ENDPOINT_ROUTE}?engine_rank=0"
     try:
         with urllib.request.urlopen(address, timeout=HTTP_TIMEOUT_S) as response:
@@ -166,7 +175,9 @@ def handoff_endpoint(bootstrap_host: str, bootstrap_port: int) -> str | None:
             raise RemoteFetchError(f"bootstrap server {address} answered {error.code}") from None
         return None
     except (urllib.error.URLError, OSError) as error:
-        raise RemoteFetchError(f"bootstrap server {address} unreachable: {error}") from None
+        message = f"bootstrap server {address} unreachable: {error}"
+        _unreachable[key] = (message, now)
+        raise RemoteFetchError(message) from None
 
 
 STAGES_ANSWER_TTL_S = 10.0  # how long a decode server trusts a prefill node's "I stage" / "I do not"
@@ -176,7 +187,8 @@ _stages_answers: dict[tuple[str, int], tuple[bool, float]] = {}  # bootstrap add
 def prefill_stages(bootstrap_host: str, bootstrap_port: int) -> bool:
     """Whether the prefill node at this bootstrap address stages KV for remote partial fetching. Asked
     at most once per ``STAGES_ANSWER_TTL_S`` per address (it runs on the decode scheduler's thread, once
-    per arriving request); an unreachable bootstrap server counts as not staging and is asked again."""
+    per arriving request); an unreachable bootstrap server counts as not staging, and is asked again only
+    after ``UNREACHABLE_TTL_S``."""
     key, now = (bootstrap_host, int(bootstrap_port)), time.monotonic()
     cached = _stages_answers.get(key)
     if cached is not None and now - cached[1] < STAGES_ANSWER_TTL_S:

@@ -13,11 +13,18 @@ Per request and layer, each logical block is either present in the local host ti
 - ``ensure``: before a layer's working-set loads, the blocks not yet present are read for all requests of
   the batch at once (batched per peer, at most ``MAX_BATCH_REQUESTS`` per batch); each block is read at
   most once. A failed read fails only the requests whose blocks it carried.
+
+Failures are remembered, so that a bad peer costs the scheduler one timeout, not one per layer and
+request: a request whose read failed fails at once at every later layer (it is being aborted), and a
+peer whose read ran into the transfer timeout (hung or gone, not a refused read of released memory) is
+not read again for ``DEAD_PEER_TTL_S``: every read from it meanwhile fails at once, naming the failure.
 """
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
@@ -25,6 +32,8 @@ import torch
 
 from sglang_oasis.disaggregation.staging import StagedKVLayout
 from sglang_oasis.disaggregation.transfer_engine import MooncakeEndpoint, RemoteReadError
+
+DEAD_PEER_TTL_S = 30.0  # a peer whose read timed out is not read again for this long
 
 
 @dataclass
@@ -81,6 +90,12 @@ class RemotePartialFetcher:
         self.requests: dict[int, RemoteRequest] = {}
         self.counters = FetchCounters()
         self._lock = threading.Lock()
+        # A read failing after this long ran into the transfer timeout: its peer is hung or gone.
+        self.hung_after_s = 0.9 * float(os.environ.get("MC_TRANSFER_TIMEOUT", "30"))
+        # Mooncake session -> (the failure that condemned it, when); forgotten after DEAD_PEER_TTL_S (a
+        # restarted peer may come back at the same address).
+        self.dead_peers: dict[str, tuple[str, float]] = {}
+        self.failed: dict[int, str] = {}  # request -> its first failed read (it is being aborted)
 
     # --- admission ---------------------------------------------------------------------------------
 
@@ -146,8 +161,24 @@ class RemotePartialFetcher:
                 for which, store in enumerate((self.kmin, self.kmax)):
                     local.append(store[layer, local_page].data_ptr())
                     remote.append(layout.summary_address_of(layer, which, page))
-        self.endpoint.read(layout.session, local, remote, [row] * len(local))
+        self._read(layout.session, local, remote, [row] * len(local))
         return row * len(local)
+
+    def _read(self, session: str, local: list[int], remote: list[int], lengths: list[int]) -> None:
+        """One peer's reads; a peer that timed out before is not read again."""
+        started = time.monotonic()
+        with self._lock:
+            dead = self.dead_peers.get(session)
+        if dead is not None and started - dead[1] < DEAD_PEER_TTL_S:
+            raise RemoteReadError(session, len(local), sum(lengths), -1, f"peer timed out before: {dead[0]}")
+        try:
+            self.endpoint.read(session, local, remote, lengths)
+        except RemoteReadError as error:
+            now = time.monotonic()
+            if now - started >= self.hung_after_s:
+                with self._lock:
+                    self.dead_peers[session] = (str(error), now)
+            raise
 
     # --- decode time --------------------------------------------------------------------------------
 
@@ -156,19 +187,22 @@ class RemotePartialFetcher:
         for all requests at once. Returns the requests whose reads failed (request -> message); their
         blocks stay remote and the others' become present."""
         todo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        failed: dict[int, str] = {}
         with self._lock:
             for req, blocks in wanted.items():
                 request = self.requests.get(req)
                 if request is None:
                     continue  # not a remote request (local prefill)
+                if req in self.failed:
+                    failed[req] = self.failed[req]
+                    continue
                 blocks = blocks.to(torch.int64).cpu().unique()
                 blocks = blocks[blocks < request.layout.num_pages]  # later blocks were decoded here
                 missing = blocks[~request.present[layer, blocks]]
                 if missing.numel():
                     todo[req] = (torch.full_like(missing, layer), missing)
         if not todo:
-            return {}
-        failed: dict[int, str] = {}
+            return failed
         try:
             nbytes = self._read_blocks(todo)
             done = list(todo)
@@ -190,12 +224,16 @@ class RemotePartialFetcher:
                 self.counters.miss_blocks += len(blocks)
                 self._charge(req, len(blocks) * 2 * self.block_bytes)
             self.counters.miss_bytes += nbytes
-            self.counters.failed_reads += len(failed)
+            self.counters.failed_reads += len(failed.keys() - self.failed.keys())
+            for req, message in failed.items():
+                if req in self.requests:
+                    self.failed.setdefault(req, message)
         return failed
 
     def release(self, req: int) -> None:
         with self._lock:
             self.requests.pop(req, None)
+            self.failed.pop(req, None)
 
     def present_blocks(self, req: int) -> int:
         """(block, layer) pairs of ``req`` held in the local host tier."""
@@ -225,7 +263,7 @@ class RemotePartialFetcher:
                     remote.append(layout.block_address(layer, kv, block))
         nbytes = 0
         for session, (local, remote) in by_peer.items():
-            self.endpoint.read(session, local, remote, [self.block_bytes] * len(local))
+            self._read(session, local, remote, [self.block_bytes] * len(local))
             nbytes += self.block_bytes * len(local)
         return nbytes
 

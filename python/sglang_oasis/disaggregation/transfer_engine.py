@@ -31,9 +31,10 @@ class TransferEngineError(RuntimeError):
 class RemoteReadError(RuntimeError):
     """A read from a peer failed (peer gone, frozen past the timeout, or an unregistered address)."""
 
-    def __init__(self, session: str, requests: int, nbytes: int, code: int) -> None:
+    def __init__(self, session: str, requests: int, nbytes: int, code: int, reason: str = "") -> None:
         super().__init__(
-            f"Mooncake read of {requests} region(s), {nbytes} bytes, from {session} failed (code {code})"
+            f"Mooncake read of {requests} region(s), {nbytes} bytes, from {session} failed "
+            f"({reason or f'code {code}'})"
         )
         self.session = session
 

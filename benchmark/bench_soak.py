@@ -1,0 +1,167 @@
+"""Soak, long variant (issue 25): a few hundred greedy requests with client disconnects, ``/abort_request``
+calls, streaming and not, shared stems and exact repeats, against each mode in turn, with a host tier
+small enough (and ``--schedule-conservativeness`` low enough) that SGLang retracts requests under load.
+
+Modes (``--modes``, comma-separated):
+
+- ``dense``: dense SGLang, the baseline (is the engine itself exact under this load?);
+- ``sparse``: sparse mode, K = ``--top-k``;
+- ``eagle3``: sparse with ``--oasis-lookahead eagle3`` (the draft head shipped for SmolLM2; needs the
+  whole model, so this mode ignores ``--num-layers``);
+- ``pd``: ``launch_pd`` (sparse prefill and decode servers, Mooncake on 127.0.0.1, remote partial
+  fetching); aborts go to both servers, the drain reads both.
+
+Per mode (``benchmark/soak.py`` does the work): requests sent, completed, aborted, disconnected,
+failed as expected (aborted or disconnected by the client), failed unexpectedly (must be 0), completed
+requests SGLang retracted, completed outputs differing from the same request served alone (must be 0;
+``differing_retracted`` counts those SGLang retracted apart: see below), and what the server still holds
+after the drain and a radix flush (request slots, working-set tokens, staged bytes, host-pool tokens;
+must be 0).
+
+A request SGLang retracts is re-prefilled with its generated tokens as prompt: the token after them is
+computed by the dense prefill, and its first working set is chosen again from the prefill window, so in
+sparse mode its continuation can differ from the solo run's (dense: the same). That is reported, not
+hidden, in ``differing_retracted``.
+
+    python benchmark/bench_soak.py --json soak.json [--modes dense,sparse,eagle3,pd] [--requests 200]
+        [--concurrency 16] [--num-layers 6] [--top-k 8] [--host-kv-tokens 4096]
+        [--prompt-tokens 200,1500] [--new-tokens 16,64] [--seed 25]
+
+Prints a table and writes JSON (one section per mode, plus ``settings``, ``date``, ``machine``); exits 1
+when a mode failed a must-be-0 figure or did not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+import time
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from common import machine_info, print_table
+from sglang_oasis.evaluation.passkey import essays_text
+from sglang_oasis.models.default_model import prepare_default_model
+from sglang_oasis.server_process import ServerProcess
+from soak import compare, drain, run_mix, solo_outputs, summary, workload
+
+MUST_BE_ZERO = ("failed_unexpectedly", "differing")
+HELD = ("running_requests", "device_working_set_tokens", "staged_bytes", "host_tokens_used")
+
+
+def mode_args(mode: str, args: argparse.Namespace, model: Path) -> list[str]:
+    common = ["--model-path", str(model), "--dtype", "float32", "--schedule-conservativeness",
+              str(args.conservativeness)]  # fmt: skip
+    if mode == "dense":
+        return [*common, "--oasis-mode", "dense", "--max-total-tokens", str(args.host_kv_tokens)]
+    sparse = [*common, "--oasis-top-k", str(args.top_k), "--oasis-host-kv-tokens", str(args.host_kv_tokens)]
+    if mode == "eagle3":
+        return [*sparse, "--oasis-lookahead", "eagle3"]
+    return sparse
+
+
+def run_mode(mode: str, args: argparse.Namespace, corpus: list[int], logs: Path) -> dict[str, Any]:
+    model = prepare_default_model(None if mode == "eagle3" else args.num_layers)
+    reqs = workload(args.seed, args.requests, corpus, args.prompt_tokens, args.new_tokens)
+    started = time.monotonic()
+    if mode == "pd":
+        from sglang_oasis_testing.pd_launch import PDLaunch
+
+        with PDLaunch(mode_args("sparse", args, model), logs / "pd") as launch:
+            urls = [launch.prefill.url, launch.decode.url]
+            outcomes = run_mix(launch.router.url, reqs, args.concurrency, abort_urls=urls)
+            held = {url: drain(url, sparse=True) for url in urls}
+            solo = solo_outputs(launch.router.url, reqs, outcomes)
+            merged = {"flushed": all(h["flushed"] for h in held.values())}
+            merged |= {name: sum(h[name] for h in held.values()) for name in HELD}
+    else:
+        with ServerProcess(mode_args(mode, args, model), log_path=logs / f"{mode}.log") as server:
+            outcomes = run_mix(server.url, reqs, args.concurrency)
+            merged = drain(server.url, sparse=mode != "dense")
+            solo = solo_outputs(server.url, reqs, outcomes)
+            answers = server.alive()
+    result = {
+        **compare(reqs, outcomes, solo),
+        "held_after_drain": merged,
+        "seconds": time.monotonic() - started,
+    }
+    if mode != "pd":
+        result["alive_after"] = answers
+    result["requests"] = summary(reqs, outcomes)
+    return result
+
+
+def failures(result: dict[str, Any]) -> list[str]:
+    if "error" in result:
+        return [result["error"]]
+    bad = [f"{name} = {result[name]}" for name in MUST_BE_ZERO if result[name]]
+    held = result["held_after_drain"]
+    bad += [f"{name} = {held[name]} after the drain" for name in HELD if held.get(name)]
+    if not held.get("flushed"):
+        bad.append("the radix cache could not be flushed")
+    return bad
+
+
+def pair(text: str) -> tuple[int, int]:
+    low, high = (int(x) for x in text.split(","))
+    return low, high
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--modes", default="dense,sparse,eagle3,pd")
+    parser.add_argument("--requests", type=int, default=200)
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--num-layers", type=int, default=6, help="SmolLM2 truncated (eagle3: all 30)")
+    parser.add_argument("--top-k", type=int, default=8)
+    parser.add_argument("--host-kv-tokens", type=int, default=4096)
+    parser.add_argument("--conservativeness", type=float, default=0.3, help="SGLang's; low: retractions")
+    parser.add_argument("--prompt-tokens", type=pair, default=(200, 1500))
+    parser.add_argument("--new-tokens", type=pair, default=(16, 64))
+    parser.add_argument("--seed", type=int, default=25)
+    args = parser.parse_args()
+
+    from transformers import AutoTokenizer
+
+    corpus = AutoTokenizer.from_pretrained(prepare_default_model()).encode(
+        essays_text(), add_special_tokens=False
+    )
+    results: dict[str, Any] = {
+        "settings": {
+            k: (list(v) if isinstance(v, tuple) else v) for k, v in vars(args).items() if k != "json"
+        },
+        "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
+        "machine": machine_info(),
+    }
+    logs = Path(tempfile.mkdtemp(prefix="bench-soak-"))
+    print(f"server logs in {logs}", flush=True)
+    for mode in args.modes.split(","):
+        print(f"[bench_soak] {mode} ...", flush=True)
+        try:
+            results[mode] = run_mode(mode, args, corpus, logs)
+        except Exception as exc:  # one mode failing still reports the others
+            results[mode] = {"error": f"{type(exc).__name__}: {exc}"}
+        args.json.write_text(json.dumps(results, indent=2))
+    columns = ["sent", "completed", "aborted", "disconnected", "failed_unexpectedly", "retracted", "differing",
+               "differing_retracted"]  # fmt: skip
+    rows, bad = [], {}
+    for mode in args.modes.split(","):
+        result = results[mode]
+        held = result.get("held_after_drain", {})
+        rows.append([mode, *(result.get(c, "-") for c in columns), sum(held.get(n, 0) for n in HELD)])
+        if failures(result):
+            bad[mode] = failures(result)
+    print_table(["mode", *columns, "held"], rows)
+    for mode, problems in bad.items():
+        print(f"{mode}: {'; '.join(problems)}")
+    sys.exit(1 if bad else 0)
+
+
+if __name__ == "__main__":
+    main()
