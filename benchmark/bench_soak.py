@@ -18,6 +18,12 @@ requests SGLang retracted, completed outputs differing from the same request ser
 after the drain and a radix flush (request slots, working-set tokens, staged bytes, host-pool tokens;
 must be 0).
 
+Retractions: a small host tier and a low ``--conservativeness`` make them possible, but SGLang's
+admission avoids them well on these loads (none in the runs so far); ``--retract-every N`` forces them
+with SGLang's own test switch (``SGLANG_TEST_RETRACT``: every N forward passes a decode batch retracts).
+The solo runs then go through the same server, so with forced retractions a solo run may itself have
+been retracted; ``test/integration/test_soak.py`` takes its references from a server without the switch.
+
 A request SGLang retracts is re-prefilled with its generated tokens as prompt: the token after them is
 computed by the dense prefill, and its first working set is chosen again from the prefill window, so in
 sparse mode its continuation can differ from the solo run's (dense: the same). That is reported, not
@@ -25,7 +31,7 @@ hidden, in ``differing_retracted``.
 
     python benchmark/bench_soak.py --json soak.json [--modes dense,sparse,eagle3,pd] [--requests 200]
         [--concurrency 16] [--num-layers 6] [--top-k 8] [--host-kv-tokens 4096]
-        [--prompt-tokens 200,1500] [--new-tokens 16,64] [--seed 25]
+        [--prompt-tokens 200,1500] [--new-tokens 16,64] [--seed 25] [--retract-every N]
 
 Prints a table and writes JSON (one section per mode, plus ``settings``, ``date``, ``machine``); exits 1
 when a mode failed a must-be-0 figure or did not run.
@@ -59,18 +65,32 @@ def mode_args(mode: str, args: argparse.Namespace, model: Path) -> list[str]:
         return [*common, "--oasis-mode", "dense", "--max-total-tokens", str(args.host_kv_tokens)]
     sparse = [*common, "--oasis-top-k", str(args.top_k), "--oasis-host-kv-tokens", str(args.host_kv_tokens)]
     if mode == "eagle3":
-        return [*sparse, "--oasis-lookahead", "eagle3"]
+        from sglang_oasis.models.default_model import default_draft_dir
+
+        return [
+            *sparse,
+            "--oasis-lookahead",
+            "eagle3",
+            "--speculative-draft-model-path",
+            str(default_draft_dir()),
+        ]
     return sparse
+
+
+def retract_env(every: int) -> dict[str, str]:
+    """SGLang's own test switch: retract running requests every ``every`` forward passes (0: off)."""
+    return {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": str(every)} if every else {}
 
 
 def run_mode(mode: str, args: argparse.Namespace, corpus: list[int], logs: Path) -> dict[str, Any]:
     model = prepare_default_model(None if mode == "eagle3" else args.num_layers)
+    env = retract_env(args.retract_every)
     reqs = workload(args.seed, args.requests, corpus, args.prompt_tokens, args.new_tokens)
     started = time.monotonic()
     if mode == "pd":
         from sglang_oasis_testing.pd_launch import PDLaunch
 
-        with PDLaunch(mode_args("sparse", args, model), logs / "pd") as launch:
+        with PDLaunch(mode_args("sparse", args, model), logs / "pd", env) as launch:
             urls = [launch.prefill.url, launch.decode.url]
             outcomes = run_mix(launch.router.url, reqs, args.concurrency, abort_urls=urls)
             held = {url: drain(url, sparse=True) for url in urls}
@@ -78,7 +98,7 @@ def run_mode(mode: str, args: argparse.Namespace, corpus: list[int], logs: Path)
             merged = {"flushed": all(h["flushed"] for h in held.values())}
             merged |= {name: sum(h[name] for h in held.values()) for name in HELD}
     else:
-        with ServerProcess(mode_args(mode, args, model), log_path=logs / f"{mode}.log") as server:
+        with ServerProcess(mode_args(mode, args, model), log_path=logs / f"{mode}.log", env=env) as server:
             outcomes = run_mix(server.url, reqs, args.concurrency)
             merged = drain(server.url, sparse=mode != "dense")
             solo = solo_outputs(server.url, reqs, outcomes)
@@ -125,6 +145,12 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=pair, default=(200, 1500))
     parser.add_argument("--new-tokens", type=pair, default=(16, 64))
     parser.add_argument("--seed", type=int, default=25)
+    parser.add_argument(
+        "--retract-every",
+        type=int,
+        default=0,
+        help="force SGLang retractions every N forward passes (0: off)",
+    )
     args = parser.parse_args()
 
     from transformers import AutoTokenizer
