@@ -70,6 +70,7 @@ KNOWN_BENCHMARKS = (
     "bench_rpf",
     "bench_pd",
     "bench_acceptance",
+    "bench_soak",
 )
 FULL = Scale(
     bench_args={
@@ -81,6 +82,7 @@ FULL = Scale(
         "bench_rpf": [],
         "bench_pd": [],
         "bench_acceptance": ["--pd"],
+        "bench_soak": [],
     },
     bench_timeout_s=3 * 3600,
     passkey_contexts=(1000, 2000, 4000, 7000),
@@ -105,6 +107,16 @@ QUICK = Scale(
         "bench_rpf": ["--num-layers", "6", "--contexts", "1024", "2048", "--steps", "16"],
         "bench_pd": ["--contexts", "1024", "2048", "--new-tokens", "16"],
         "bench_acceptance": ["--prompts", "8", "--max-new-tokens", "64", "--modes", "dense,eagle3"],
+        "bench_soak": [
+            "--modes",
+            "dense,sparse",
+            "--requests",
+            "24",
+            "--prompt-tokens",
+            "100,400",
+            "--new-tokens",
+            "8,24",
+        ],
     },
     bench_timeout_s=900,
     passkey_contexts=(1000, 2000),

@@ -157,25 +157,25 @@ def run_mix(
         return list(pool.map(lambda r: send(url, r, abort_urls), reqs))
 
 
-def solo_outputs(
-    url: str, reqs: Sequence[SoakRequest], outcomes: Sequence[Outcome]
-) -> dict[tuple, list[int]]:
+def solo_outputs(url: str, reqs: Sequence[SoakRequest], outcomes: Sequence[Outcome]) -> dict[tuple, Outcome]:
     """Each completed request's prompt and length served alone (once per distinct pair), non-streaming."""
-    solo: dict[tuple, list[int]] = {}
+    solo: dict[tuple, Outcome] = {}
     for request, outcome in zip(reqs, outcomes, strict=True):
         key = (request.input_ids, request.max_new_tokens)
         if outcome.status == "completed" and key not in solo:
             response = requests.post(url + "/generate", json=_body(request, None, False), timeout=600)
             response.raise_for_status()
-            solo[key] = list(response.json()["output_ids"])
+            reply = response.json()
+            retractions = int(reply["meta_info"].get("num_retractions") or 0)
+            solo[key] = Outcome("completed", list(reply["output_ids"]), retractions)
     return solo
 
 
 def compare(
-    reqs: Sequence[SoakRequest], outcomes: Sequence[Outcome], solo: dict[tuple, list[int]]
+    reqs: Sequence[SoakRequest], outcomes: Sequence[Outcome], solo: dict[tuple, Outcome]
 ) -> dict[str, Any]:
     """Counts by outcome, and the completed requests whose output differs from the solo run (apart:
-    those SGLang retracted and re-prefilled on the way)."""
+    those SGLang retracted and re-prefilled on the way, in the mix or in their solo run)."""
     counts = {"sent": len(reqs), "completed": 0, "aborted": 0, "disconnected": 0, "failed_as_expected": 0,
               "failed_unexpectedly": 0, "retracted": 0, "differing": 0, "differing_retracted": 0}  # fmt: skip
     unexpected: list[str] = []
@@ -189,9 +189,10 @@ def compare(
             unexpected.append(f"{request.rid} ({request.fate}): {outcome.status}: {outcome.error}")
             continue
         counts["completed"] += 1
-        retracted = outcome.retractions > 0
-        counts["retracted"] += retracted
-        same = outcome.output_ids == solo[(request.input_ids, request.max_new_tokens)]
+        alone = solo[(request.input_ids, request.max_new_tokens)]
+        counts["retracted"] += outcome.retractions > 0
+        retracted = outcome.retractions > 0 or alone.retractions > 0
+        same = outcome.output_ids == alone.output_ids
         if not same:
             counts["differing_retracted" if retracted else "differing"] += 1
             if not retracted:

@@ -90,11 +90,13 @@ GAUGES = {
     "lookahead_agreement_ppm": "mean share (millionths) of each sampled step's true top-K blocks that the "
     "blocks selected the step before held",
 }
-# Per layer (not exported to Prometheus; GET /oasis/stats reports them as recall_per_layer): the mean
-# recall of the layer's last samples in millionths, plus one (0: never sampled).
+# Per layer (GET /oasis/stats reports them as recall_per_layer; Prometheus as the gauge
+# sglang_oasis:recall_layer{layer="<id>"}, a fraction): the mean recall of the layer's last samples in
+# millionths, plus one (0: never sampled).
 MAX_RECALL_LAYERS = 256
 LAYER_FIELDS = tuple(f"recall_layer_ppm_{layer}" for layer in range(MAX_RECALL_LAYERS))
 FIELDS = (*COUNTERS, *GAUGES, *LAYER_FIELDS)
+RECALL_LAYER_GAUGE = "recall_layer"  # the Prometheus gauge of LAYER_FIELDS, labelled by layer
 
 
 def shm_name(port: int) -> str:
@@ -158,9 +160,20 @@ class OasisStats:
                 name: Gauge(f"sglang_oasis:{name}", help_text, multiprocess_mode="mostrecent")
                 for name, help_text in {**COUNTERS, **GAUGES}.items()
             }
+            self._gauges[RECALL_LAYER_GAUGE] = Gauge(
+                f"sglang_oasis:{RECALL_LAYER_GAUGE}",
+                "mean recall (a fraction) of the layer's last recall samples; layers never sampled are absent",
+                labelnames=["layer"],
+                multiprocess_mode="mostrecent",
+            )
         values = self.snapshot()
         for name, gauge in self._gauges.items():
-            gauge.set(values[name])
+            if name != RECALL_LAYER_GAUGE:
+                gauge.set(values[name])
+        per_layer = self._gauges[RECALL_LAYER_GAUGE]
+        for layer, field in enumerate(LAYER_FIELDS):
+            if values[field] > 0:
+                per_layer.labels(layer=str(layer)).set((values[field] - 1) / 1e6)
 
     def close(self) -> None:
         if self._shm is None:

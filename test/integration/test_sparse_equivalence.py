@@ -132,6 +132,14 @@ def test_counters_are_exported_to_prometheus(tiny_qwen3_sparse_server: ServerPro
     assert exported["sglang_oasis:requests"] >= 1
     assert exported["sglang_oasis:host_tokens_capacity"] == current["host_tokens_capacity"]
     assert exported["sglang_oasis:blocks_loaded"] > 0
+    # Recall per layer (this server samples every decode step): one labelled series per sampled layer.
+    layers = {
+        line.split('layer="')[1].split('"')[0]: float(line.rsplit(" ", 1)[1])
+        for line in metrics.splitlines()
+        if line.startswith("sglang_oasis:recall_layer{")
+    }
+    assert set(layers) == set(current["recall_per_layer"]) == {"0", "1", "2", "3"}, layers
+    assert all(0 < value <= 1 for value in layers.values())
 
 
 def test_request_larger_than_the_host_tier_fails_alone(tiny_qwen3_sparse_server: ServerProcess) -> None:

@@ -47,13 +47,17 @@ def test_outcomes_are_classified_against_the_solo_run() -> None:
         Outcome("failed", error="HTTP 500: boom"),
         Outcome("aborted", error="transfer failed"),  # aborted by the server, not by the client
     ]
-    solo = {(r.input_ids, 3): [1, 2, 3] for r in reqs}
+    solo = {(r.input_ids, 3): Outcome("completed", [1, 2, 3]) for r in reqs}
     report = compare(reqs, outcomes, solo)
     assert {k: v for k, v in report.items() if k != "problems"} == {
         "sent": 7, "completed": 3, "aborted": 1, "disconnected": 1, "failed_as_expected": 2,
         "failed_unexpectedly": 2, "retracted": 1, "differing": 1, "differing_retracted": 1,
     }  # fmt: skip
     assert len(report["problems"]) == 3 and "r1: output differs" in report["problems"][0]
+    # A solo run that was itself retracted is no reference: its request's difference counts apart.
+    solo[(reqs[1].input_ids, 3)] = Outcome("completed", [1, 2, 3], retractions=2)
+    report = compare(reqs, outcomes, solo)
+    assert (report["differing"], report["differing_retracted"], report["retracted"]) == (0, 2, 1)
 
 
 def test_a_mode_fails_on_unexpected_failures_differences_and_held_memory() -> None:
