@@ -85,7 +85,9 @@ def test_repeated_long_prefix_is_cached(default_server: ServerProcess) -> None:
     assert prompt_tokens > 1000
     _, second = cached_tokens("What comes after 9?")
     assert first < 100
-    assert second >= prompt_tokens - 20  # everything but the new question came from the radix cache
+    # Everything but the new question came from the radix cache, except the prefill window's 32 tokens
+    # (sparse mode recomputes them for their queries) rounded to a whole page.
+    assert second >= prompt_tokens - 20 - 32 - 16
 
 
 @pytest.mark.parametrize(

@@ -16,6 +16,7 @@ from sglang_oasis.server_process import ServerProcess
 pytestmark = pytest.mark.server
 
 BLOCK = 16
+WINDOW = 32  # the prefill window: sparse mode's prefix match leaves at least these tokens to compute
 
 
 def tokens(length: int, seed: int) -> list[int]:
@@ -35,7 +36,8 @@ def test_a_cached_prefix_ending_inside_a_block_is_reused_and_output_equals_dense
     dense = [generate(tiny_qwen3_server, ids) for ids in (first, second)]
     # Sparse mode caches whole blocks: the shared part of the partly shared block is recomputed into
     # the second request's own block, never written into the first's.
-    assert sparse[1]["meta_info"]["cached_tokens"] >= len(prefix) // BLOCK * BLOCK
+    # (At most the prompt minus the prefill window's tokens is matched: sglang_hooks, hook 5.)
+    assert sparse[1]["meta_info"]["cached_tokens"] >= min(len(prefix), len(second) - WINDOW) // BLOCK * BLOCK
     assert [r["output_ids"] for r in sparse] == [r["output_ids"] for r in dense]
     # The first request's cached blocks were not corrupted by the second: asking again gives the same.
     assert generate(tiny_qwen3_sparse_server, first)["output_ids"] == sparse[0]["output_ids"]
@@ -73,7 +75,7 @@ def test_concurrent_requests_share_their_prefix_host_blocks(tiny_qwen3_sparse_se
     both = settle() - baseline
     first.join(300)
     second.join(300)
-    assert results["second"]["meta_info"]["cached_tokens"] >= 2048
+    assert results["second"]["meta_info"]["cached_tokens"] >= (2048 + 30 - WINDOW) // BLOCK * BLOCK
     assert "first" in results and len(results["first"]["output_ids"]) == 600
     # Two requests with a shared 2K prefix hold far less than twice one request's host blocks.
     assert one >= 2048 and both < 1.5 * one, (one, both)
