@@ -47,6 +47,14 @@ def tiny_llama_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return build_tiny_model(spec, tmp_path_factory.mktemp("models"))
 
 
+def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
+    """Backends made in-process by unit tests run a gauge thread each; stop them before the interpreter
+    exits (one inside a torch op at teardown aborts the process, failing a run whose tests passed)."""
+    from sglang_oasis.attention.gauges import Gauges
+
+    Gauges.stop_all()
+
+
 def _serve(args: list[str], name: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     with ServerProcess(args, log_path=tmp_path_factory.mktemp("logs") / f"{name}.log") as server:
         yield server

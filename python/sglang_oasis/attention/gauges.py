@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import Any
+import weakref
+from typing import Any, ClassVar
 
 from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.stats import OasisStats
@@ -16,6 +17,8 @@ logger = logging.getLogger(__name__)
 
 
 class Gauges:
+    _running: ClassVar[weakref.WeakSet[Gauges]] = weakref.WeakSet()
+
     def __init__(
         self, slots: RequestSlots, kv_pool: Any, allocator: Any, stats: OasisStats, export: bool
     ) -> None:
@@ -37,11 +40,21 @@ class Gauges:
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="oasis-gauges", daemon=True)
         self._thread.start()
+        Gauges._running.add(self)
 
     def stop(self) -> None:
         """End the refresh thread (a process that outlives this backend, or exits cleanly, calls it)."""
         self._stopped.set()
         self._thread.join(timeout=5)
+        Gauges._running.discard(self)
+
+    @classmethod
+    def stop_all(cls) -> None:
+        """Stop every refresh thread still running: before an interpreter that made backends in-process
+        (the unit tests) exits, so that no daemon thread is inside a torch op when it tears down (that
+        aborts the process: "terminate called without an active exception")."""
+        for gauges in list(cls._running):
+            gauges.stop()
 
     def refresh(self) -> None:
         live = self.tier.live_slots(self.slots.finished())
