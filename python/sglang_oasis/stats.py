@@ -96,7 +96,6 @@ GAUGES = {
 MAX_RECALL_LAYERS = 256
 LAYER_FIELDS = tuple(f"recall_layer_ppm_{layer}" for layer in range(MAX_RECALL_LAYERS))
 FIELDS = (*COUNTERS, *GAUGES, *LAYER_FIELDS)
-RECALL_LAYER_GAUGE = "recall_layer"  # the Prometheus gauge of LAYER_FIELDS, labelled by layer
 
 
 def shm_name(port: int) -> str:
@@ -113,6 +112,7 @@ class OasisStats:
         self._values = np.ndarray((len(FIELDS),), dtype=np.int64, buffer=buffer)
         self._index = {name: i for i, name in enumerate(FIELDS)}
         self._gauges: dict[str, Any] | None = None
+        self._recall_layer_gauge: Any = None  # LAYER_FIELDS' Prometheus gauge, labelled by layer
 
     @classmethod
     def create(cls, port: int) -> OasisStats:
@@ -160,20 +160,18 @@ class OasisStats:
                 name: Gauge(f"sglang_oasis:{name}", help_text, multiprocess_mode="mostrecent")
                 for name, help_text in {**COUNTERS, **GAUGES}.items()
             }
-            self._gauges[RECALL_LAYER_GAUGE] = Gauge(
-                f"sglang_oasis:{RECALL_LAYER_GAUGE}",
+            self._recall_layer_gauge = Gauge(
+                "sglang_oasis:recall_layer",
                 "mean recall (a fraction) of the layer's last recall samples; layers never sampled are absent",
                 labelnames=["layer"],
                 multiprocess_mode="mostrecent",
             )
         values = self.snapshot()
         for name, gauge in self._gauges.items():
-            if name != RECALL_LAYER_GAUGE:
-                gauge.set(values[name])
-        per_layer = self._gauges[RECALL_LAYER_GAUGE]
+            gauge.set(values[name])
         for layer, field in enumerate(LAYER_FIELDS):
             if values[field] > 0:
-                per_layer.labels(layer=str(layer)).set((values[field] - 1) / 1e6)
+                self._recall_layer_gauge.labels(layer=str(layer)).set((values[field] - 1) / 1e6)
 
     def close(self) -> None:
         if self._shm is None:

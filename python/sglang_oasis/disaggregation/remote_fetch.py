@@ -22,7 +22,6 @@ not read again for ``DEAD_PEER_TTL_S``: every read from it meanwhile fails at on
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 from collections import defaultdict
@@ -31,7 +30,7 @@ from dataclasses import dataclass, field
 import torch
 
 from sglang_oasis.disaggregation.staging import StagedKVLayout
-from sglang_oasis.disaggregation.transfer_engine import MooncakeEndpoint, RemoteReadError
+from sglang_oasis.disaggregation.transfer_engine import MooncakeEndpoint, RemoteReadError, transfer_timeout_s
 
 DEAD_PEER_TTL_S = 30.0  # a peer whose read timed out is not read again for this long
 
@@ -91,7 +90,7 @@ class RemotePartialFetcher:
         self.counters = FetchCounters()
         self._lock = threading.Lock()
         # A read failing after this long ran into the transfer timeout: its peer is hung or gone.
-        self.hung_after_s = 0.9 * float(os.environ.get("MC_TRANSFER_TIMEOUT", "30"))
+        self.hung_after_s = 0.9 * transfer_timeout_s()
         # Mooncake session -> (the failure that condemned it, when); forgotten after DEAD_PEER_TTL_S (a
         # restarted peer may come back at the same address).
         self.dead_peers: dict[str, tuple[str, float]] = {}

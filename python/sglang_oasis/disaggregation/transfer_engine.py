@@ -28,6 +28,15 @@ class TransferEngineError(RuntimeError):
     """The transfer engine could not start, or memory could not be (un)registered."""
 
 
+TRANSFER_TIMEOUT_ENV = "MC_TRANSFER_TIMEOUT"  # Mooncake's per-transfer timeout, seconds
+DEFAULT_TRANSFER_TIMEOUT_S = 30
+
+
+def transfer_timeout_s() -> float:
+    """Seconds a Mooncake transfer may take before it fails (``MC_TRANSFER_TIMEOUT``, else ours)."""
+    return float(os.environ.get(TRANSFER_TIMEOUT_ENV, DEFAULT_TRANSFER_TIMEOUT_S))
+
+
 class RemoteReadError(RuntimeError):
     """A read from a peer failed (peer gone, frozen past the timeout, or an unregistered address)."""
 
@@ -60,7 +69,7 @@ class MooncakeEndpoint:
                 "sglang-oasis[mooncake-cuda]"
             )
         os.environ.update(engine_env_defaults())
-        os.environ.setdefault("MC_TRANSFER_TIMEOUT", "30")
+        os.environ.setdefault(TRANSFER_TIMEOUT_ENV, str(DEFAULT_TRANSFER_TIMEOUT_S))
         from mooncake.engine import TransferEngine
 
         self.engine = TransferEngine()
