@@ -7,7 +7,8 @@ common_words, frequent_words, conversation_qa (a fact asked back after a long ch
 conversation). Seeds 0..n-1 per task and context; a sample's prompt, chat template included, is at most
 the context's tokens. Every sample goes through ``/v1/chat/completions`` (temperature 0, the task's
 ``max_tokens``) of one server after another: dense (``--oasis-mode dense``), then sparse at each K of
-``--top-ks`` with the other sparse defaults (blocks of 16, prefill window, fetch ratio 0.05). A sample
+``--top-ks`` with the other sparse defaults (blocks of 16, prefill window, fetch ratio 0.05), then (full
+run) ``target90``: K = 16 with ``--oasis-recall-target 0.9``, growing to at most 128. A sample
 scores ``set_score``: |expected & mentioned candidates| / max(|expected|, |mentioned candidates|).
 
 Radix cache reuse: a context's samples share their haystack up to their first needle (the six needle
@@ -16,8 +17,8 @@ with the others (the deepest needle) runs first and alone, then the rest ``--con
 each prefilling only what follows its cached prefix.
 
 Default full run (``python benchmark/bench_accuracy.py --json accuracy.json``): all 10 tasks at ~1K,
-2K, 4K and 7K tokens with 2, 1, 1 and 1 samples per task: 50 requests per server, 5 servers (dense,
-K = 16, 32, 64, 128), all 30 layers in float32. Estimated ~52 minutes on the 2-core CPU machines
+2K, 4K and 7K tokens with 2, 1, 1 and 1 samples per task: 50 requests per server, 6 servers (dense,
+K = 16, 32, 64, 128, target90), all 30 layers in float32. Estimated ~62 minutes on the 2-core CPU machines
 (``--dry-run`` prints the estimate of any plan without starting a server; its model: prefill ~2.2 ms
 per new token plus attention, 4K from scratch ~15 s, 7K ~34 s; decode ~60 ms per step; ~45 s per server
 start; prefix reuse leaves ~75% of the prompt tokens to prefill). Each config then has 20 samples at
@@ -29,21 +30,24 @@ K = 32, ~8 minutes estimated.
 smoke-tests the machinery.
 
 Status (2026-12-02): the generators and scorers are unit-tested (``test/unit/test_accuracy_tasks.py``);
-the benchmark itself has not been run against a server yet, so the time estimates above are a model,
-not a measurement, and ``--quick`` is not in CI yet.
+``test/integration/test_accuracy_bench.py`` runs the benchmark end to end in CI (6-layer SmolLM2, two
+tasks at ~1K: dense and a K covering every block must answer alike). The full matrix has not been run
+on this machine class yet, so the time estimates above are a model, not a measurement.
 
     python benchmark/bench_accuracy.py --json accuracy.json [--quick] [--tasks a,b] [--contexts
         1000,2000,4000,7000] [--samples 2,1,1,1 | N] [--top-ks 16,32,64,128] [--num-layers N]
         [--dtype float32] [--concurrency 4] [--extra-config NAME='ARGS'] [--plot PNG] [--dry-run]
 
-``--extra-config NAME='ARGS'`` (repeatable) adds a server: the sparse defaults plus ARGS (the last
-word wins), e.g. once ``--oasis-recall-target`` exists (issue 27, not implemented yet, so not in the
-default list): ``--extra-config recall95='--oasis-recall-target 0.95'``.
+``--extra-config NAME='ARGS'`` (repeatable; replaces the default ``target90``) adds a server: the sparse
+defaults plus ARGS (the last word wins), e.g. ``--extra-config recall95='--oasis-recall-target 0.95'``.
+A recall-target server's device budget holds ``--oasis-recall-max-top-k`` (default 4 x K) per request.
 
 Writes ``tasks.<task>.<context>.<config>.{score, scores, errors, answers}`` (score: the mean over the
 cell's samples that got an answer; answers cut to 300 characters), ``configs.<config>.{mean_score,
 by_context, by_task, vs_dense, wall_s, requests, errors, args}`` (means over cells, each task and
-context weighted equally; vs_dense: the mean of score - dense score over the cells both have),
+context weighted equally; vs_dense: the mean of score - dense score over the cells both have; sparse
+servers add ``decode_bytes_per_step``, ``decode_blocks_per_step`` and ``recall_mean`` over the run and
+the ``stats`` deltas they come from: what decode moved from the host tier, against the score it got),
 ``samples.<task>.<context>`` (seed, prompt tokens, expected values, needle depths), ``settings``,
 ``estimate``, ``date``, ``machine`` and ``wall_s``; the JSON is rewritten after every server. A server
 that fails to start gets ``configs.<config>.error`` and the run goes on; the exit code is 1 only when
@@ -77,6 +81,19 @@ QUICK_CONTEXTS = (1000, 2000)
 QUICK_SAMPLES = (2, 2)
 TOP_KS = (16, 32, 64, 128)
 QUICK_TOP_KS = (32,)
+# The full run's recall-target server: K = 16 that each (request, layer) may grow to 128 for 90% recall.
+TARGET_CONFIGS = ("target90=--oasis-top-k 16 --oasis-recall-target 0.9 --oasis-recall-max-top-k 128",)
+# Per sparse server, from GET /oasis/stats over its requests: what decode moved, and what recall held.
+STAT_DELTAS = (
+    "decode_steps",
+    "decode_bytes_host_to_device",
+    "decode_blocks_loaded",
+    "recall_samples",
+    "recall_sum_ppm",
+    "recall_below_target",
+    "recall_target_grows",
+    "recall_target_shrinks",
+)
 MODEL_CONTEXT = 8192  # SmolLM2-135M-Instruct's limit
 BLOCK = 16  # the sparse default block size, also the prefix-reuse granularity the estimate assumes
 ANSWER_CHARS = 300
@@ -97,11 +114,17 @@ SERVER_START_S = 45.0
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """One server of the run: its JSON name, its sglang-oasis arguments, its K (None: dense)."""
+    """One server of the run: its JSON name, its sglang-oasis arguments, its K (None: dense) and the K
+    its device budget must hold per request (with a recall target: the most it may grow to)."""
 
     name: str
     args: tuple[str, ...]
     top_k: int | None
+    reserved_k: int | None = None
+
+    @property
+    def reserve(self) -> int | None:
+        return self.reserved_k or self.top_k
 
 
 def last_value(args: Sequence[str], option: str) -> str | None:
@@ -126,9 +149,12 @@ def server_configs(top_ks: Sequence[int], extra: Sequence[str] = ()) -> list[Ser
             raise ValueError(f"--extra-config wants NAME=ARGS, got {spec!r}")
         args = shlex.split(text)
         top_k: int | None = int(last_value(args, "--oasis-top-k") or OasisConfig().top_k)
+        reserved = None
         if last_value(args, "--oasis-mode") == "dense":
             top_k = None
-        configs.append(ServerConfig(name.strip(), ("--oasis-mode", "sparse", *args), top_k))
+        elif top_k is not None and float(last_value(args, "--oasis-recall-target") or 0) > 0:
+            reserved = int(last_value(args, "--oasis-recall-max-top-k") or 0) or 4 * top_k
+        configs.append(ServerConfig(name.strip(), ("--oasis-mode", "sparse", *args), top_k, reserved))
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
         raise ValueError(f"config names repeat: {names}")
@@ -153,10 +179,10 @@ def device_kv_tokens(host_tokens: int, top_k: int, slots: int) -> int:
 
 def server_argv(config: ServerConfig, base: Sequence[str], host_tokens: int, slots: int) -> list[str]:
     """The launcher's arguments: ``base`` (model, dtype, context length), the pool sizes, the config's."""
-    if config.top_k is None:
+    if config.reserve is None:
         return [*base, "--max-total-tokens", str(host_tokens), *config.args]
     sizes = ["--oasis-host-kv-tokens", str(host_tokens)]
-    sizes += ["--oasis-device-kv-tokens", str(device_kv_tokens(host_tokens, config.top_k, slots))]
+    sizes += ["--oasis-device-kv-tokens", str(device_kv_tokens(host_tokens, config.reserve, slots))]
     return [*base, *sizes, *config.args]
 
 
@@ -230,6 +256,19 @@ def estimate(
         "prefilled_tokens_per_server": int(prefilled),
         "seconds_per_server": round(per_server),
         "minutes": round(servers * per_server / 60, 1),
+    }
+
+
+def decode_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    """A sparse server's ``STAT_DELTAS`` over the run, and per decode step the bytes and blocks loaded
+    from the host tier (the cost a recall target must keep below a larger fixed K's) and mean recall."""
+    delta = {name: after.get(name, 0) - before.get(name, 0) for name in STAT_DELTAS}
+    steps, samples = delta["decode_steps"], delta["recall_samples"]
+    return {
+        "stats": delta,
+        "decode_bytes_per_step": delta["decode_bytes_host_to_device"] / steps if steps else None,
+        "decode_blocks_per_step": delta["decode_blocks_loaded"] / steps if steps else None,
+        "recall_mean": delta["recall_sum_ppm"] / samples / 1e6 if samples else None,
     }
 
 
@@ -404,8 +443,9 @@ def main(argv: list[str] | None = None) -> int:
         "--samples", type=ints, default=None, help="per task: N, or one per context (default 2,1,1,1)"
     )
     parser.add_argument("--top-ks", type=ints, default=None, help="sparse servers' K (default 16,32,64,128)")
-    parser.add_argument("--extra-config", action="append", default=[], metavar="NAME=ARGS",
-                        help="one more sparse server: the defaults plus ARGS")  # fmt: skip
+    parser.add_argument("--extra-config", action="append", default=None, metavar="NAME=ARGS",
+                        help="one more sparse server: the defaults plus ARGS (default: the full run adds "
+                        f"{TARGET_CONFIGS[0]!r}, --quick none)")  # fmt: skip
     parser.add_argument("--num-layers", type=int, default=None, help="truncate SmolLM2 (smoke tests only)")
     parser.add_argument("--dtype", default="float32", help="SGLang --dtype of every server")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight after each lead")
@@ -420,6 +460,8 @@ def main(argv: list[str] | None = None) -> int:
     unknown = [t for t in names if t not in TASKS]
     try:
         counts = per_context(args.samples or list(QUICK_SAMPLES if args.quick else FULL_SAMPLES), contexts)
+        if args.extra_config is None:
+            args.extra_config = [] if args.quick else list(TARGET_CONFIGS)
         configs = server_configs(top_ks, args.extra_config)
     except ValueError as exc:
         parser.error(str(exc))
@@ -487,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
         config_started = time.monotonic()
         try:
             with ServerProcess(argv_, log_path=logs / f"{config.name}.log") as server:
+                before = server.oasis_stats() if config.top_k is not None else {}
                 for (task, context), group in groups.items():
                     answers = run_group(server.url, group, args.concurrency)
                     scores = [
@@ -496,6 +539,8 @@ def main(argv: list[str] | None = None) -> int:
                     shown = [f"{type(a).__name__}: {a}" if isinstance(a, Exception) else a for a in answers]
                     results["tasks"][task][str(context)][config.name] = cell_entry(scores, shown)
                     print(f"  {task} @ {context}: {mean(scores)}", flush=True)
+                if config.top_k is not None:
+                    entry.update(decode_figures(before, server.oasis_stats()))
         except Exception as exc:  # a server that does not start: record it and go on
             entry["error"] = f"{type(exc).__name__}: {exc}"[:2000]
         entry["wall_s"] = round(time.monotonic() - config_started, 1)
@@ -510,10 +555,15 @@ def main(argv: list[str] | None = None) -> int:
 
     done = [c.name for c in configs if "error" not in results["configs"][c.name]]
     print_table(["task", "context", *done], table_rows(results["tasks"], done, [str(c) for c in contexts]))
+
+    def show(value: float | None, spec: str) -> str:
+        return "-" if value is None else format(value, spec)
+
     print_table(
-        ["config", "mean", "vs_dense", "errors", "wall_s", "error"],
-        [[n, "-" if e.get("mean_score") is None else f"{e['mean_score']:.3f}",
-          "-" if e.get("vs_dense") is None else f"{e['vs_dense']:+.3f}", e["errors"], e["wall_s"],
+        ["config", "mean", "vs_dense", "KiB/decode step", "recall", "errors", "wall_s", "error"],
+        [[n, show(e.get("mean_score"), ".3f"), show(e.get("vs_dense"), "+.3f"),
+          show(None if e.get("decode_bytes_per_step") is None else e["decode_bytes_per_step"] / 1024, ".0f"),
+          show(e.get("recall_mean"), ".3f"), e["errors"], e["wall_s"],
           (e.get("error") or "")[:60].replace("\n", " ")] for n, e in results["configs"].items()],
     )  # fmt: skip
     print(f"wrote {args.json}")

@@ -75,7 +75,7 @@ class PipelinedDecode:
         for slot in range(ctx["batch"]):  # every mode starts from empty working sets
             self.working_sets.claim(slot, tier.claims + 1 + slot)
         self.prefetcher = BlockPrefetcher(
-            self.working_sets, tier.summaries, tier.active, ctx["host"], s.top_k, 0, s.kv_heads
+            self.working_sets, tier.summaries, tier.active, ctx["host"], 0, s.kv_heads
         )
         self.pipeline: PrefetchPipeline[JobResult] = PrefetchPipeline(mode == "async", device)
         self.results: list[JobResult] = []
@@ -87,7 +87,7 @@ class PipelinedDecode:
         return SelectionJob(
             layer_id=layer, reqs=ctx["reqs"], slots=ctx["reqs"], generations=(0,) * ctx["batch"], queries=queries,
             prior=None, pinned=None, full=ctx["full"], pages=ctx["pages"], step=self.step, admission=admission,
-            cap=None if admission else ctx["cap"], fail_reqs=(),
+            cap=None if admission else ctx["cap"], fail_reqs=(), top_k=ctx["top_k"],
         )  # fmt: skip
 
     def admit(self, layers: int, queries: torch.Tensor) -> None:
@@ -172,6 +172,7 @@ def pipeline_rows(stack: Any, batch: int, contexts: list[int], device: str, step
             "pages": torch.arange(num_pages).view(batch, blocks),  # request r's block i: page r * blocks + i
             "full": torch.full((batch,), blocks, dtype=torch.int64),
             "cap": math.ceil(s.fetch_ratio * s.top_k),
+            "top_k": torch.full((batch,), s.top_k),
             # The device tier's active blocks (a ring of b positions per request and layer), as decode reads them.
             "tail_k": list(tier.active.k.normal_()),
             "tail_v": list(tier.active.v.normal_()),

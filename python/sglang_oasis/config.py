@@ -161,6 +161,26 @@ class OasisConfig:
             "At 32 it cost 3.5% of decode time at batch 1 (SmolLM2, 1K context). 0: off.",
         },
     )
+    recall_target: float = field(
+        default=0.0,
+        metadata={
+            "help": "Hold a recall target (sparse mode; e.g. 0.9; 0: off): each request's first working set "
+            "per layer is sized so that the top blocks hold this share of the prefill window's attention "
+            "mass (--oasis-prefill-window), and every --oasis-recall-sample-every of its own decode steps "
+            "each sparse layer's recall is measured exactly; a layer whose worst KV head falls below the "
+            "target doubles its top-K (up to --oasis-recall-max-top-k) and halves it back after 3 samples "
+            "well above. The fetch cap still holds; the device tier reserves --oasis-recall-max-top-k "
+            "blocks per layer and KV head for every request slot, so fewer requests run at once.",
+        },
+    )
+    recall_max_top_k: int = field(
+        default=0,
+        metadata={
+            "help": "The largest top-K --oasis-recall-target may grow a layer's working set to (sparse "
+            "mode; 0: 4 x --oasis-top-k). Blocks per layer and KV head the device tier reserves per "
+            "request slot when the target is on.",
+        },
+    )
     warm_start: bool = field(
         default=True,
         metadata={
@@ -247,6 +267,19 @@ class OasisConfig:
         for name in ("sink_blocks", "prefill_window", "recall_sample_every", "remote_fetch_max_staged_mib"):
             if getattr(self, name) < 0:
                 raise OasisConfigError(f"{_option(name)}: must be >= 0, got {getattr(self, name)}")
+        if not 0 <= self.recall_target < 1:
+            raise OasisConfigError(
+                f"{_option('recall_target')}: must be in [0, 1) (0: off), got {self.recall_target}"
+            )
+        if self.recall_target and self.recall_sample_every == 0:
+            raise OasisConfigError(
+                f"{_option('recall_target')}: needs recall samples; --oasis-recall-sample-every is 0"
+            )
+        if self.recall_max_top_k and self.recall_max_top_k < self.top_k:
+            raise OasisConfigError(
+                f"{_option('recall_max_top_k')}: must be at least --oasis-top-k ({self.top_k}), "
+                f"got {self.recall_max_top_k}"
+            )
         if self.host_kv_tokens is not None and self.host_kv_tokens < self.block_size:
             raise OasisConfigError(
                 f"{_option('host_kv_tokens')}: must hold at least one block ({self.block_size}), "
@@ -259,7 +292,7 @@ class OasisConfig:
         if self.mode == "sparse" and self.device_kv_tokens < self.working_set_tokens:
             raise OasisConfigError(
                 f"{_option('device_kv_tokens')}: {self.device_kv_tokens} tokens do not hold one request's "
-                f"working set ((--oasis-top-k {self.top_k} + --oasis-sink-blocks {self.sink_blocks}) x "
+                f"working set ((--oasis-top-k {self.max_top_k} + --oasis-sink-blocks {self.sink_blocks}) x "
                 f"--oasis-block-size {self.block_size} = {self.working_set_tokens} tokens per layer and KV "
                 "head): raise it or lower --oasis-top-k"
             )
@@ -289,9 +322,23 @@ class OasisConfig:
         return 0 if self.lookahead == "previous" else VERIFY_ROWS
 
     @property
+    def max_top_k(self) -> int:
+        """The most blocks a layer's working set may select by score: ``--oasis-top-k``, or with
+        ``--oasis-recall-target`` the size it may grow to (``--oasis-recall-max-top-k``, default 4 x K)."""
+        if not self.recall_target:
+            return self.top_k
+        return self.recall_max_top_k or 4 * self.top_k
+
+    @property
+    def slots_per_head(self) -> int:
+        """Blocks the device tier reserves per request slot, layer and KV head."""
+        return self.max_top_k + self.sink_blocks
+
+    @property
     def working_set_tokens(self) -> int:
-        """Tokens one request's working set holds per layer and KV head (the active tail aside)."""
-        return (self.top_k + self.sink_blocks) * self.block_size
+        """Tokens one request's working set holds per layer and KV head (the active tail aside), at the
+        largest the recall target may grow it."""
+        return self.slots_per_head * self.block_size
 
     # --- command line -------------------------------------------------------------------------
 

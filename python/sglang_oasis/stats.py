@@ -71,6 +71,12 @@ COUNTERS = {
     "recall_samples': the mean agreement)",
     "telemetry_bytes": "bytes of keys the recall telemetry read from the host tier (not in "
     "bytes_host_to_device)",
+    "recall_below_target": "(request, layer) recall samples whose worst KV head fell below "
+    "--oasis-recall-target",
+    "recall_target_grows": "(request, layer) working sets the recall target doubled (at admission, by the "
+    "prefill window's attention, or at a recall sample below target)",
+    "recall_target_shrinks": "(request, layer) working sets the recall target halved back after samples "
+    "well above it",
 }
 GAUGES = {
     "host_tokens_used": "tokens of the host KV tier in use",
@@ -84,6 +90,8 @@ GAUGES = {
     "device_request_slots": "requests the device tier holds working sets for (the running-request cap)",
     "running_requests": "requests holding a device request slot",
     "staged_bytes": "PD prefill node: bytes of staged KV and summaries held for decode nodes",
+    "recall_target_extra_blocks": "blocks the recall target added to running requests' working sets "
+    "above --oasis-top-k (summed over layers and KV heads)",
     "recall_mean_ppm": "mean recall (millionths) over the last recall samples: the exact attention mass "
     "decode attention saw (working set + active tail) out of the whole context, per KV head",
     "recall_p10_ppm": "10th percentile of recall (millionths) over the last recall samples",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import time
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 
 import pytest
 import requests
@@ -46,6 +48,40 @@ def test_smollm2_sparse_equals_dense(
     assert concurrently(smollm2_sparse_server, batch) == concurrently(smollm2_dense_server, batch)
 
 
+@pytest.fixture(scope="module")
+def recall_target_server(
+    tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """K = 2 blocks with a recall target of 0.99 that may grow a layer's working set to 64 blocks (every
+    block of these prompts); the tiny random model's attention is nearly uniform, so the target needs them."""
+    args = [
+        "--model-path", str(tiny_qwen3_dir), "--oasis-top-k", "2", "--oasis-recall-target", "0.99",
+        "--oasis-recall-max-top-k", "64", "--oasis-recall-sample-every", "4", "--dtype", "float32",
+        "--oasis-host-kv-tokens", "6144", "--oasis-device-kv-tokens", "16384",
+    ]  # fmt: skip
+    with ServerProcess(args, log_path=tmp_path_factory.mktemp("logs") / "recall-target.log") as server:
+        yield server
+
+
+def test_a_recall_target_grows_working_sets_until_the_output_is_dense(
+    tiny_qwen3_server: ServerProcess, recall_target_server: ServerProcess
+) -> None:
+    """Issue 27: with K = 2 of up to 62 full blocks, the target sizes each layer's first working set from
+    the prefill window's attention (and resamples every 4 decode steps): every block, here, so greedy
+    output equals dense token for token, concurrently, and the stats show the growth."""
+    before = recall_target_server.oasis_stats()
+    batch = prompts(seed=1)
+    assert concurrently(recall_target_server, batch) == concurrently(tiny_qwen3_server, batch)
+    after = recall_target_server.oasis_stats()
+    assert after["recall_target_grows"] > before["recall_target_grows"]
+    samples = after["recall_samples"] - before["recall_samples"]
+    assert samples > 0
+    assert (after["recall_sum_ppm"] - before["recall_sum_ppm"]) / samples / 1e6 == pytest.approx(
+        1.0, abs=1e-5
+    )
+    assert after["recall_below_target"] == before["recall_below_target"]  # held from the first step on
+
+
 def test_stats_count_the_sparse_work(tiny_qwen3_sparse_server: ServerProcess) -> None:
     before = tiny_qwen3_sparse_server.oasis_stats()
     assert before["mode"] == "sparse"
@@ -78,7 +114,7 @@ def test_stats_count_the_sparse_work(tiny_qwen3_sparse_server: ServerProcess) ->
     budget = 16384 * layers * heads * token_bytes
     assert after["device_bytes_capacity"] <= budget
     summaries = 2 * layers * (6144 // 16 + 2) * heads * 64 * 4 + (6144 // 16 + 2) * 8  # min/max, epochs
-    index = layers * heads * (2 * 64 + 16) * 8 + 3 * layers * 8  # head-wise map, pins, covered, active
+    index = layers * heads * (2 * 64 + 16) * 8 + 4 * layers * 8  # head-wise map, pins; covered, top-K, active
     per_request = layers * heads * 65 * bytes_per_block + index  # 64 working-set blocks, 1 active
     assert after["device_request_slots"] == (budget - summaries) // per_request == 15
     assert after["device_bytes_capacity"] == summaries + 15 * per_request

@@ -55,6 +55,12 @@ def test_cli_parses_every_field() -> None:
         ({"device_kv_tokens": 2047}, "--oasis-device-kv-tokens: 2047 tokens do not hold"),
         ({"top_k": 100_000}, "raise it or lower --oasis-top-k"),
         ({"sink_blocks": 1, "device_kv_tokens": 2048}, r"\(--oasis-top-k 128 \+ --oasis-sink-blocks 1\)"),
+        ({"recall_target": 1.0}, "--oasis-recall-target: must be in"),
+        ({"recall_target": -0.1}, "--oasis-recall-target: must be in"),
+        ({"recall_target": 0.9, "recall_sample_every": 0}, "--oasis-recall-target: needs recall samples"),
+        ({"recall_max_top_k": 8}, "--oasis-recall-max-top-k: must be at least --oasis-top-k"),
+        # the target reserves its maximum (4 x 128 blocks of 16) per layer and KV head
+        ({"recall_target": 0.9, "device_kv_tokens": 8191}, r"\(--oasis-top-k 512 \+"),
     ],
 )
 def test_invalid_values_name_the_option(kwargs: dict, option: str) -> None:
@@ -126,6 +132,7 @@ def test_a_pd_decode_server_on_cpu_backs_up_retracted_requests_in_plain_tensors(
         (["--max-total-tokens", "100", "--oasis-host-kv-tokens", "200"], "--oasis-host-kv-tokens"),
         (["--oasis-host-kv-tokens", str(10**12)], "more than the"),  # more KV than the host RAM holds
         (["--oasis-host-memory-fraction", "0"], "--oasis-host-memory-fraction"),
+        (["--oasis-recall-target", "1.5"], "--oasis-recall-target: must be in [0, 1)"),
         (["--dtype", "bogus"], "--dtype bogus"),  # refused by the host tier's sizing, naming it
         (["--oasis-dense-layers", "3,30"], "--oasis-dense-layers 30: the model has 30 layers"),
         (["--oasis-device-kv-tokens", "1024"], "--oasis-device-kv-tokens: 1024 tokens do not hold"),

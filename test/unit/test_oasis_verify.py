@@ -78,6 +78,7 @@ def _verify_step(backend: OasisAttnBackend, seq_len: int, scaling: float) -> tup
     )
     backend.slots.claim(0, 0)
     backend.set_batch([0])
+    backend.recall.begin(backend.batch)  # as begin_batch does for a verify pass
     backend.intake.catch_up(backend.batch, 0, torch.tensor([seq_len]))
     return layer, batch
 

@@ -5,11 +5,13 @@ puts nearly all its attention there; a working set without block 2 misses that m
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
 
 from sglang_oasis.attention.oasis_backend import OasisAttnBackend
+from sglang_oasis.attention.recall_probe import SHRINK_AFTER, window_top_k
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.http_routes import counters_and_gauges
 
@@ -36,7 +38,7 @@ class Pool:
         return self.v
 
 
-def _probe_after_selecting(top_k: int, selecting_block: int) -> OasisAttnBackend:
+def _probe_after_selecting(top_k: int, selecting_block: int, **options: Any) -> OasisAttnBackend:
     """A backend whose request holds the working set a query at ``selecting_block`` selects."""
     req_to_token = torch.zeros(2, 64, dtype=torch.int32)
     req_to_token[0, :SEQ] = torch.arange(SEQ, dtype=torch.int32)
@@ -48,7 +50,7 @@ def _probe_after_selecting(top_k: int, selecting_block: int) -> OasisAttnBackend
         token_to_kv_pool=Pool(),
         server_args=SimpleNamespace(port=1, enable_metrics=False),
     )
-    config = OasisConfig(block_size=BLOCK, top_k=top_k, recall_sample_every=1, prefill_window=0)
+    config = OasisConfig(block_size=BLOCK, top_k=top_k, recall_sample_every=1, prefill_window=0, **options)
     backend = OasisAttnBackend(runner, config)
     backend.slots.claim(0, 0)
     backend.set_batch([0], admission=True)
@@ -73,6 +75,7 @@ def test_recall_is_one_when_the_working_set_holds_every_block_and_drops_when_the
         assert float(recall[0]) < 0.05  # block 0 and the tail token: almost none of the mass
         assert agreement.tolist() == [0.0]  # the true top-1 (block 2) was not held
     backend.set_batch([0])
+    backend.recall.begin(backend.batch)  # --oasis-recall-sample-every 1: this pass samples row 0
     backend.recall.sample(backend.batch, 0, query[None], [SEQ], scale=1.0)
     report = counters_and_gauges(backend.stats.snapshot())
     assert report["recall_samples"] == 1
@@ -96,10 +99,96 @@ def test_nothing_is_reported_before_a_sample() -> None:
 def test_an_error_in_the_telemetry_turns_it_off_instead_of_failing_the_step() -> None:
     backend = _probe_after_selecting(8, 0)
     backend.set_batch([0])
+    backend.recall.begin(backend.batch)
 
     def broken(*args: object) -> None:
         raise IndexError("no such row")
 
     backend.recall.measure = broken  # type: ignore[method-assign]
     backend.recall.sample_safely(backend.batch, 0, DIRECTIONS[2][None, None], [SEQ], 1.0)
-    assert backend.recall.every == 0 and not backend.recall.due(32)
+    backend.recall.begin(backend.batch)
+    assert backend.recall.every == 0 and not backend.recall.due()
+
+
+def test_a_recall_target_grows_the_layer_that_misses_the_key_block_and_shrinks_it_back() -> None:
+    """Issue 27: K = 1 holds block 0 while the step's query attends block 2. Below the target the layer's
+    top-K doubles; the next selection then holds block 2 (recall ~1.0); after SHRINK_AFTER samples well
+    above the target it halves back to K."""
+    backend = _probe_after_selecting(1, selecting_block=0, recall_target=0.9, recall_max_top_k=4)
+    assert backend.working_sets.slot_block.shape[-1] == 4  # the device tier reserves the maximum
+    query = DIRECTIONS[2][None] * 5
+
+    def sample() -> float:
+        backend.set_batch([0])
+        backend.recall.begin(backend.batch)
+        recall, _ = backend.recall.measure(0, 0, 0, query, SEQ, scale=1.0)
+        backend.recall.sample(backend.batch, 0, query[None], [SEQ], scale=1.0)
+        return float(recall.min())
+
+    assert sample() < 0.05 and int(backend.working_sets.top_k[0, 0]) == 2
+    backend.selector.select(backend.batch, 0, query[None], [SEQ])
+    backend.selector.finish_pending()
+    assert 2 in backend.working_sets.slot_block[0, 0, 0].tolist()
+    for _ in range(SHRINK_AFTER - 1):
+        assert sample() > 0.99 and int(backend.working_sets.top_k[0, 0]) == 2
+    assert sample() > 0.99 and int(backend.working_sets.top_k[0, 0]) == 1
+    stats = counters_and_gauges(backend.stats.snapshot())
+    assert (stats["recall_below_target"], stats["recall_target_grows"], stats["recall_target_shrinks"]) == (
+        1,
+        1,
+        1,
+    )
+    backend.selector.select(backend.batch, 0, query[None], [SEQ])  # K = 1 again: one block resident
+    backend.selector.finish_pending()
+    assert [b for b in backend.working_sets.slot_block[0, 0, 0].tolist() if b >= 0] == [2]
+
+
+def test_without_a_target_recall_is_only_reported() -> None:
+    backend = _probe_after_selecting(1, selecting_block=0)
+    backend.set_batch([0])
+    backend.recall.begin(backend.batch)
+    backend.recall.sample(backend.batch, 0, (DIRECTIONS[2][None] * 5)[None], [SEQ], scale=1.0)
+    assert int(backend.working_sets.top_k[0, 0]) == 1 and backend.working_sets.slot_block.shape[-1] == 1
+    assert backend.stats.snapshot()["recall_below_target"] == 0
+
+
+def test_the_first_working_set_is_sized_to_hold_the_target_of_the_windows_attention() -> None:
+    """``window_top_k``: the smallest K whose top blocks hold ``target`` of the window's attention for
+    the worst head (sinks always held, so they do not count), rounded up to K x 2**n, within [K, max]."""
+    prior = torch.tensor(
+        [
+            [[0.50, 0.30, 0.10, 0.05, 0.0], [0.9, 0.05, 0.0, 0.0, 0.0]],  # head 0 needs 3 blocks for 0.9
+            [[0.02, 0.02, 0.02, 0.02, 0.9], [0.2, 0.2, 0.2, 0.2, 0.19]],  # 5 blocks: capped at max 4
+        ]
+    )
+    full = torch.tensor([5, 5])
+    assert window_top_k(prior, full, 0, 1, 4, 0.9).tolist() == [4, 4]  # 3 -> 4 on the ladder 1, 2, 4, ...
+    assert window_top_k(prior, full, 0, 1, 3, 0.9).tolist() == [3, 3]  # the maximum is on it
+    assert window_top_k(prior, full, 0, 1, 8, 0.5).tolist() == [1, 4]
+    assert window_top_k(prior, full, 0, 3, 8, 0.9).tolist() == [3, 6]  # at least K: 3, 6, 12, ...
+    # A sink (block 0) is held anyway: head 0 of request 0 then needs 0.3 and 0.1 (0.05 missed).
+    assert window_top_k(prior, full, 1, 1, 8, 0.9).tolist()[0] == 2
+    assert window_top_k(prior, torch.tensor([2, 5]), 0, 1, 8, 0.99).tolist()[0] == 2  # only 2 full blocks
+
+
+def test_a_grown_working_set_that_held_every_block_keeps_holding_them_as_blocks_fill() -> None:
+    """Without this the first block to fill after a target-sized admission pushes one block out (top-4
+    of 5) and the output leaves dense until the next recall sample."""
+    backend = _probe_after_selecting(
+        1, selecting_block=0, recall_target=0.9, recall_max_top_k=8, fetch_ratio=1.0
+    )
+    ws = backend.working_sets
+    backend.req_to_token_pool.req_to_token[0, :21] = torch.arange(21, dtype=torch.int32)
+    backend.set_batch([0])
+    ws.top_k[0, 0] = 4  # as if the target had grown it
+    backend.selector.select(backend.batch, 0, DIRECTIONS[0][None, None], [SEQ])  # 4 full blocks: all held
+    backend.selector.finish_pending()
+    assert sorted(ws.slot_block[0, 0, 0].tolist())[-4:] == [0, 1, 2, 3]
+    backend.selector.select(backend.batch, 0, DIRECTIONS[0][None, None], [21])  # a fifth block filled
+    backend.selector.finish_pending()
+    assert int(ws.top_k[0, 0]) == 8
+    assert sorted(b for b in ws.slot_block[0, 0, 0].tolist() if b >= 0) == [0, 1, 2, 3, 4]
+    ws.top_k[0, 0] = 1  # at K (not grown): a filled block competes as usual
+    backend.selector.select(backend.batch, 0, DIRECTIONS[0][None, None], [21])
+    backend.selector.finish_pending()
+    assert int(ws.top_k[0, 0]) == 1

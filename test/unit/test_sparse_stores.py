@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sgl_kernel_oasis import build_block_summaries
-from sglang_oasis.memory.headwise_map import HeadwiseMap
+from sglang_oasis.memory.headwise_map import EMPTY, HeadwiseMap
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.memory.working_set import WorkingSetPool
 
@@ -220,3 +220,48 @@ def test_gather_of_a_batch_reads_each_requests_own_layer_in_block_order() -> Non
             assert torch.equal(keys[i, h][seen], want_k[seen]) and torch.equal(
                 values[i, h][seen], want_v[seen]
             )
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(
+            st.lists(
+                st.lists(st.sets(st.integers(0, 9), max_size=4), min_size=2, max_size=2),
+                min_size=3,
+                max_size=3,
+            ),
+            st.lists(st.integers(1, 5), min_size=3, max_size=3),  # capacity per request
+            st.integers(0, 3),  # cap
+        ),
+        min_size=1,
+        max_size=8,
+    )
+)
+def test_a_plan_within_a_smaller_capacity_matches_the_per_head_reference(
+    steps: list[tuple[list[list[set[int]]], list[int], int]],
+) -> None:
+    """A working set the recall target shrank (capacity below the slots) gives its extra blocks back:
+    the batched plan empties the same slots as the reference, and no head holds more than its capacity."""
+    num_blocks, heads, slots = 10, 2, 5
+    ws = WorkingSetPool(4, 1, heads, 2, slots, B, torch.float32, "cpu")
+    reference = {req: HeadwiseMap(heads, slots) for req in (0, 2, 3)}
+    reqs = torch.tensor([0, 2, 3])
+    for step, (drawn, capacity, cap) in enumerate(steps):
+        # a selection fits its capacity
+        per_request = [
+            [set(sorted(chosen)[: capacity[i]]) for chosen in per_head] for i, per_head in enumerate(drawn)
+        ]
+        selected = torch.zeros(3, heads, num_blocks, dtype=torch.bool)
+        for i, per_head in enumerate(per_request):
+            for h, chosen in enumerate(per_head):
+                selected[i, h, sorted(chosen)] = True
+        plan = ws.plan_selections(reqs, 0, selected, step, cap, None, None, torch.tensor(capacity))
+        want_loads = 0
+        for i, req in enumerate(reqs.tolist()):
+            ref = reference[req].plan(per_request[i], step, cap, None, None, capacity[i])
+            want_loads += len(ref.loads)
+            assert torch.equal(ws.slot_block[req, 0], reference[req].slot_block)
+            assert torch.equal(ws.last_selected[req, 0], reference[req].last_selected)
+            assert int((ws.slot_block[req, 0] != EMPTY).sum(-1).max()) <= capacity[i]
+        assert plan.num_loads == want_loads

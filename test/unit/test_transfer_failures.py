@@ -45,17 +45,18 @@ def _prefetcher(top_k: int) -> tuple[DeviceTier, BlockPrefetcher]:
     )
     tier = DeviceTier(shape, layout(10**9, shape, max_request_slots=2), torch.float32, "cpu")
     prefetcher = BlockPrefetcher(
-        tier.working_sets, tier.summaries, tier.active, Pool(), top_k=top_k, sink_blocks=0, num_kv_heads=1
+        tier.working_sets, tier.summaries, tier.active, Pool(), sink_blocks=0, num_kv_heads=1
     )
     return tier, prefetcher
 
 
-def _job(query_dim: int, fail_reqs: tuple[int, ...]) -> SelectionJob:
+def _job(query_dim: int, fail_reqs: tuple[int, ...], top_k: int = 2) -> SelectionJob:
     """Requests 5 (generation 11) and 9 (generation 4) in request slots 0 and 1, two full blocks each."""
     return SelectionJob(
         layer_id=0, reqs=torch.tensor([5, 9]), slots=torch.tensor([0, 1]), generations=(11, 4),
         queries=torch.randn(2, 1, query_dim), prior=None, pinned=None, full=torch.tensor([2, 2]),
         pages=torch.tensor([[0, 1], [2, 3]]), step=1, admission=False, cap=None, fail_reqs=fail_reqs,
+        top_k=torch.tensor([top_k, top_k]),
     )  # fmt: skip
 
 
@@ -73,7 +74,7 @@ def test_an_error_anywhere_in_a_job_fails_its_requests_not_the_process() -> None
     of the wrong width) used to be re-raised in ``wait`` and kill the scheduler; it fails the job's
     requests, each with the generation the job was built with."""
     _, prefetcher = _prefetcher(top_k=1)
-    result = prefetcher.run(_job(query_dim=3, fail_reqs=()))
+    result = prefetcher.run(_job(query_dim=3, fail_reqs=(), top_k=1))
     assert result.failed.keys() == {5, 9}
     assert result.failed[5][0] == 11 and result.failed[9][0] == 4
     assert result.failed[5][1].startswith("layer 0: AssertionError")

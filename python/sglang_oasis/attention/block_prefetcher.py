@@ -45,6 +45,7 @@ class SelectionJob(NamedTuple):
     prior: torch.Tensor | None  # [bs, kv_heads, N] scores replacing the summaries' (prefill window)
     pinned: torch.Tensor | None  # [bs, kv_heads, P] blocks always selected (prefill window), -1: none
     full: torch.Tensor  # [bs] full blocks of each request
+    top_k: torch.Tensor  # [bs] blocks each request's heads select by score (the sinks aside)
     pages: torch.Tensor  # [bs, N] host page of each logical block
     step: int
     admission: bool  # the first working set after an extend: nothing capped, nothing "fresh"
@@ -76,7 +77,6 @@ class BlockPrefetcher:
         summaries: BlockSummaryStore,
         active: ActiveBlocks,
         kv_pool: Any,
-        top_k: int,
         sink_blocks: int,
         num_kv_heads: int,
     ) -> None:
@@ -84,9 +84,7 @@ class BlockPrefetcher:
         self.summaries = summaries
         self.active = active
         self.kv_pool = kv_pool
-        self.top_k = top_k
         self.sink_blocks = sink_blocks
-        self.num_slots = top_k + sink_blocks
         self.num_kv_heads = num_kv_heads
         # Prefill node of remote partial fetching: slot -> layer -> [kv_heads, N] admission selection.
         self.record_admissions: dict[int, dict[int, torch.Tensor]] | None = None
@@ -123,9 +121,11 @@ class BlockPrefetcher:
                 layers = self.record_admissions.setdefault(req, {})
                 layers[job.layer_id] = selected[row, :, : int(job.full[row])].clone()
         chosen = time.perf_counter_ns()
+        capacity = job.top_k + self.sink_blocks
         plan = self.working_sets.plan_selections(
-            job.slots, job.layer_id, selected, job.step, job.cap, fresh_from, priority
-        )
+            job.slots, job.layer_id, selected, job.step, job.cap, fresh_from, priority,
+            None if bool((capacity >= self.working_sets.num_slots).all()) else capacity,
+        )  # fmt: skip
         fresh = torch.zeros(plan.num_loads, dtype=torch.bool)
         if fresh_from is not None:
             fresh = plan.blocks >= fresh_from[plan.batch_rows]
@@ -157,7 +157,7 @@ class BlockPrefetcher:
         valid = index[None, :] < job.full[:, None]  # [bs, N]
         selected = valid[:, None, :].expand(-1, self.num_kv_heads, -1).clone()
         priority = torch.zeros(selected.shape)
-        over = job.full > self.num_slots
+        over = job.full > job.top_k + self.sink_blocks
         if bool(over.any()):
             if job.prior is not None:
                 scores = job.prior[over]  # [n, H, N]
@@ -175,7 +175,12 @@ class BlockPrefetcher:
                 forced.scatter_(-1, torch.where(pinned >= 0, pinned, num_blocks), True)  # -1: column N
                 scores = scores.masked_fill(forced[..., :num_blocks], float("inf"))
             sinks = (index < self.sink_blocks)[None, None, :]
-            selected[over] = select_top_blocks(scores, self.top_k, sinks, valid[over][:, None, :])
+            top_k, valid_over = job.top_k[over], valid[over][:, None, :]
+            chosen = torch.zeros(scores.shape, dtype=torch.bool)
+            for k in top_k.unique().tolist():  # one top-K per size (one unless a recall target grew some)
+                rows = top_k == k
+                chosen[rows] = select_top_blocks(scores[rows], int(k), sinks, valid_over[rows])
+            selected[over] = chosen
             priority[over] = scores.masked_fill(sinks, float("inf"))
         return selected, priority, int(over.sum())
 

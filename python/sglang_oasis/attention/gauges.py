@@ -62,6 +62,7 @@ class Gauges:
         self.stats.set("device_bytes_used", self.tier.used_bytes(len(live)))
         block = self.tier.working_sets.block_size
         self.stats.set("device_working_set_tokens", self.tier.working_sets.resident_blocks(live) * block)
+        self.stats.set("recall_target_extra_blocks", self.tier.working_sets.extra_blocks(live))
         if self.allocator is not None:
             self.stats.set("host_tokens_used", int(self.kv_pool.size - self.allocator.available_size()))
         if self.export:

@@ -88,8 +88,9 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             tier, self.req_to_token_pool, pool, self.block_size, self.stats, strict is not None
         )
         self.recall = RecallProbe(
-            config.recall_sample_every, tier, self.req_to_token_pool, pool, config.top_k, self.stats
-        )
+            config.recall_sample_every, tier, self.req_to_token_pool, pool, config.top_k, self.stats,
+            config.recall_target, config.max_top_k,
+        )  # fmt: skip
         self.intake = KVIntake(tier, self.attention, pool, len(self.req_to_token_pool.req_to_token))
         self.summarised = self.intake.summarised
         self.pd = PDNode(config, self.slots, self.selector, pool, self.summarised, self.stats, self.failures)
@@ -140,11 +141,14 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         if admission:
             self._admit(reqs, generations, prefix_lens or [0] * len(reqs))
             self.selector.prompt_len.update(zip(reqs, seq_lens, strict=True))
+            self.recall.restart(reqs)
         elif mode.is_decode() or mode.is_target_verify():
             self.step += 1
             self.stats.add("decode_steps")
             admission = self.pd.admit(reqs, generations, seq_lens, mode.is_target_verify(), self.step)
         self.set_batch(reqs, admission, generations)
+        if mode.is_decode() or mode.is_target_verify():
+            self.recall.begin(self.batch)
 
     def set_batch(
         self, reqs: list[int], admission: bool = False, generations: list[int] | None = None
@@ -231,7 +235,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             out = self.attention.decode(
                 self.batch, q_rows, layer, seq_lens, k.view(kv_shape), v.view(kv_shape)
             )
-        if self.recall.due(self.step):  # before the host copy is poisoned, before the working set changes
+        if self.recall.due():  # before the host copy is poisoned, before the working set changes
             self.recall.sample_safely(self.batch, layer_id, q_rows, seq_lens.tolist(), layer.scaling)
         self._poison_if_strict(layer_id)
         self.selector.select(self.batch, layer_id, q_rows, seq_lens.tolist())
@@ -271,7 +275,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         out = self.attention.verify(
             self.batch, q_rows, layer, seq_lens, k.view(kv_shape), v.view(kv_shape), tree
         )
-        if self.recall.due(self.step):  # the real row, over the working set the last draft row chose
+        if self.recall.due():  # the real row, over the working set the last draft row chose
             last = draft_locs[:, 0].tolist()
             self.recall.sample_safely(
                 self.batch, layer_id, q_rows[:, 0], (seq_lens + 1).tolist(), layer.scaling, last

@@ -17,6 +17,15 @@ layer, KV head) samples the probe also publishes ``recall_mean_ppm``,
 plus one; 0: never sampled). ``GET /oasis/stats`` turns them into ``recall_mean``, ``recall_p10``,
 ``recall_per_layer`` and ``lookahead_agreement``. At a verify step (lookahead) the real row's query is
 sampled: the working set it attends is the one the previous step's draft row predicted.
+
+With a recall target (``--oasis-recall-target``) the probe also holds it. Every request is sampled at
+every N-th of its own decode steps (so what it attends depends on its own tokens, not on the batch it
+ran in), and a (request, layer) whose worst KV head's recall is below target doubles the top-K its next
+selection takes (``WorkingSetPool.top_k``, up to ``--oasis-recall-max-top-k``); after
+``SHRINK_AFTER`` samples in a row within a quarter of the miss budget of 1.0 it halves back, never below
+``--oasis-top-k``. The first working sets are sized from the prefill window's attention
+(``window_top_k``), before any decode step; a working set the target grew to hold every block of its
+layer keeps holding every block as new ones fill (``Selector.select``) until a sample lets it shrink.
 """
 
 from __future__ import annotations
@@ -36,6 +45,30 @@ logger = logging.getLogger(__name__)
 
 SAMPLED_REQUESTS = 4
 WINDOW = 4096
+SHRINK_AFTER = 3
+
+
+def window_top_k(
+    prior: torch.Tensor, full: torch.Tensor, sink_blocks: int, top_k: int, max_top_k: int, target: float
+) -> torch.Tensor:
+    """``[bs]``: the top-K each request's first working set needs at a layer for its worst KV head to hold
+    ``target`` of the prefill window's attention (``prior`` ``[bs, kv_heads, N]``, each full block's share
+    of it; the sinks and the partial tail are always held), within ``[top_k, max_top_k]``."""
+    index = torch.arange(prior.shape[-1])
+    scorable = (index[None, :] < full[:, None]) & (index[None, :] >= sink_blocks)  # [bs, N]
+    mass = prior.masked_fill(~scorable[:, None, :], 0.0)
+    ordered = mass.sort(dim=-1, descending=True).values
+    missed = mass.sum(dim=-1, keepdim=True) - ordered.cumsum(dim=-1)  # [bs, H, N]: missed by top (i + 1)
+    allowed = 1.0 - target
+    need = torch.where(missed[..., 0] + ordered[..., 0] > allowed, (missed > allowed).sum(dim=-1) + 1, 0)
+    return on_ladder(need.amax(dim=-1), top_k, max_top_k)
+
+
+def on_ladder(need: torch.Tensor, top_k: int, max_top_k: int) -> torch.Tensor:
+    """The smallest of ``top_k x 2**n`` at least ``need`` (the sizes doubling and halving visit; few sizes
+    in a batch keep top-K to few calls), at most ``max_top_k``."""
+    doublings = torch.ceil(torch.log2(need.clamp(min=1).double() / top_k)).clamp(min=0)
+    return (top_k * 2**doublings).to(torch.int64).clamp(max=max_top_k)
 
 
 class RecallProbe:
@@ -47,8 +80,13 @@ class RecallProbe:
         kv_pool: Any,
         top_k: int,
         stats: OasisStats,
+        target: float = 0.0,
+        max_top_k: int | None = None,
     ) -> None:
         self.every = every
+        self.target = target
+        self.max_top_k = top_k if max_top_k is None else max_top_k
+        self.tier = tier
         self.working_sets = tier.working_sets
         self.block_size = tier.working_sets.block_size
         self.req_to_token_pool = req_to_token_pool
@@ -58,9 +96,39 @@ class RecallProbe:
         self._recall: deque[float] = deque(maxlen=WINDOW)
         self._agreement: deque[float] = deque(maxlen=WINDOW)
         self._per_layer: dict[int, deque[float]] = {}
+        self._steps: dict[int, int] = {}  # request row -> its decode steps since its last extend
+        self._above: dict[tuple[int, int], int] = {}  # (request slot, layer) -> samples well above target
+        self.rows: list[int] = []  # batch rows the current pass samples
 
-    def due(self, step: int) -> bool:
-        return self.every > 0 and step % self.every == 0
+    def restart(self, reqs: list[int]) -> None:
+        """Requests that just extended (new, or a retracted one re-prefilled): their step counts restart
+        and their slots' shrink streaks are forgotten."""
+        for req in reqs:
+            self._steps[req] = 0
+            slot = self.tier.slot_of(req)
+            for layer in range(int(self.working_sets.top_k.shape[1])):
+                self._above.pop((slot, layer), None)
+        self.rows = []
+
+    def begin(self, batch: BatchView) -> None:
+        """A decode or verify pass of ``batch``: count each request's step and choose the rows sampled
+        (with a target: each request at every ``every``-th of its own steps; else up to
+        ``SAMPLED_REQUESTS`` rows, rotating through the batch, at every ``every``-th pass)."""
+        for req in batch.reqs:
+            self._steps[req] = self._steps.get(req, 0) + 1
+        rows = len(batch.reqs)
+        if self.every <= 0 or not rows:
+            self.rows = []
+        elif self.target:
+            self.rows = [row for row, req in enumerate(batch.reqs) if self._steps[req] % self.every == 0]
+        elif batch.step % self.every == 0:
+            first = (batch.step // self.every) * SAMPLED_REQUESTS
+            self.rows = sorted({(first + i) % rows for i in range(min(rows, SAMPLED_REQUESTS))})
+        else:
+            self.rows = []
+
+    def due(self) -> bool:
+        return self.every > 0 and bool(self.rows)
 
     def sample_safely(self, *args: Any) -> None:
         """``sample``; an error turns the telemetry off (logged) instead of failing the step's requests."""
@@ -74,16 +142,18 @@ class RecallProbe:
         self, batch: BatchView, layer_id: int, q_rows: torch.Tensor, seq_lens: list[int], scale: float,
         last_locs: list[int] | None = None,
     ) -> None:  # fmt: skip
-        """Measure the batch's sampled requests at ``layer_id`` (``q_rows`` ``[bs, q_heads, dim]``, the
-        step's queries; ``seq_lens`` count the step's token, whose host location is ``last_locs[row]``
-        where given, else SGLang's table's) and publish the window's figures."""
-        rows = len(batch.reqs)
-        first = (batch.step // max(1, self.every)) * SAMPLED_REQUESTS
-        for row in sorted({(first + i) % rows for i in range(min(rows, SAMPLED_REQUESTS))}):
+        """Measure the pass's sampled rows (``begin``) at ``layer_id`` (``q_rows`` ``[bs, q_heads, dim]``,
+        the step's queries; ``seq_lens`` count the step's token, whose host location is
+        ``last_locs[row]`` where given, else SGLang's table's), publish the window's figures and, with a
+        target, resize the sampled working sets."""
+        for row in self.rows:
             last = None if last_locs is None else last_locs[row]
+            slot = int(batch.slots[row])
             recall, agreement = self.measure(
-                batch.reqs[row], int(batch.slots[row]), layer_id, q_rows[row], seq_lens[row], scale, last
+                batch.reqs[row], slot, layer_id, q_rows[row], seq_lens[row], scale, last
             )
+            if self.target:
+                self.hold_target(slot, layer_id, float(recall.min()))
             self.stats.add("recall_samples", len(recall))
             self.stats.add("recall_sum_ppm", round(1e6 * float(recall.sum())))
             self.stats.add("lookahead_agreement_sum_ppm", round(1e6 * float(agreement.sum())))
@@ -121,6 +191,29 @@ class RecallProbe:
         top = block_mass.topk(min(self.top_k, full), dim=-1).indices
         agreement = seen_blocks.gather(1, top).float().mean(dim=-1)
         return recall, agreement
+
+    def hold_target(self, slot: int, layer_id: int, worst: float) -> None:
+        """One sample of (request slot, layer) whose worst KV head's recall was ``worst``: below target,
+        double its top-K (up to the maximum); well above (within a quarter of the miss budget of 1.0)
+        ``SHRINK_AFTER`` times in a row, halve it (down to ``--oasis-top-k``)."""
+        top_k = self.working_sets.top_k
+        current, base = int(top_k[slot, layer_id]), self.working_sets.base_top_k
+        key = (slot, layer_id)
+        if worst < self.target:
+            self.stats.add("recall_below_target")
+            self._above.pop(key, None)
+            if current < self.max_top_k:
+                top_k[slot, layer_id] = min(self.max_top_k, 2 * current)
+                self.stats.add("recall_target_grows")
+        elif worst >= 1.0 - (1.0 - self.target) / 4 and current > base:
+            streak = self._above.get(key, 0) + 1
+            if streak >= SHRINK_AFTER:
+                top_k[slot, layer_id] = max(base, current // 2)
+                self.stats.add("recall_target_shrinks")
+                streak = 0
+            self._above[key] = streak
+        else:
+            self._above.pop(key, None)
 
     def _publish(self, layer_id: int) -> None:
         if not self._recall:

@@ -20,10 +20,12 @@ import torch
 from sgl_kernel_oasis import window_block_mass
 from sglang_oasis.attention.batch_view import BatchView
 from sglang_oasis.attention.block_prefetcher import BlockPrefetcher, JobResult, SelectionJob
+from sglang_oasis.attention.recall_probe import on_ladder, window_top_k
 from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.attention.transfer_failures import TransferFailures
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.memory.device_tier import DeviceTier
+from sglang_oasis.memory.headwise_map import EMPTY
 from sglang_oasis.memory.prefetch_pipeline import PrefetchPipeline
 from sglang_oasis.stats import OasisStats
 
@@ -100,7 +102,6 @@ class Selector:
             self.summaries,
             tier.active,
             kv_pool,
-            config.top_k,
             config.sink_blocks,
             self.num_kv_heads,
         )
@@ -123,13 +124,28 @@ class Selector:
         full = torch.tensor(seq_lens, dtype=torch.int64) // block
         num_blocks = int(full.max())
         admission = batch.admission
+        if self.config.recall_target and not admission:
+            self._keep_holding_every_block(slots, layer_id, full)
         # Every block is selected; if none filled up since the last selection the working sets already
         # hold them all (this layer's job was waited for): nothing to plan or move.
-        unchanged = not admission and num_blocks <= self.num_slots
+        capacity = self.working_sets.top_k[slots, layer_id] + self.config.sink_blocks
+        unchanged = not admission and bool((full <= capacity).all())
+        if unchanged and self.config.recall_target:  # a target that just grew K: blocks still to load
+            unchanged = bool((self._held(slots, layer_id) >= full).all())
         if unchanged and bool((self.working_sets.covered[slots, layer_id] == full).all()):
             self.working_sets.touch(slots, layer_id, batch.step)
             self.stats.add("selections", len(seq_lens))
             return
+        top_k = self.working_sets.top_k
+        if admission:  # the first working sets: K, or what the window's attention needs to hold the target
+            top_k[slots, layer_id] = self.config.top_k
+            if self.config.recall_target and prior is not None:
+                config = self.config
+                sized = window_top_k(
+                    prior, full, config.sink_blocks, config.top_k, config.max_top_k, config.recall_target
+                )
+                top_k[slots, layer_id] = sized
+                self.stats.add("recall_target_grows", int((sized > config.top_k).sum()))
         req_to_token = self.req_to_token_pool.req_to_token
         pages = req_to_token[reqs, 0 : num_blocks * block : block].to(torch.int64) // block  # [bs, N]
         if layer_id == self.record_layer:  # for warm starts of later requests sharing these pages
@@ -154,9 +170,28 @@ class Selector:
             admission=admission,
             cap=None if admission else self.caps[layer_id],
             fail_reqs=() if admission else self.faults.failing(batch.reqs, self.prompt_len),
+            top_k=top_k[slots, layer_id].clone(),
         )
         for result in self.pipeline.submit(layer_id, lambda: self.prefetcher.run(job)):
             self._account(result)
+
+    def _keep_holding_every_block(self, slots: torch.Tensor, layer_id: int, full: torch.Tensor) -> None:
+        """Recall target: a working set the target grew and that held every block of the layer at its last
+        selection grows (up the ladder) to hold the blocks that filled up since, rather than drop one
+        until the next recall sample notices."""
+        config, top_k = self.config, self.working_sets.top_k
+        current = top_k[slots, layer_id]
+        capacity = current + config.sink_blocks
+        held_all = self._held(slots, layer_id) >= self.working_sets.covered[slots, layer_id]
+        outgrew = held_all & (current > config.top_k) & (full > capacity) & (current < config.max_top_k)
+        if bool(outgrew.any()):
+            grown = on_ladder(full - config.sink_blocks, config.top_k, config.max_top_k)
+            top_k[slots[outgrew], layer_id] = grown[outgrew]
+            self.stats.add("recall_target_grows", int(outgrew.sum()))
+
+    def _held(self, slots: torch.Tensor, layer_id: int) -> torch.Tensor:
+        """``[bs]``: blocks resident in each request's least-filled KV head's working set at the layer."""
+        return (self.working_sets.slot_block[slots, layer_id] != EMPTY).sum(dim=-1).amin(dim=-1)
 
     def window_pins(self, prior: torch.Tensor | None, full: torch.Tensor) -> torch.Tensor:
         """``[bs, kv_heads, window_blocks]`` block ids the prefill window keeps selected (-1: none),
@@ -180,8 +215,9 @@ class Selector:
         seq_lens: list[int],
     ) -> torch.Tensor | None:
         """``[bs, kv_heads, N]`` scores for the first working sets (``--oasis-prefill-window``): each full
-        block's exact attention mass from the last (up to) ``window`` new tokens' queries; None when the
-        window is off or every request keeps all its blocks anyway."""
+        block's share of the exact attention of the last (up to) ``window`` new tokens' queries (a
+        fraction of the KV head's total, partial tail included); None when the window is off or every
+        request keeps all its blocks anyway."""
         window, block = self.config.prefill_window, self.block_size
         full = [n // block for n in seq_lens]
         if window == 0 or max(full, default=0) <= self.num_slots:
@@ -197,7 +233,8 @@ class Selector:
             rows = min(window, new)
             locs = req_to_token[req, :total].to(torch.int64)
             mass = window_block_mass(q_rows[last - rows + 1 : last + 1], keys[locs], block, layer.scaling)
-            prior[row, :, : full[row]] = mass.cpu()
+            group = q_rows.shape[1] // self.num_kv_heads  # query heads per KV head
+            prior[row, :, : full[row]] = mass.cpu() / (rows * group)
             self.stats.add("window_selections")
         return prior
 

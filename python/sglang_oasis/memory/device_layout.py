@@ -5,9 +5,10 @@ the launcher can size ``--max-running-requests`` before anything is imported.
     summaries       = 2 (min, max) x layers x host pages x KV heads x head_dim x element bytes
                       + 8 bytes per host page (its epoch)
     per request     = 2 (K, V) x layers x KV heads x (top-K + sinks) x block x head_dim x element bytes
+                      (top-K: --oasis-recall-max-top-k when --oasis-recall-target is on)
                       + 2 (K, V) x layers x KV heads x active span x head_dim x element bytes
                       + 8 bytes x layers x KV heads x (2 x (top-K + sinks) + window pins)   (index tensors)
-                      + 8 bytes x layers x 3                          (covered; active blocks' start, end)
+                      + 8 bytes x layers x 4           (covered, top-K; active blocks' start, end)
     request slots   = (budget - summaries) // per request
 """
 
@@ -49,7 +50,7 @@ class TierShape(NamedTuple):
     element_bytes: int
     host_pages: int  # pages of SGLang's KV pool (its padding pages included)
     block_size: int
-    slots_per_head: int  # top-K + sink blocks
+    slots_per_head: int  # top-K (at most --oasis-recall-max-top-k with a recall target) + sink blocks
     window_blocks: int  # blocks per layer and KV head the prefill window pins
     active_tokens: int  # ring positions per layer and KV head of the active blocks (``active_span``)
 
@@ -65,7 +66,7 @@ class TierShape(NamedTuple):
         """The shape of a model's KV (layers, KV heads, head_dim, element bytes) served with ``config``."""
         return cls(
             num_layers, num_kv_heads, head_dim, element_bytes, host_pages, config.block_size,
-            config.top_k + config.sink_blocks, config.window_blocks,
+            config.slots_per_head, config.window_blocks,
             active_span(config.block_size, config.verify_rows),
         )  # fmt: skip
 
@@ -93,7 +94,7 @@ def layout(budget_bytes: int, shape: TierShape, max_request_slots: int | None = 
     request = 2 * heads * s.slots_per_head * s.block_size * s.head_dim * s.element_bytes  # K and V
     request += 2 * heads * s.slots_per_head * INDEX_BYTES  # slot_block, last_selected
     request += 2 * heads * s.active_tokens * s.head_dim * s.element_bytes  # active blocks' K and V
-    request += 3 * s.num_layers * INDEX_BYTES  # covered; active blocks' start and end
+    request += 4 * s.num_layers * INDEX_BYTES  # covered, top-K; active blocks' start and end
     request += heads * s.window_blocks * INDEX_BYTES  # pinned
     slots = max(0, budget_bytes - summary) // request
     if max_request_slots is not None:

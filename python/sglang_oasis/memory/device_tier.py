@@ -5,9 +5,10 @@
 
     summaries            kmin/kmax of every host block, per layer and KV head, and the blocks' epochs
                          (fixed: set by the host tier's size, whatever the load)
-    per request slot     the working sets (K + sink blocks of B tokens per layer and KV head, K and V),
+    per request slot     the working sets (K + sink blocks of B tokens per layer and KV head, K and V;
+                         K is --oasis-recall-max-top-k when a recall target may grow them),
                          their head-wise map (block held by each slot, last selection step), the blocks
-                         the last selection covered, and the prefill window's pinned block ids
+                         the last selection covered and each layer's top-K, and the prefill window's pinned block ids
                          the active blocks (``active_blocks.py``): the request's newest tokens per layer
                          and KV head (the tail after the covered blocks, and a step's new tokens)
 
@@ -48,8 +49,9 @@ class DeviceTier:
     """The tensors of one layout, and which request holds which request slot."""
 
     def __init__(
-        self, shape: TierShape, plan: DeviceTierLayout, dtype: torch.dtype, device: torch.device | str
-    ):
+        self, shape: TierShape, plan: DeviceTierLayout, dtype: torch.dtype, device: torch.device | str,
+        top_k: int | None = None,
+    ):  # fmt: skip
         self.shape = shape
         self.layout = plan
         slots = plan.request_slots
@@ -64,7 +66,7 @@ class DeviceTier:
         )
         self.working_sets = WorkingSetPool(
             slots, shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.slots_per_head,
-            shape.block_size, dtype, device,
+            shape.block_size, dtype, device, top_k,
         )  # fmt: skip
         self.active = ActiveBlocks(
             slots, shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.block_size,
@@ -101,7 +103,7 @@ class DeviceTier:
                 "or raise the budget"
             )
         limit = int(max_running) if max_running is not None else int(req_to_token_pool.req_to_token.shape[0])
-        return cls(shape, layout(budget, shape, limit), kv_pool.dtype, device)
+        return cls(shape, layout(budget, shape, limit), kv_pool.dtype, device, config.top_k)
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the device tier holds, by name."""
@@ -112,6 +114,7 @@ class DeviceTier:
             "slot_block": ws.slot_block,
             "last_selected": ws.last_selected,
             "covered": ws.covered,
+            "top_k": ws.top_k,
             "pinned": self.pinned,
             "active_k": self.active.k,
             "active_v": self.active.v,

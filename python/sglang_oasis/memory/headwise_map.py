@@ -81,10 +81,13 @@ class HeadwiseMap:
         cap: int | None = None,
         fresh_from: int | None = None,
         priority: Sequence[Mapping[int, float]] | None = None,
+        capacity: int | None = None,
     ) -> Plan:
         """``apply_selection`` with a per-head fetch cap: at most ``cap`` missing blocks below
         ``fresh_from`` are loaded per head, by ``priority[head][block]`` (higher first, default 0), ties
-        by ascending block id; blocks ``>= fresh_from`` are always loaded. ``cap=None``: no cap."""
+        by ascending block id; blocks ``>= fresh_from`` are always loaded. ``cap=None``: no cap. Then
+        each head holds at most ``capacity`` blocks (None: ``num_slots``): unselected blocks leave, least
+        recently selected first (ties: lowest block id)."""
         if len(selected) != self.num_kv_heads:
             raise ValueError(f"selection for {len(selected)} heads, map has {self.num_kv_heads}")
         loads: list[Load] = []
@@ -94,6 +97,8 @@ class HeadwiseMap:
                 raise ValueError(f"head {head}: {len(needed)} blocks selected for {self.num_slots} slots")
             head_priority = priority[head] if priority is not None else {}
             head_loads, head_deferred = self._apply_head(head, needed, step, cap, fresh_from, head_priority)
+            if capacity is not None:
+                self._shrink_head(head, needed, capacity)
             loads += head_loads
             deferred += [(head, block) for block in head_deferred]
         return Plan(loads, deferred)
@@ -130,6 +135,17 @@ class HeadwiseMap:
             self.last_selected[head, slot] = step
             loads.append(Load(head, slot, block))
         return loads, deferred
+
+    def _shrink_head(self, head: int, needed: set[int], capacity: int) -> None:
+        """Empty the least recently selected unselected slots of ``head`` until it holds ``capacity``."""
+        blocks, last = self.slot_block[head].tolist(), self.last_selected[head].tolist()
+        held = [slot for slot, block in enumerate(blocks) if block != EMPTY]
+        spare = sorted(
+            (slot for slot in held if blocks[slot] not in needed), key=lambda s: (last[s], blocks[s])
+        )
+        for slot in spare[: max(0, len(held) - capacity)]:
+            self.slot_block[head, slot] = EMPTY
+            self.last_selected[head, slot] = EMPTY
 
     def clear(self) -> list[int]:
         """Empty every slot (request finished); returns the distinct host blocks that were mirrored."""

@@ -5,6 +5,9 @@
     last_selected[req, layer, head, slot]       decode step of its last selection (for LRU eviction)
     covered[req, layer]                         full blocks the last selection was made over; tokens
                                                 from covered * B on are the active tail (``active_blocks.py``)
+    top_k[req, layer]                           blocks the layer's selection takes by score (the sinks
+                                                aside): ``--oasis-top-k``, or what ``--oasis-recall-target``
+                                                grew it to; at most ``num_slots`` - sinks blocks are resident
 
 Request slots are SGLang's ``req_pool_indices``; a slot is reset when a new request takes it (SGLang
 bumps the slot's generation on every allocation; the owner key is that generation).
@@ -57,9 +60,11 @@ class WorkingSetPool:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        top_k: int | None = None,
     ) -> None:
         self.block_size = block_size
         self.num_slots = num_slots
+        self.base_top_k = num_slots if top_k is None else top_k
         shape = (max_requests, num_layers, num_kv_heads, num_slots, block_size, head_dim)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -67,6 +72,7 @@ class WorkingSetPool:
         self.slot_block = torch.full(table_shape, EMPTY, dtype=torch.int64)
         self.last_selected = torch.full(table_shape, EMPTY, dtype=torch.int64)
         self.covered = torch.zeros((max_requests, num_layers), dtype=torch.int64)
+        self.top_k = torch.full((max_requests, num_layers), self.base_top_k, dtype=torch.int64)
         self.owner: list[int | None] = [None] * max_requests
 
     @property
@@ -86,6 +92,7 @@ class WorkingSetPool:
         self.slot_block[req].fill_(EMPTY)
         self.last_selected[req].fill_(EMPTY)
         self.covered[req].zero_()
+        self.top_k[req] = self.base_top_k
         return True
 
     def adopt(self, req: int, owner: int, donor: int, shared_blocks: int) -> int:
@@ -103,11 +110,17 @@ class WorkingSetPool:
         self.slot_block[req][drop] = EMPTY
         self.last_selected[req][drop] = EMPTY
         self.covered[req].zero_()
+        self.top_k[req] = self.base_top_k
         return int((self.slot_block[req] != EMPTY).sum())
 
     def resident_blocks(self, reqs: list[int]) -> int:
         """Occupied (layer, head, slot) entries of the given request slots."""
         return int((self.slot_block[reqs] != EMPTY).sum())
+
+    def extra_blocks(self, reqs: list[int]) -> int:
+        """Blocks per (layer, KV head) the given request slots select beyond their base top-K, summed."""
+        extra = (self.top_k[reqs] - self.base_top_k).clamp(min=0)
+        return int(extra.sum()) * self.k.shape[2]
 
     def plan_selections(
         self,
@@ -118,6 +131,7 @@ class WorkingSetPool:
         cap: int | None = None,
         fresh_from: torch.Tensor | None = None,
         priority: torch.Tensor | None = None,
+        capacity: torch.Tensor | None = None,
     ) -> TransferPlan:
         """Decide, for a whole batch in tensor ops, which selected blocks to load into which slots, and
         record the new mapping (``load`` then copies the data).
@@ -133,10 +147,13 @@ class WorkingSetPool:
             fresh_from: ``[bs]`` first block id that just filled up (loaded whatever the cap).
             priority: ``[bs, kv_heads, N]`` float, the order in which capped blocks are admitted
                 (higher first; ties by block id). None: block id order.
+            capacity: ``[bs]`` blocks each head of the request may hold (its top-K + sinks, below
+                ``num_slots`` when the recall target shrank it). None: ``num_slots``.
 
         Same plan as the per-head reference: kept blocks stay in their slots; admitted missing blocks,
         in ascending order, go to free slots first (in slot order), then to slots of unselected blocks,
-        least recently selected first (ties: lowest block id first).
+        least recently selected first (ties: lowest block id first); then, past ``capacity``, unselected
+        blocks leave in that same order.
         """
         bs, heads, num_blocks = selected.shape
         blocks = self.slot_block[reqs, layer]  # [bs, H, S]
@@ -175,6 +192,16 @@ class WorkingSetPool:
         new = missing_first[b_idx, h_idx, r_idx]
         blocks[b_idx, h_idx, slots] = new
         now_selected = (blocks != EMPTY) & selected.gather(-1, blocks.clamp(0, num_blocks - 1))
+        if capacity is not None:  # a working set the recall target shrank gives its extra blocks back
+            spare = (blocks != EMPTY) & ~now_selected
+            excess = (blocks != EMPTY).sum(-1, keepdim=True) - capacity[:, None, None]  # [bs, H, 1]
+            spare_key = torch.where(spare, last * BLOCK_ID_SPAN + blocks, torch.iinfo(torch.int64).max)
+            order = spare_key.argsort(dim=-1, stable=True)
+            slot_index = torch.arange(blocks.shape[-1]).expand_as(order).contiguous()
+            rank = torch.empty_like(order).scatter_(-1, order, slot_index)
+            dropped = spare & (rank < excess)
+            blocks = blocks.masked_fill(dropped, EMPTY)
+            last = last.masked_fill(dropped, EMPTY)
         self.slot_block[reqs, layer] = blocks
         self.last_selected[reqs, layer] = torch.where(now_selected, step, last)
         return TransferPlan(b_idx, h_idx, slots, new, deferred)

@@ -1,0 +1,46 @@
+"""benchmark/bench_accuracy.py end to end at CI size (issue 27): SmolLM2's first 6 layers (a truncated
+model cannot answer, so scores are not the point), two tasks at ~1K tokens, one sample each, a dense
+server and a sparse one whose K covers every block. Sparse with K covering the context answers exactly as
+dense, so the two servers' answers and scores must agree; the sparse server's decode figures come from
+its /oasis/stats."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
+
+import bench_accuracy
+
+pytestmark = pytest.mark.server
+
+TASKS = ("niah_single_number", "variable_tracking")
+K = 72  # blocks of 16: every block of a ~1K prompt and its answer
+
+
+@pytest.mark.usefixtures("smollm2_6l_dir")
+def test_the_quick_accuracy_run_scores_dense_and_a_covering_k_alike(tmp_path: Path) -> None:
+    out = tmp_path / "accuracy.json"
+    argv = ["--json", str(out), "--quick", "--num-layers", "6", "--tasks", ",".join(TASKS),
+            "--contexts", "1000", "--samples", "1", "--top-ks", str(K), "--concurrency", "1"]  # fmt: skip
+    assert bench_accuracy.main(argv) == 0
+    report = json.loads(out.read_text())
+    assert report["settings"]["num_layers"] == 6 and report["settings"]["quick"]
+    assert list(report["configs"]) == ["dense", f"k{K}"]  # --quick adds no recall-target server
+    for task in TASKS:
+        cell = report["tasks"][task]["1000"]
+        dense, sparse = cell["dense"], cell[f"k{K}"]
+        assert dense["errors"] == sparse["errors"] == 0
+        assert dense["answers"] == sparse["answers"] and dense["answers"][0].strip()
+        assert dense["score"] == sparse["score"] is not None and 0 <= dense["score"] <= 1
+    figures = report["configs"][f"k{K}"]
+    assert figures["stats"]["decode_steps"] > 0
+    assert figures["decode_bytes_per_step"] == 0  # K covers every block: decode reads nothing from the host
+    assert figures["recall_mean"] == pytest.approx(1.0, abs=1e-5)
+    assert "decode_bytes_per_step" not in report["configs"]["dense"]
+    assert figures["vs_dense"] == 0
+    assert (tmp_path / "accuracy.png").exists()
