@@ -20,7 +20,12 @@ not the pipeline. Selectors (``--selectors``):
 - ``window``: the runtime's default (``--oasis-prefill-window``, ``--oasis-window-keep``): the first
   step's blocks are the top-K by the exact attention mass of the prompt's last ``--window-tokens``
   queries (known at prefill), the best ``ceil(--window-keep x K)`` of them stay selected at every step,
-  and the rest follow the min/max bound of the previous query.
+  and the rest follow the min/max bound of the previous query;
+- ``target<P>`` (e.g. ``target90``): ``window`` under ``--oasis-recall-target 0.<P>`` with the default
+  maximum of 4 x K: each layer's first K sized from the window's mass (the runtime's ``window_top_k``),
+  then after every decode step the step's exact recall (worst KV head) doubles K below the target and
+  halves it after 3 steps well above (the runtime samples every ``--oasis-recall-sample-every`` steps
+  of a request; here every step). ``top_k_used`` records the K of every (step, layer).
 
 Every selector but ``minmax-current`` selects step t+1's blocks with step t's query (the runtime's
 timing; after the prompt, the last prompt token's query). The passkey cases are the test's (5 depths,
@@ -46,6 +51,7 @@ import torch
 
 from common import machine_info, print_table
 from sgl_kernel_oasis import build_block_summaries, score_blocks, window_block_mass
+from sglang_oasis.attention.recall_probe import window_top_k
 from sglang_oasis.evaluation.passkey import essays_text, make_case
 
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
@@ -59,6 +65,11 @@ class Selector:
     ) -> None:
         self.name, self.top_k, self.block = name, top_k, block_size
         self.window_tokens, self.window_blocks = window_tokens, math.ceil(window_keep * top_k)
+        self.target = int(name.removeprefix("target")) / 100 if name.startswith("target") else 0.0
+        self.max_top_k = 4 * top_k
+        self.layer_k: dict[int, int] = {}  # ``target<P>``: layer -> its current K
+        self.above: dict[int, int] = {}  # ``target<P>``: layer -> steps in a row well above the target
+        self.top_k_used: list[int] = []  # ``target<P>``: the K of every (decode step, layer)
         self.previous: dict[int, torch.Tensor] = {}  # layer -> [q_heads, dim] last query
         self.first: dict[int, torch.Tensor] = {}  # ``window``: layer -> [kv_heads, K] first blocks
         self.pinned: dict[int, torch.Tensor] = {}  # ``window``: layer -> [kv_heads, P] kept blocks
@@ -67,6 +78,8 @@ class Selector:
         self.previous.clear()
         self.first.clear()
         self.pinned.clear()
+        self.layer_k.clear()
+        self.above.clear()
 
     def scores(self, query: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
         """``[kv_heads, blocks]`` scores of the full blocks of ``keys`` ``[kv_heads, tokens, dim]`` for
@@ -90,6 +103,27 @@ class Selector:
         box_scores = score_blocks(query[None], kmin, kmax)[0]  # [kv_heads, blocks * boxes]
         return box_scores.view(kv_heads, blocks, boxes).amax(-1)
 
+    def hold_target(
+        self,
+        layer: int,
+        top_k: int,
+        query: torch.Tensor,
+        keys: torch.Tensor,
+        visible: torch.Tensor,
+        scale: float,
+    ) -> None:
+        """``target<P>``: the runtime's rule (``RecallProbe.hold_target``) on this step's exact recall."""
+        worst = float(recall_of(query, keys, visible, scale).min())
+        if worst < self.target:
+            self.layer_k[layer] = min(self.max_top_k, 2 * top_k)
+            self.above.pop(layer, None)
+        elif worst >= 1 - (1 - self.target) / 4 and top_k > self.top_k:
+            self.above[layer] = self.above.get(layer, 0) + 1
+            if self.above[layer] >= 3:
+                self.layer_k[layer], self.above[layer] = max(self.top_k, top_k // 2), 0
+        else:
+            self.above.pop(layer, None)
+
     def attend(self, module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
                attention_mask: Any, scaling: float | None = None, dropout: float = 0.0, **kwargs: Any) -> Any:  # fmt: skip
         """transformers attention function: ``query [1, q_heads, q_len, dim]``, ``key``/``value``
@@ -100,11 +134,20 @@ class Selector:
         q_heads, kv_heads, tokens = query.shape[1], key.shape[1], key.shape[2]
         if self.name == "dense" or query.shape[2] > 1:  # the prompt attends densely
             self.previous[layer] = query[0, :, -1]
-            if self.name == "window" and tokens // self.block > self.top_k:
+            windowed = self.name == "window" or self.target
+            if windowed and tokens // self.block > self.top_k:
                 rows = min(self.window_tokens, query.shape[2])
                 mass = window_block_mass(query[0, :, -rows:].transpose(0, 1), key[0].transpose(0, 1),
                                          self.block, scaling or query.shape[-1] ** -0.5)  # fmt: skip
-                self.first[layer] = mass.topk(self.top_k, dim=-1).indices
+                first_k = self.top_k
+                if self.target:  # the runtime's sizing, from the window's share of the attention
+                    share = mass / (rows * (q_heads // kv_heads))
+                    full_now = torch.tensor([tokens // self.block])
+                    first_k = int(
+                        window_top_k(share[None], full_now, 0, self.top_k, self.max_top_k, self.target)[0]
+                    )
+                    self.layer_k[layer] = first_k
+                self.first[layer] = mass.topk(min(first_k, mass.shape[-1]), dim=-1).indices
                 self.pinned[layer] = mass.topk(self.window_blocks, dim=-1).indices
             return sdpa_attention_forward(module, query, key, value, attention_mask, scaling=scaling,
                                           dropout=dropout, **kwargs)  # fmt: skip
@@ -113,22 +156,36 @@ class Selector:
         self.previous[layer] = now
         full = (tokens - 1) // self.block  # full blocks before the current token's
         visible = torch.ones((kv_heads, tokens), dtype=torch.bool)
-        if full > self.top_k:
+        top_k = self.layer_k.get(layer, self.top_k)
+        if self.target:
+            self.top_k_used.append(top_k)
+        if full > top_k:
             if layer in self.first:  # ``window``: the first step after the prompt
                 chosen = self.first.pop(layer)
             else:
                 scores = self.scores(predicting, key[0, :, : full * self.block])
                 if layer in self.pinned:
                     scores = scores.scatter(1, self.pinned[layer], float("inf"))
-                chosen = scores.topk(self.top_k, dim=-1).indices
+                chosen = scores.topk(top_k, dim=-1).indices
             in_blocks = torch.zeros((kv_heads, full), dtype=torch.bool).scatter_(1, chosen, True)
             visible[:, : full * self.block] = in_blocks.repeat_interleave(self.block, dim=1)
         group = q_heads // kv_heads
+        if self.target:
+            self.hold_target(layer, top_k, now, key[0], visible, scaling or query.shape[-1] ** -0.5)
         out = torch.nn.functional.scaled_dot_product_attention(
             query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1),
             attn_mask=visible.repeat_interleave(group, 0)[None, :, None, :], scale=scaling,
         )  # fmt: skip
         return out.transpose(1, 2).contiguous(), None
+
+
+def recall_of(query: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[kv_heads]``: the exact attention mass of ``query`` ``[q_heads, dim]`` over ``keys``
+    ``[kv_heads, tokens, dim]`` that lies on ``visible`` ``[kv_heads, tokens]`` (mean over each group)."""
+    kv_heads, _, dim = keys.shape
+    q = query.float().view(kv_heads, -1, dim)
+    mass = (torch.einsum("hgd,htd->hgt", q, keys.float()) * scale).softmax(-1).mean(dim=1)
+    return (mass * visible).sum(-1)
 
 
 def run_selector(model: Any, tokenizer: Any, cases: list[Any], selector: Selector, new_tokens: int) -> dict:
