@@ -72,7 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from accuracy_tasks import TASKS, Message, Sample
-from common import common_prefix, machine_info, print_table
+from common import common_prefix, int_list, machine_info, print_table
 from sglang_oasis.config import OasisConfig
 
 FULL_CONTEXTS = (1000, 2000, 4000, 7000)
@@ -428,21 +428,20 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
 
-    def ints(text: str) -> list[int]:
-        return [int(part) for part in text.split(",") if part.strip()]
-
     parser.add_argument("--json", type=Path, required=True)
     parser.add_argument(
         "--quick", action="store_true", help="CI-sized: ~1K and 2K, 2 samples, dense and K=32"
     )
     parser.add_argument("--tasks", default="all", help=f"comma-separated, of: {', '.join(TASKS)}")
     parser.add_argument(
-        "--contexts", type=ints, default=None, help="prompt token budgets (default 1000,2000,4000,7000)"
+        "--contexts", type=int_list, default=None, help="prompt token budgets (default 1000,2000,4000,7000)"
     )
     parser.add_argument(
-        "--samples", type=ints, default=None, help="per task: N, or one per context (default 2,1,1,1)"
+        "--samples", type=int_list, default=None, help="per task: N, or one per context (default 2,1,1,1)"
     )
-    parser.add_argument("--top-ks", type=ints, default=None, help="sparse servers' K (default 16,32,64,128)")
+    parser.add_argument(
+        "--top-ks", type=int_list, default=None, help="sparse servers' K (default 16,32,64,128)"
+    )
     parser.add_argument("--extra-config", action="append", default=None, metavar="NAME=ARGS",
                         help="one more sparse server: the defaults plus ARGS (default: the full run adds "
                         f"{TARGET_CONFIGS[0]!r}, --quick none)")  # fmt: skip

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from bench_selection import Selector
-from common import machine_info, print_table
+from common import int_list, machine_info, print_table
 
 
 def documents(tokenizer: Any, text: str, context_tokens: int, docs: int) -> list[list[int]]:
@@ -127,14 +127,11 @@ def main(argv: list[str] | None = None) -> int:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
 
-    def ints(text: str) -> list[int]:
-        return [int(part) for part in text.split(",") if part.strip()]
-
     parser.add_argument("--json", type=Path, required=True)
-    parser.add_argument("--context-tokens", type=ints, default=[2000, 4000])
+    parser.add_argument("--context-tokens", type=int_list, default=[2000, 4000])
     parser.add_argument("--docs", type=int, default=4)
     parser.add_argument("--steps", type=int, default=32, help="forced decode steps per document")
-    parser.add_argument("--top-ks", type=ints, default=[16, 32, 64])
+    parser.add_argument("--top-ks", type=int_list, default=[16, 32, 64])
     parser.add_argument("--selectors", default="window,target90,minmax,oracle")
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--num-layers", type=int, default=None, help="truncate SmolLM2 (smoke tests only)")

@@ -133,3 +133,8 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
             break
         n += 1
     return n
+
+
+def int_list(text: str) -> list[int]:
+    """An argparse type: ``"1000,2000"`` -> ``[1000, 2000]`` (empty parts ignored)."""
+    return [int(part) for part in text.split(",") if part.strip()]

@@ -115,6 +115,21 @@ def test_working_set_loads_blocks_and_gathers_them_in_block_order() -> None:
     assert ws.resident_blocks([1]) == 0
 
 
+def selections(max_blocks: int) -> st.SearchStrategy[list[list[set[int]]]]:
+    """One step's selections: 3 requests x 2 KV heads, each up to ``max_blocks`` block ids below 10."""
+    per_head = st.sets(st.integers(0, 9), max_size=max_blocks)
+    return st.lists(st.lists(per_head, min_size=2, max_size=2), min_size=3, max_size=3)
+
+
+def as_mask(per_request: list[list[set[int]]], heads: int, num_blocks: int) -> torch.Tensor:
+    """``[requests, heads, num_blocks]`` bool: each request's and head's selected block ids."""
+    selected = torch.zeros(len(per_request), heads, num_blocks, dtype=torch.bool)
+    for i, per_head in enumerate(per_request):
+        for h, chosen in enumerate(per_head):
+            selected[i, h, sorted(chosen)] = True
+    return selected
+
+
 @settings(max_examples=60, deadline=None)
 @given(
     steps=st.lists(
@@ -135,10 +150,7 @@ def test_batched_selection_matches_the_per_head_reference(steps: list[list[list[
     reqs = torch.tensor([0, 2, 3])
     pages = torch.stack([torch.randperm(16, generator=gen)[:num_blocks] for _ in range(3)])
     for step, per_request in enumerate(steps):
-        selected = torch.zeros(3, heads, num_blocks, dtype=torch.bool)
-        for i, per_head in enumerate(per_request):
-            for h, chosen in enumerate(per_head):
-                selected[i, h, sorted(chosen)] = True
+        selected = as_mask(per_request, heads, num_blocks)
         loads = ws.apply_selections(reqs, 0, selected, pages, step, pool_k, pool_k)
         expected_loads = 0
         for i, req in enumerate(reqs.tolist()):
@@ -158,11 +170,7 @@ def test_batched_selection_matches_the_per_head_reference(steps: list[list[list[
 @given(
     steps=st.lists(
         st.tuples(
-            st.lists(
-                st.lists(st.sets(st.integers(0, 9), max_size=3), min_size=2, max_size=2),
-                min_size=3,
-                max_size=3,
-            ),
+            selections(max_blocks=3),
             st.integers(0, 3),  # cap
             st.lists(st.integers(0, 10), min_size=3, max_size=3),  # fresh_from per request
             st.lists(st.integers(0, 2), min_size=10, max_size=10),  # priorities: ties likely
@@ -179,10 +187,7 @@ def test_batched_capped_plan_matches_the_per_head_reference(
     reference = {req: HeadwiseMap(heads, slots) for req in (0, 2, 3)}
     reqs = torch.tensor([0, 2, 3])
     for step, (per_request, cap, fresh_from, prio) in enumerate(steps):
-        selected = torch.zeros(3, heads, num_blocks, dtype=torch.bool)
-        for i, per_head in enumerate(per_request):
-            for h, chosen in enumerate(per_head):
-                selected[i, h, sorted(chosen)] = True
+        selected = as_mask(per_request, heads, num_blocks)
         priority = torch.tensor(prio, dtype=torch.float32).expand(3, heads, -1)
         plan = ws.plan_selections(reqs, 0, selected, step, cap, torch.tensor(fresh_from), priority)
         want_loads, want_deferred = 0, 0
@@ -226,11 +231,7 @@ def test_gather_of_a_batch_reads_each_requests_own_layer_in_block_order() -> Non
 @given(
     steps=st.lists(
         st.tuples(
-            st.lists(
-                st.lists(st.sets(st.integers(0, 9), max_size=4), min_size=2, max_size=2),
-                min_size=3,
-                max_size=3,
-            ),
+            selections(max_blocks=4),
             st.lists(st.integers(1, 5), min_size=3, max_size=3),  # capacity per request
             st.integers(0, 3),  # cap
         ),
@@ -252,10 +253,7 @@ def test_a_plan_within_a_smaller_capacity_matches_the_per_head_reference(
         per_request = [
             [set(sorted(chosen)[: capacity[i]]) for chosen in per_head] for i, per_head in enumerate(drawn)
         ]
-        selected = torch.zeros(3, heads, num_blocks, dtype=torch.bool)
-        for i, per_head in enumerate(per_request):
-            for h, chosen in enumerate(per_head):
-                selected[i, h, sorted(chosen)] = True
+        selected = as_mask(per_request, heads, num_blocks)
         plan = ws.plan_selections(reqs, 0, selected, step, cap, None, None, torch.tensor(capacity))
         want_loads = 0
         for i, req in enumerate(reqs.tolist()):
