@@ -10,8 +10,9 @@ from typing import Any
 import pytest
 import torch
 
+from sglang_oasis.attention.batch_view import BatchView
 from sglang_oasis.attention.oasis_backend import OasisAttnBackend
-from sglang_oasis.attention.recall_probe import SHRINK_AFTER, window_top_k
+from sglang_oasis.attention.recall_probe import SHRINK_AFTER, RecallProbe, window_top_k
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.http_routes import counters_and_gauges
 
@@ -192,3 +193,29 @@ def test_a_grown_working_set_that_held_every_block_keeps_holding_them_as_blocks_
     backend.selector.select(backend.batch, 0, DIRECTIONS[0][None, None], [21])
     backend.selector.finish_pending()
     assert int(ws.top_k[0, 0]) == 1
+
+
+def test_with_a_target_each_request_is_sampled_at_its_own_steps() -> None:
+    """What a request attends must not depend on what else runs: with a target, a request is sampled at
+    every ``every``-th decode step of its own (counted per request row and generation), whoever shares
+    its batches; without one, up to 4 rows rotate at every ``every``-th pass."""
+    backend = _probe_after_selecting(1, selecting_block=0, recall_target=0.9)
+    probe = RecallProbe(3, backend.tier, None, None, 1, backend.stats, target=0.9)
+
+    def rows(reqs: list[int], generations: list[int], step: int) -> list[int]:
+        batch = BatchView(reqs, torch.tensor(reqs), torch.tensor(reqs), generations, step, False)
+        probe.begin(batch)
+        return probe.rows
+
+    assert rows([0], [1], 1) == [] and rows([0], [1], 2) == []
+    assert rows([0, 1], [1, 1], 3) == [0]  # request 0's third step, request 1's first
+    assert rows([1, 0], [1, 1], 4) == [] and rows([1, 0], [1, 1], 5) == [0]  # request 1's third
+    assert rows([0, 1], [2, 1], 6) == []  # a new request on row 0 starts from its first step
+    probe.restart([1])  # row 1 extended again (e.g. re-prefilled): its count restarts
+    assert rows([1], [1], 7) == [] and rows([1], [1], 8) == [] and rows([1], [1], 9) == [0]
+    rotating = RecallProbe(3, backend.tier, None, None, 1, backend.stats)
+    batch = BatchView(list(range(6)), torch.arange(6), torch.arange(6), [1] * 6, 3, False)
+    rotating.begin(batch)
+    assert rotating.rows == [0, 1, 4, 5]  # pass 3 (the first sampled): rows 4, 5, 0, 1 of 6
+    rotating.begin(batch._replace(step=4))
+    assert rotating.rows == []

@@ -96,7 +96,8 @@ class RecallProbe:
         self._recall: deque[float] = deque(maxlen=WINDOW)
         self._agreement: deque[float] = deque(maxlen=WINDOW)
         self._per_layer: dict[int, deque[float]] = {}
-        self._steps: dict[int, int] = {}  # request row -> its decode steps since its last extend
+        self._steps: dict[int, tuple[int, int]] = {}  # request row -> (generation, decode steps since
+        # its last extend): a new request on the row (a PD arrival too) starts from 0
         self._above: dict[tuple[int, int], int] = {}  # (request slot, layer) -> samples well above target
         self.rows: list[int] = []  # batch rows the current pass samples
 
@@ -104,7 +105,7 @@ class RecallProbe:
         """Requests that just extended (new, or a retracted one re-prefilled): their step counts restart
         and their slots' shrink streaks are forgotten."""
         for req in reqs:
-            self._steps[req] = 0
+            self._steps.pop(req, None)
             slot = self.tier.slot_of(req)
             for layer in range(int(self.working_sets.top_k.shape[1])):
                 self._above.pop((slot, layer), None)
@@ -114,13 +115,17 @@ class RecallProbe:
         """A decode or verify pass of ``batch``: count each request's step and choose the rows sampled
         (with a target: each request at every ``every``-th of its own steps; else up to
         ``SAMPLED_REQUESTS`` rows, rotating through the batch, at every ``every``-th pass)."""
-        for req in batch.reqs:
-            self._steps[req] = self._steps.get(req, 0) + 1
+        steps = []
+        for req, generation in zip(batch.reqs, batch.generations, strict=True):
+            known, count = self._steps.get(req, (generation, 0))
+            count = count + 1 if known == generation else 1
+            self._steps[req] = (generation, count)
+            steps.append(count)
         rows = len(batch.reqs)
         if self.every <= 0 or not rows:
             self.rows = []
         elif self.target:
-            self.rows = [row for row, req in enumerate(batch.reqs) if self._steps[req] % self.every == 0]
+            self.rows = [row for row, count in enumerate(steps) if count % self.every == 0]
         elif batch.step % self.every == 0:
             first = (batch.step // self.every) * SAMPLED_REQUESTS
             self.rows = sorted({(first + i) % rows for i in range(min(rows, SAMPLED_REQUESTS))})
