@@ -37,6 +37,7 @@ on this machine class yet, so the time estimates above are a model, not a measur
     python benchmark/bench_accuracy.py --json accuracy.json [--quick] [--tasks a,b] [--contexts
         1000,2000,4000,7000] [--samples 2,1,1,1 | N] [--top-ks 16,32,64,128] [--num-layers N]
         [--dtype float32] [--concurrency 4] [--extra-config NAME='ARGS'] [--plot PNG] [--dry-run]
+        [--resume]
 
 ``--extra-config NAME='ARGS'`` (repeatable; replaces the default ``target90``) adds a server: the sparse
 defaults plus ARGS (the last word wins), e.g. ``--extra-config recall95='--oasis-recall-target 0.95'``.
@@ -51,7 +52,9 @@ the ``stats`` deltas they come from: what decode moved from the host tier, again
 ``samples.<task>.<context>`` (seed, prompt tokens, expected values, needle depths), ``settings``,
 ``estimate``, ``date``, ``machine`` and ``wall_s``; the JSON is rewritten after every server. A server
 that fails to start gets ``configs.<config>.error`` and the run goes on; the exit code is 1 only when
-nothing was scored. Prints the table and writes a heat map (PNG, default: beside the JSON).
+nothing was scored. Prints the table and writes a heat map (PNG, default: beside the JSON). ``--resume``
+keeps the configs an earlier run of the same plan already finished in ``--json`` (an interrupted run,
+or a run split over several sessions) and runs the others.
 """
 
 from __future__ import annotations
@@ -259,6 +262,25 @@ def estimate(
     }
 
 
+def resumed(path: Path, results: dict[str, Any]) -> set[str]:
+    """``--resume``: copy into ``results`` the configs an earlier run of the same plan (tasks, contexts,
+    samples, model) finished without a server error in ``path``; returns their names (not rerun)."""
+    if not path.exists():
+        return set()
+    earlier = json.loads(path.read_text())
+    same = ("tasks", "contexts", "samples_per_context", "num_layers", "dtype", "model")
+    if any(earlier["settings"].get(k) != results["settings"][k] for k in same):
+        raise SystemExit(f"--resume: {path} was a different plan ({', '.join(same)} must match)")
+    kept = {name for name, entry in earlier["configs"].items() if "error" not in entry}
+    for name in kept:
+        results["configs"][name] = earlier["configs"][name]
+        for task, by_context in results["tasks"].items():
+            for context, cells in by_context.items():
+                if name in earlier["tasks"][task][context]:
+                    cells[name] = earlier["tasks"][task][context][name]
+    return kept
+
+
 def decode_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     """A sparse server's ``STAT_DELTAS`` over the run, and per decode step the bytes and blocks loaded
     from the host tier (the cost a recall target must keep below a larger fixed K's) and mean recall."""
@@ -452,6 +474,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument(
         "--dry-run", action="store_true", help="build the samples, print the plan and estimate"
     )
+    parser.add_argument("--resume", action="store_true",
+                        help="keep the configs an earlier run of the same plan finished in --json")  # fmt: skip
     args = parser.parse_args(argv)
     contexts = args.contexts or list(QUICK_CONTEXTS if args.quick else FULL_CONTEXTS)
     top_ks = args.top_ks if args.top_ks is not None else list(QUICK_TOP_KS if args.quick else TOP_KS)
@@ -519,7 +543,11 @@ def main(argv: list[str] | None = None) -> int:
     logs = Path(tempfile.mkdtemp(prefix="bench-accuracy-"))
     print(f"server logs in {logs}", flush=True)
     started = time.monotonic()
+    kept = resumed(args.json, results) if args.resume else set()
     for config in configs:
+        if config.name in kept:
+            print(f"[bench_accuracy] {config.name}: kept from {args.json}", flush=True)
+            continue
         print(f"[bench_accuracy] {config.name} ...", flush=True)
         entry: dict[str, Any] = {"top_k": config.top_k}
         results["configs"][config.name] = entry

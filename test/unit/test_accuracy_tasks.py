@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import collections
 import itertools
+import json
 import re
 import sys
 from collections.abc import Sequence
@@ -40,6 +41,7 @@ from bench_accuracy import (
     estimate,
     lead_first,
     per_context,
+    resumed,
     server_argv,
     server_configs,
     table_rows,
@@ -426,3 +428,25 @@ def test_cells_summaries_and_table() -> None:
         ["a", "1000", "0.75", "0.50"], ["b", "1000", "0.00", "0.50"],
         ["mean", "1000", "0.38", "0.50"], ["mean", "all", "0.38", "0.50"],
     ]  # fmt: skip
+
+
+def test_resume_keeps_the_configs_an_earlier_run_of_the_same_plan_finished(tmp_path: Path) -> None:
+    settings = {"tasks": ["a"], "contexts": [1000], "samples_per_context": {"1000": 1}, "num_layers": 30,
+                "dtype": "float32", "model": "m"}  # fmt: skip
+    cell = {"score": 1.0, "scores": [1.0], "errors": 0, "answers": ["x"]}
+    earlier = {
+        "settings": settings,
+        "configs": {"dense": {"mean_score": 1.0}, "k16": {"error": "did not start"}},
+        "tasks": {"a": {"1000": {"dense": cell}}},
+    }
+    path = tmp_path / "accuracy.json"
+    path.write_text(json.dumps(earlier))
+    results: dict = {"settings": dict(settings), "configs": {}, "tasks": {"a": {"1000": {}}}}
+    assert resumed(path, results) == {"dense"}  # k16 failed: run again
+    assert results["configs"] == {"dense": {"mean_score": 1.0}} and results["tasks"]["a"]["1000"] == {
+        "dense": cell
+    }
+    assert resumed(tmp_path / "absent.json", results) == set()
+    results["settings"]["contexts"] = [2000]
+    with pytest.raises(SystemExit, match="different plan"):
+        resumed(path, results)
