@@ -166,7 +166,8 @@ class OasisConfig:
         metadata={
             "help": "Hold a recall target (sparse mode; e.g. 0.9; 0: off): each request's first working set "
             "per layer is sized so that the top blocks hold this share of the prefill window's attention "
-            "mass (--oasis-prefill-window), and every --oasis-recall-sample-every of its own decode steps "
+            "mass (--oasis-prefill-window), and at its first and every --oasis-recall-sample-every of its "
+            "own decode steps "
             "each sparse layer's recall is measured exactly; a layer whose worst KV head falls below the "
             "target doubles its top-K (up to --oasis-recall-max-top-k) and halves it back after 3 samples "
             "well above. The fetch cap still holds; the device tier reserves --oasis-recall-max-top-k "

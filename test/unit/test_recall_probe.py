@@ -207,12 +207,12 @@ def test_with_a_target_each_request_is_sampled_at_its_own_steps() -> None:
         probe.begin(batch)
         return probe.rows
 
-    assert rows([0], [1], 1) == [] and rows([0], [1], 2) == []
-    assert rows([0, 1], [1, 1], 3) == [0]  # request 0's third step, request 1's first
+    assert rows([0], [1], 1) == [0] and rows([0], [1], 2) == []  # its first step, then every third
+    assert rows([0, 1], [1, 1], 3) == [0, 1]  # request 0's third step, request 1's first
     assert rows([1, 0], [1, 1], 4) == [] and rows([1, 0], [1, 1], 5) == [0]  # request 1's third
-    assert rows([0, 1], [2, 1], 6) == []  # a new request on row 0 starts from its first step
+    assert rows([0, 1], [2, 1], 6) == [0]  # a new request on row 0: its first step
     probe.restart([1])  # row 1 extended again (e.g. re-prefilled): its count restarts
-    assert rows([1], [1], 7) == [] and rows([1], [1], 8) == [] and rows([1], [1], 9) == [0]
+    assert rows([1], [1], 7) == [0] and rows([1], [1], 8) == [] and rows([1], [1], 9) == [0]
     rotating = RecallProbe(3, backend.tier, None, None, 1, backend.stats)
     batch = BatchView(list(range(6)), torch.arange(6), torch.arange(6), [1] * 6, 3, False)
     rotating.begin(batch)

@@ -19,8 +19,8 @@ plus one; 0: never sampled). ``GET /oasis/stats`` turns them into ``recall_mean`
 sampled: the working set it attends is the one the previous step's draft row predicted.
 
 With a recall target (``--oasis-recall-target``) the probe also holds it. Every request is sampled at
-every N-th of its own decode steps (so what it attends depends on its own tokens, not on the batch it
-ran in), and a (request, layer) whose worst KV head's recall is below target doubles the top-K its next
+its first decode step and every N-th of its own decode steps (so what it attends depends on its own
+tokens, not on the batch it ran in), and a (request, layer) whose worst KV head's recall is below target doubles the top-K its next
 selection takes (``WorkingSetPool.top_k``, up to ``--oasis-recall-max-top-k``); after
 ``SHRINK_AFTER`` samples in a row within a quarter of the miss budget of 1.0 it halves back, never below
 ``--oasis-top-k``. The first working sets are sized from the prefill window's attention
@@ -113,7 +113,7 @@ class RecallProbe:
 
     def begin(self, batch: BatchView) -> None:
         """A decode or verify pass of ``batch``: count each request's step and choose the rows sampled
-        (with a target: each request at every ``every``-th of its own steps; else up to
+        (with a target: each request at its first and every ``every``-th of its own steps; else up to
         ``SAMPLED_REQUESTS`` rows, rotating through the batch, at every ``every``-th pass)."""
         steps = []
         for req, generation in zip(batch.reqs, batch.generations, strict=True):
@@ -125,7 +125,8 @@ class RecallProbe:
         if self.every <= 0 or not rows:
             self.rows = []
         elif self.target:
-            self.rows = [row for row, count in enumerate(steps) if count % self.every == 0]
+            # its first decode step too: the window that sized its working sets was the prompt's end
+            self.rows = [row for row, count in enumerate(steps) if count % self.every == 0 or count == 1]
         elif batch.step % self.every == 0:
             first = (batch.step // self.every) * SAMPLED_REQUESTS
             self.rows = sorted({(first + i) % rows for i in range(min(rows, SAMPLED_REQUESTS))})
