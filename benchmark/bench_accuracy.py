@@ -18,21 +18,23 @@ each prefilling only what follows its cached prefix.
 
 Default full run (``python benchmark/bench_accuracy.py --json accuracy.json``): all 10 tasks at ~1K,
 2K, 4K and 7K tokens with 2, 1, 1 and 1 samples per task: 50 requests per server, 6 servers (dense,
-K = 16, 32, 64, 128, target90), all 30 layers in float32. Estimated ~62 minutes on the 2-core CPU machines
-(``--dry-run`` prints the estimate of any plan without starting a server; its model: prefill ~2.2 ms
-per new token plus attention, 4K from scratch ~15 s, 7K ~34 s; decode ~60 ms per step; ~45 s per server
+K = 16, 32, 64, 128, target90), all 30 layers in float32: ~19 minutes per server on the 2-core CPU
+machines (measured 2026-12-02: dense and K = 16 / 64 1,142-1,168 s, target90 1,343 s), ~2 hours in
+all, twice the issue's 60-minute goal; ``--top-ks 16,64`` (4 servers) ~76 minutes. ``--dry-run``
+prints the estimate of any plan without starting a server (its model, calibrated on that run: prefill
+~4.3 ms per new token plus attention, 4K from scratch ~29 s; decode ~110 ms per step; ~45 s per server
 start; prefix reuse leaves ~75% of the prompt tokens to prefill). Each config then has 20 samples at
 ~1K and 10 at each longer context (over the tasks) but one or two per cell: read the per-context and
-per-config means, and the cells only as a hint. Every cell at 10 samples (``--samples 10``) is ~7 hours;
-``--samples 3,2,1,1`` ~59 minutes. ``--quick`` (CI-sized): ~1K and 2K, 2 samples per task, dense and
-K = 32, ~8 minutes estimated.
+per-config means, and the cells only as a hint. Every cell at 10 samples (``--samples 10``) is ~16
+hours; ``--samples 3,2,1,1`` ~2.2 hours. ``--quick`` (CI-sized): ~1K and 2K, 2 samples per task,
+dense and K = 32, ~14 minutes estimated.
 ``--num-layers N`` truncates the model: far faster, but a truncated SmolLM2 cannot answer, so it only
 smoke-tests the machinery.
 
-Status (2026-12-02): the generators and scorers are unit-tested (``test/unit/test_accuracy_tasks.py``);
+Status (2026-12-03): the generators and scorers are unit-tested (``test/unit/test_accuracy_tasks.py``);
 ``test/integration/test_accuracy_bench.py`` runs the benchmark end to end in CI (6-layer SmolLM2, two
-tasks at ~1K: dense and a K covering every block must answer alike). The full matrix has not been run
-on this machine class yet, so the time estimates above are a model, not a measurement.
+tasks at ~1K: dense and a K covering every block must answer alike). Results of the run above (dense,
+K = 16, 64, target90): ``docs/results.md``, "Long-context accuracy".
 
     python benchmark/bench_accuracy.py --json accuracy.json [--quick] [--tasks a,b] [--contexts
         1000,2000,4000,7000] [--samples 2,1,1,1 | N] [--top-ks 16,32,64,128] [--num-layers N]
@@ -102,12 +104,14 @@ BLOCK = 16  # the sparse default block size, also the prefix-reuse granularity t
 ANSWER_CHARS = 300
 # The estimate's model of this machine class (2-core CPU, float32, all 30 layers, scaled by layers / 30):
 # a prefill of n new tokens after c cached ones costs n x PREFILL_S_PER_TOKEN + n x (c + n / 2) x
-# PREFILL_S_PER_PAIR (4K from scratch ~15 s), a decode step DECODE_S_PER_STEP + DECODE_S_PER_KV_TOKEN x
-# the batch's context tokens; answers are assumed to use ANSWER_SHARE of max_tokens.
-PREFILL_S_PER_TOKEN = 2.25e-3
-PREFILL_S_PER_PAIR = 7.5e-7
-DECODE_S_PER_STEP = 0.06  # ~52 ms measured at 1K, batch 1 (bench_overhead), sparse a little more
-DECODE_S_PER_KV_TOKEN = 3e-6
+# PREFILL_S_PER_PAIR (4K from scratch ~29 s), a decode step DECODE_S_PER_STEP + DECODE_S_PER_KV_TOKEN x
+# the batch's context tokens; answers are assumed to use ANSWER_SHARE of max_tokens. Calibrated on the
+# full run of 2026-12-02 (AMD EPYC): the first model (2.25e-3, 7.5e-7, 0.06, 3e-6) gave 629 s per
+# server where dense and K = 16 / 64 took 1,142-1,168 s (target90 1,343 s); each time constant is 1.9x.
+PREFILL_S_PER_TOKEN = 4.3e-3
+PREFILL_S_PER_PAIR = 1.4e-6
+DECODE_S_PER_STEP = 0.11
+DECODE_S_PER_KV_TOKEN = 5.7e-6
 ANSWER_SHARE = 0.6
 SERVER_START_S = 45.0
 
