@@ -71,7 +71,13 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,
     )
     parser.add_argument("--host", default="127.0.0.1", help="the router's address")
-    parser.add_argument("--port", type=int, default=30000, help="the router's port (clients connect here)")
+    parser.add_argument(
+        "--port",
+        type=int,
+        default=30000,
+        help="the router's port (clients connect here); 0: a free one, chosen when the router starts "
+        "(the ready file and the ready line name it)",
+    )
     for name in ("prefill", "decode", "bootstrap"):
         parser.add_argument(
             f"--{name}-port", type=int, default=None, help=f"{name} port (default: a free one)"
@@ -134,25 +140,30 @@ def start_cluster(args: argparse.Namespace, server_args: list[str]) -> PDCluster
     for server in servers.values():
         server.spawn()
     prefill, decode = servers["prefill"], servers["decode"]
-    router = ServerProcess(
-        ["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap), "--decode", decode.url,
-         "--prometheus-host", "127.0.0.1", *shlex.split(args.router_args)],
-        log_dir / "router.log", host=args.host, port=args.port, module="sglang_router.launch_router",
-        ready_path="/readiness",  # 200 once it has registered healthy workers (/health answers earlier)
-    )  # fmt: skip
-    cluster = PDCluster(prefill, decode, router, bootstrap)
+    started = list(servers.values())
     try:
         for server in servers.values():
             server.wait_ready(args.startup_timeout)
-        # its metrics port is chosen only now, right before it binds it (not ~50 s earlier)
-        router.command += ["--prometheus-port", str(free_port())]
+        # The router's ports (its own with --port 0, and its metrics port) are chosen only now, right
+        # before it binds them: chosen ~50 s earlier, one was once taken meanwhile by a port the starting
+        # servers opened ("Address already in use").
+        router = ServerProcess(
+            ["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap), "--decode", decode.url,
+             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
+             *shlex.split(args.router_args)],
+            log_dir / "router.log", host=args.host, port=args.port or None,
+            module="sglang_router.launch_router",
+            ready_path="/readiness",  # 200 once it has registered healthy workers (/health answers earlier)
+        )  # fmt: skip
+        started.insert(0, router)
         router.spawn().wait_ready(args.startup_timeout)
     except (ServerStartError, KeyboardInterrupt, SystemExit):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
-        cluster.stop()
+        for process in started:
+            process.stop()
         raise
-    return cluster
+    return PDCluster(prefill, decode, router, bootstrap)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -12,7 +12,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from sglang_oasis.server_process import ServerProcess, child_env, free_port
+from sglang_oasis.server_process import ServerProcess, child_env
 
 
 class PDLaunch:
@@ -24,7 +24,7 @@ class PDLaunch:
         self.launcher_log = log_dir / "launcher.log"
         log = open(self.launcher_log, "wb")  # noqa: SIM115 - owned by the child
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "sglang_oasis.launch_pd", "--port", str(free_port()), "--log-dir", str(log_dir),
+            [sys.executable, "-m", "sglang_oasis.launch_pd", "--port", "0", "--log-dir", str(log_dir),
              "--ready-file", str(self.ready_file), *args],
             stdout=log, stderr=subprocess.STDOUT, start_new_session=True,
             env=child_env({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})}),

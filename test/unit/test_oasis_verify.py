@@ -243,3 +243,54 @@ def test_the_prefill_window_chooses_the_first_working_set_by_exact_attention(
     backend.selector.select(backend.batch, 0, q_rows[-1:], [seq_len + 1])
     backend.selector.finish_pending()
     assert backend.working_sets.slot_block[0, 0, 0].tolist() == [later]
+
+
+def test_a_dense_first_step_arrival_leaves_the_rest_of_its_batch_as_it_would_be_alone() -> None:
+    """PD decode: an arrival without a hand-off (a retracted request resumed in a new row) takes the dense
+    first step with an uncapped admission selection. Another request decoding in the same batch must get
+    exactly the step it would get alone: its capped plan, its top-K and the prefill window's pins (before
+    the fix the whole batch was an admission: the window's pins were cleared and the cap lifted)."""
+    from sglang_oasis.disaggregation.pd_partial import Arrival
+
+    prompt, late = 4 * BLOCK + 1, 2 * BLOCK + 1  # request 0 (handed over), request 1 (no hand-off)
+    layer = SimpleNamespace(layer_id=0, tp_q_head_num=1, qk_head_dim=DIM, v_head_dim=DIM, scaling=1.0,
+                            is_cross_attention=False)  # fmt: skip
+
+    def run(with_arrival: bool) -> tuple[list[int], list[int], int, torch.Tensor]:
+        pool = TinyKVPool(64)
+        for block in range(4):
+            pool.k[block * BLOCK : (block + 1) * BLOCK, 0] = (
+                DIRECTIONS[block] * torch.linspace(1, 2, BLOCK)[:, None]
+            )
+        pool.k[32 : 32 + late, 0] = torch.linspace(-1, 1, late)[:, None]
+        pool.v[:48, 0] = torch.linspace(0, 1, 96).view(48, DIM)
+        backend = _backend(pool, top_k=2, fetch_ratio=0.5)  # a cap of one block per step
+        table = backend.req_to_token_pool.req_to_token
+        table[0, : prompt + 2] = torch.arange(prompt + 2, dtype=torch.int32)
+        table[1, : late + 1] = torch.arange(32, 32 + late + 1, dtype=torch.int32)
+        backend.req_to_token_pool.req_generation[:2] = torch.tensor([5, 6])
+        selection = torch.tensor([[[False, True, False, True]]])  # blocks 1 and 3; the window pins 3
+        arrivals = {0: Arrival(5, selection, prompt, torch.tensor([[[False, False, False, True]]]))}
+        backend.pd.remote = SimpleNamespace(take_arrival=lambda slot, generation: arrivals.pop(slot, None))
+        backend.begin_batch(ForwardMode.DECODE, [0], [prompt + 1], None)  # request 0's first step, alone
+        reqs, seq_lens, locs = [0], [prompt + 2], [prompt + 1]
+        if with_arrival:
+            reqs, seq_lens, locs = [0, 1], [prompt + 2, late + 1], [prompt + 1, 32 + late]
+        backend.begin_batch(ForwardMode.DECODE, reqs, seq_lens, None)
+        batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor(reqs),
+                                seq_lens=torch.tensor(seq_lens), out_cache_loc=torch.tensor(locs))  # fmt: skip
+        q = torch.stack([(DIRECTIONS[0] + DIRECTIONS[2]) * 10, DIRECTIONS[1]])[: len(reqs)]
+        out = backend.forward_decode(
+            q, torch.full((len(reqs), DIM), 0.1), torch.ones(len(reqs), DIM), layer, batch
+        )
+        backend.selector.finish_pending()
+        slot = backend.tier.slot_of(0)
+        held = sorted(backend.working_sets.slot_block[slot, 0, 0].tolist())
+        pins = backend.pinned[slot, 0, 0].tolist()
+        return held, pins, int(backend.working_sets.top_k[slot, 0]), out[0]
+
+    alone, batched = run(False), run(True)
+    assert alone[1] == [3] and batched[1] == alone[1], "the window's pin of request 0 survives the arrival"
+    assert batched[0] == alone[0], "request 0's plan is capped as alone (one new block, pinned 3 kept)"
+    assert batched[2] == alone[2] == 2
+    torch.testing.assert_close(batched[3], alone[3], rtol=0, atol=0)

@@ -203,7 +203,14 @@ def test_with_a_target_each_request_is_sampled_at_its_own_steps() -> None:
     probe = RecallProbe(3, backend.tier, None, None, 1, backend.stats, target=0.9)
 
     def rows(reqs: list[int], generations: list[int], step: int) -> list[int]:
-        batch = BatchView(reqs, torch.tensor(reqs), torch.tensor(reqs), generations, step, False)
+        batch = BatchView(
+            reqs,
+            torch.tensor(reqs),
+            torch.tensor(reqs),
+            generations,
+            step,
+            torch.zeros(len(reqs), dtype=torch.bool),
+        )
         probe.begin(batch)
         return probe.rows
 
@@ -214,7 +221,9 @@ def test_with_a_target_each_request_is_sampled_at_its_own_steps() -> None:
     probe.restart([1])  # row 1 extended again (e.g. re-prefilled): its count restarts
     assert rows([1], [1], 7) == [0] and rows([1], [1], 8) == [] and rows([1], [1], 9) == [0]
     rotating = RecallProbe(3, backend.tier, None, None, 1, backend.stats)
-    batch = BatchView(list(range(6)), torch.arange(6), torch.arange(6), [1] * 6, 3, False)
+    batch = BatchView(
+        list(range(6)), torch.arange(6), torch.arange(6), [1] * 6, 3, torch.zeros(6, dtype=torch.bool)
+    )
     rotating.begin(batch)
     assert rotating.rows == [0, 1, 4, 5]  # pass 3 (the first sampled): rows 4, 5, 0, 1 of 6
     rotating.begin(batch._replace(step=4))

@@ -65,7 +65,14 @@ def _setup(gen: torch.Generator) -> tuple[SparseAttention, Pool]:
 def test_a_dense_first_step_attends_apart_from_the_rest_of_the_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(0)
     attention, pool = _setup(gen)
-    batch = BatchView([0, 1], torch.tensor([0, 1]), torch.tensor([0, 1]), [0, 0], step=1, admission=True)
+    batch = BatchView(
+        [0, 1],
+        torch.tensor([0, 1]),
+        torch.tensor([0, 1]),
+        [0, 0],
+        step=1,
+        admitting=torch.ones(2, dtype=torch.bool),
+    )
     seq_lens = torch.tensor([10, 30])
     q = torch.randn(2, Q_HEADS, DIM, generator=gen)
     k, v = pool.k[[49, 29]], pool.v[[49, 29]]  # the step's new tokens (positions 9 and 29)
@@ -97,7 +104,9 @@ def test_verify_rows_of_a_mixed_batch_equal_each_request_alone() -> None:
     def run(rows: list[int]) -> torch.Tensor:
         attention, pool = _setup(torch.Generator().manual_seed(0))
         index = torch.tensor(rows)
-        batch = BatchView(rows, index, index, [0] * len(rows), step=1, admission=True)
+        batch = BatchView(
+            rows, index, index, [0] * len(rows), step=1, admitting=torch.ones(len(rows), dtype=torch.bool)
+        )
         seq_lens = torch.tensor([9, 29])[index]  # committed tokens; the rows sit at seq_len, seq_len + 1
         new = torch.tensor([[49, 50], [29, 30]])[index].flatten()
         return attention.verify(batch, q[index], layer, seq_lens, pool.k[new], pool.v[new], tree[index])
@@ -130,7 +139,9 @@ def test_a_request_attends_the_same_alone_as_in_a_batch(monkeypatch: pytest.Monk
             0, torch.tensor([1]), torch.tensor([28]), torch.tensor([31]), pool.k[28:31], pool.v[28:31]
         )
         index = torch.tensor(rows)
-        batch = BatchView(rows, index, index, [0] * len(rows), step=1, admission=False)
+        batch = BatchView(
+            rows, index, index, [0] * len(rows), step=1, admitting=torch.zeros(len(rows), dtype=torch.bool)
+        )
         seq_lens = torch.tensor([10, 32])[index]
         new = torch.tensor([49, 31])[index]
         return attention.decode(batch, q[index], layer, seq_lens, pool.k[new], pool.v[new])

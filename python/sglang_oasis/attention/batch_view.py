@@ -13,7 +13,20 @@ class BatchView(NamedTuple):
     slots: torch.Tensor  # [bs] their device request slots (-1: not admitted yet)
     generations: list[int]  # SGLang's generation of each request row (who owns it now)
     step: int  # decode steps so far
-    admission: bool  # an extend, or the dense first step of PD arrivals: selections are not capped
+    # [bs] bool, rows whose selection is an admission (an extend's, or a PD arrival's dense first step):
+    # not capped, sized afresh. A decode batch can mix them with ordinary rows (``Selector.select`` then
+    # selects each part apart, so no ordinary row is admitted again).
+    admitting: torch.Tensor
+
+    @property
+    def admission(self) -> bool:
+        """Every row is an admission (an extend, or a batch of PD arrivals' dense first steps)."""
+        return bool(len(self.reqs)) and bool(self.admitting.all())
+
+    @property
+    def admits(self) -> bool:
+        """Some row is an admission (host-tier reads of whole tails are expected this step)."""
+        return bool(self.admitting.any())
 
     def subset(self, rows: torch.Tensor) -> BatchView:
         """The requests ``rows`` (``[bs]`` bool) marks, as a batch of their own."""
@@ -24,10 +37,10 @@ class BatchView(NamedTuple):
             self.slots[rows],
             [gen for gen, kept in zip(self.generations, keep, strict=True) if kept],
             self.step,
-            self.admission,
+            self.admitting[rows],
         )
 
     @classmethod
     def empty(cls) -> BatchView:
         none = torch.zeros(0, dtype=torch.int64)
-        return cls([], none, none, [], 0, False)
+        return cls([], none, none, [], 0, torch.zeros(0, dtype=torch.bool))

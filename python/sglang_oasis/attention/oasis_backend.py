@@ -137,7 +137,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         """A forward pass of ``mode`` over request rows ``reqs``: admit the new ones (an extend's, with
         their cached ``prefix_lens``; a decode's PD arrivals) and set the batch the layers see."""
         generations = [int(g) for g in self.req_to_token_pool.req_generation[reqs].tolist()]
-        admission = mode.is_extend() and not mode.is_target_verify()
+        admission: bool | torch.Tensor = mode.is_extend() and not mode.is_target_verify()
         if admission:
             self._admit(reqs, generations, prefix_lens or [0] * len(reqs))
             self.selector.prompt_len.update(zip(reqs, seq_lens, strict=True))
@@ -151,13 +151,16 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             self.recall.begin(self.batch)
 
     def set_batch(
-        self, reqs: list[int], admission: bool = False, generations: list[int] | None = None
+        self, reqs: list[int], admission: bool | torch.Tensor = False, generations: list[int] | None = None
     ) -> None:
-        """The batch the next layers' attention calls see (``generations``: None reads SGLang's)."""
+        """The batch the next layers' attention calls see: ``admission`` for every row, or ``[bs]`` bool
+        per row (``generations``: None reads SGLang's)."""
         if generations is None:
             generations = [int(g) for g in self.req_to_token_pool.req_generation[reqs].tolist()]
         slots = torch.tensor([self.tier.slot_of(req) for req in reqs], dtype=torch.int64)
         req_index = torch.tensor(reqs, dtype=torch.int64)
+        if not isinstance(admission, torch.Tensor):
+            admission = torch.full((len(reqs),), bool(admission), dtype=torch.bool)
         self.batch = BatchView(reqs, req_index, slots, generations, self.step, admission)
 
     @staticmethod
@@ -218,7 +221,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         self.selector.wait(layer_id)
         seq_lens = forward_batch.seq_lens.cpu().to(torch.int64)
-        if self.batch.admission:  # requests that arrived from a prefill node: summarise their KV first
+        if self.batch.admits:  # requests that arrived from a prefill node: summarise their KV first
             self.intake.catch_up(self.batch, layer_id, seq_lens - 1)
         pool, loc = self.token_to_kv_pool, forward_batch.out_cache_loc
         if save_kv_cache and k is not None and v is not None:

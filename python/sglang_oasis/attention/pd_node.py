@@ -123,15 +123,16 @@ class PDNode:
 
     def admit(
         self, reqs: list[int], generations: list[int], seq_lens: list[int], verify: bool, step: int
-    ) -> bool:
+    ) -> torch.Tensor:
         """Give the batch's arrivals (requests that hold no slot) theirs. ``seq_lens`` count the token a
-        decode computes; a verify's do not. Returns whether some arrival needs the dense first step."""
+        decode computes; a verify's do not. Returns ``[bs]`` bool: the arrivals that take the dense first
+        step (their selection is an admission; the other rows' steps stay ordinary)."""
+        dense_step = torch.zeros(len(reqs), dtype=torch.bool)
         arrived = [row for row, (req, gen) in enumerate(zip(reqs, generations, strict=True))
                    if not self.slots.holds(req, gen)]  # fmt: skip
         if not arrived:
-            return False
+            return dense_step
         self.selector.finish_pending()  # slots may change hands below
-        dense_step = False
         for row in arrived:
             req, generation = reqs[row], generations[row]
             self.stats.add("requests")
@@ -148,7 +149,7 @@ class PDNode:
                 logger.error(message)
                 self.failures.report(req, generation, message)
             self.summarised[req] = 0
-            dense_step = True
+            dense_step[row] = True
         return dense_step
 
     def _start_from_handoff(self, req: int, slot: int, arrival: Arrival, step: int) -> None:

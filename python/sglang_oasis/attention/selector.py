@@ -119,6 +119,16 @@ class Selector:
         (or ``prior`` ``[bs, kv_heads, N]``) and submit the job that loads the blocks that changed."""
         if not seq_lens:
             return
+        if batch.admits and not batch.admission:
+            # A PD arrival's dense first step among ordinary decode rows: each part selects apart, so
+            # an ordinary row's step (its cap, top-K and window pins) is the one it would take alone.
+            for part in (batch.admitting, ~batch.admitting):
+                rows = part.nonzero().flatten().tolist()
+                self.select(
+                    batch.subset(part), layer_id, queries[part.to(queries.device)],
+                    [seq_lens[row] for row in rows], None if prior is None else prior[part],
+                )  # fmt: skip
+            return
         block = self.block_size
         reqs, slots = batch.req_index, batch.slots
         full = torch.tensor(seq_lens, dtype=torch.int64) // block

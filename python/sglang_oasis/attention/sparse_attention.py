@@ -123,7 +123,7 @@ class SparseAttention:
         return self.req_to_token_pool.req_to_token[rows, concat_ranges(starts, ends)].to(torch.int64)
 
     def _check_host_read(self, what: str, batch: BatchView) -> None:
-        if self.strict and not batch.admission:
+        if self.strict and not batch.admits:
             raise RuntimeError(f"oasis strict device mode: decode attention read {what} from the host tier")
 
     def headwise(
@@ -136,7 +136,7 @@ class SparseAttention:
         ws_k, ws_v = self.working_sets.block_views()
         if (
             self.strict
-            and not batch.admission
+            and not batch.admits
             and not all(self.tier.owns(t) for t in (ws_k, ws_v, tail.k, tail.v))
         ):
             raise RuntimeError(
