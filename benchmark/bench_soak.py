@@ -48,6 +48,8 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+import requests
+
 from common import machine_info, print_table
 from sglang_oasis.evaluation.passkey import essays_text
 from sglang_oasis.models.default_model import prepare_default_model
@@ -97,6 +99,9 @@ def run_mode(mode: str, args: argparse.Namespace, corpus: list[int], logs: Path)
             solo = solo_outputs(launch.router.url, reqs, outcomes)
             merged = {"flushed": all(h["flushed"] for h in held.values())}
             merged |= {name: sum(h[name] for h in held.values()) for name in HELD}
+            # the decode node's retractions: selection states kept at the backup, and resumed with them
+            decode_stats = requests.get(launch.decode.url + "/oasis/stats", timeout=30).json()
+            kept = {name: int(decode_stats[name]) for name in ("retracted_requests", "resumed_requests")}
     else:
         with ServerProcess(mode_args(mode, args, model), log_path=logs / f"{mode}.log", env=env) as server:
             outcomes = run_mix(server.url, reqs, args.concurrency)
@@ -108,7 +113,9 @@ def run_mode(mode: str, args: argparse.Namespace, corpus: list[int], logs: Path)
         "held_after_drain": merged,
         "seconds": time.monotonic() - started,
     }
-    if mode != "pd":
+    if mode == "pd":
+        result["decode_retractions"] = kept
+    else:
         result["alive_after"] = answers
     result["requests"] = summary(reqs, outcomes)
     return result

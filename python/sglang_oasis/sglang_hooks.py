@@ -64,6 +64,9 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
      missing (zeros) after the resume, and its KV could enter the radix cache so. The hook first reads
      them (``DecodeFetcher.complete``, the pool's ``oasis_before_backup``), so the backup is whole; if
      that read fails it answers False, SGLang's "cannot be backed up", and SGLang aborts the request.
+     After a backup (with or without remote fetching) it hands the request's rid to the backend (the
+     pool's ``oasis_on_retract``), which keeps its selection state for the resume
+     (``attention/retraction.py``): SGLang has no retraction callback.
 """
 
 from __future__ import annotations
@@ -91,6 +94,7 @@ DECODE_FREE_TARGET = "sglang.srt.disaggregation.decode.DecodeReqToTokenPool.free
 FREED_ROW_LISTENER = "oasis_on_free_row"  # attribute of a DecodeReqToTokenPool: called with each freed row
 BACKUP_TARGET = "sglang.srt.mem_cache.common.backup_kv_cache"
 BEFORE_BACKUP_LISTENER = "oasis_before_backup"  # attribute of a req-to-token pool: row -> KV whole locally?
+RETRACT_LISTENER = "oasis_on_retract"  # attribute of a req-to-token pool: called with (row, rid) at a backup
 BACKEND_NAME = "oasis"
 REJECTED_DRAFT = -1  # no token id: never equal to the target's prediction
 
@@ -387,7 +391,8 @@ def complete_before_backup(
     original: Callable[..., Any], req: Any, tree_cache: Any, req_to_token_pool: Any, *args: Any, **kwargs: Any
 ) -> Any:
     """``backup_kv_cache``: a retracted request's still-remote blocks are read before its KV is backed
-    up; False (SGLang aborts the request) when they cannot be."""
+    up; False (SGLang aborts the request) when they cannot be. Then the backend keeps the request's
+    selection state for its resume (``attention/retraction.py``)."""
     complete = getattr(req_to_token_pool, BEFORE_BACKUP_LISTENER, None)
     row = getattr(getattr(req, "kv", None), "req_pool_idx", None)
     if complete is not None and row is not None:
@@ -398,7 +403,14 @@ def complete_before_backup(
             whole = False
         if not whole:
             return False
-    return original(req, tree_cache, req_to_token_pool, *args, **kwargs)
+    saved = original(req, tree_cache, req_to_token_pool, *args, **kwargs)
+    keep = getattr(req_to_token_pool, RETRACT_LISTENER, None)
+    if saved and keep is not None and row is not None:
+        try:
+            keep(int(row), str(req.rid))
+        except Exception:  # it resumes with a new admission then, as without this hook
+            logger.exception("oasis: keeping retracted request %s's selection state failed", req.rid)
+    return saved
 
 
 def register(config: OasisConfig) -> None:
@@ -424,7 +436,7 @@ def register(config: OasisConfig) -> None:
         HookRegistry.register(BOOTSTRAP_ROUTES_TARGET, remote_fetch_routes, HookType.AROUND)
         HookRegistry.register(DECODE_COMMIT_TARGET, fetch_admission_blocks, HookType.AROUND)
         HookRegistry.register(DECODE_FREE_TARGET, release_freed_rows, HookType.AROUND)
-        HookRegistry.register(BACKUP_TARGET, complete_before_backup, HookType.AROUND)
+    HookRegistry.register(BACKUP_TARGET, complete_before_backup, HookType.AROUND)  # PD decode only
 
 
 def patch_cpu_disaggregation() -> None:

@@ -18,6 +18,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sgl_kernel_oasis import build_block_summaries
 from sglang_oasis.attention.oasis_backend import OasisAttnBackend
 from sglang_oasis.config import OasisConfig
+from sglang_oasis.sglang_hooks import RETRACT_LISTENER
 
 BLOCK, DIM = 4, 2
 DIRECTIONS = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0], [0.0, -1.0]])  # block b -> direction b
@@ -294,3 +295,69 @@ def test_a_dense_first_step_arrival_leaves_the_rest_of_its_batch_as_it_would_be_
     assert batched[0] == alone[0], "request 0's plan is capped as alone (one new block, pinned 3 kept)"
     assert batched[2] == alone[2] == 2
     torch.testing.assert_close(batched[3], alone[3], rtol=0, atol=0)
+
+
+def test_a_retracted_pd_request_resumes_on_the_path_it_was_on() -> None:
+    """PD decode: SGLang backs a retracted request's KV up, frees its row and later resumes it in a new
+    row with the same KV at new locations. With its selection state kept (``keep_retracted`` at the
+    backup, restored when it reappears by rid) each step after the resume must equal, bit for bit, the
+    step the request takes when it is never retracted: the same output and the same working sets. Before,
+    the resume was a new arrival: a dense first step (every token attended) and a fresh uncapped
+    selection."""
+    prompt, steps_before, steps_after = 6 * BLOCK + 1, 3, 4
+    layer = SimpleNamespace(layer_id=0, tp_q_head_num=1, qk_head_dim=DIM, v_head_dim=DIM, scaling=1.0,
+                            is_cross_attention=False)  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    keys = torch.randn(prompt + steps_before + steps_after, DIM, generator=gen) * 3
+    values = torch.randn(len(keys), DIM, generator=gen)
+    queries = torch.randn(steps_before + steps_after, DIM, generator=gen) * 4
+
+    def backend_with_request() -> OasisAttnBackend:
+        pool = TinyKVPool(64)
+        pool.k[:prompt, 0], pool.v[:prompt, 0] = keys[:prompt], values[:prompt]
+        backend = _backend(pool, top_k=2, fetch_ratio=0.5)  # K = 2 of 6 blocks, one load per step
+        backend.req_to_token_pool.req_to_token[0, :40] = torch.arange(40, dtype=torch.int32)
+        backend.req_to_token_pool.req_generation[0] = 5  # arrives without a hand-off: a dense first step
+        return backend
+
+    def decode(backend: OasisAttnBackend, row: int, position: int, i: int) -> torch.Tensor:
+        loc = int(backend.req_to_token_pool.req_to_token[row, position])
+        backend.begin_batch(ForwardMode.DECODE, [row], [position + 1], None, ["rid-0"])
+        batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor([row]),
+                                seq_lens=torch.tensor([position + 1]), out_cache_loc=torch.tensor([loc]))  # fmt: skip
+        k, v = keys[position][None], values[position][None]
+        out = backend.forward_decode(queries[i][None], k, v, layer, batch)
+        backend.selector.finish_pending()
+        return out[0]
+
+    def state(backend: OasisAttnBackend, row: int) -> tuple[list[int], int]:
+        slot = backend.tier.slot_of(row)
+        return sorted(backend.working_sets.slot_block[slot, 0, 0].tolist()), int(
+            backend.working_sets.covered[slot, 0]
+        )
+
+    never, retracted = backend_with_request(), backend_with_request()
+    for i in range(steps_before):
+        for backend in (never, retracted):
+            decode(backend, 0, prompt + i, i)
+    # SGLang retracts row 0: backup, row freed (its generation moves on), other requests run meanwhile.
+    getattr(retracted.req_to_token_pool, RETRACT_LISTENER)(0, "rid-0")  # hook 7 at the backup
+    retracted.req_to_token_pool.req_generation[0] = 9
+    retracted.step += 5
+    committed = prompt + steps_before
+    # its new pages (SGLang's page size is the block size)
+    pool, new_locs = retracted.token_to_kv_pool, torch.arange(9 * BLOCK, 17 * BLOCK, dtype=torch.int32)
+    moved = new_locs[:committed].long()
+    pool.k[moved], pool.v[moved] = pool.k[:committed].clone(), pool.v[:committed].clone()
+    table = retracted.req_to_token_pool.req_to_token
+    table[1, : len(new_locs)] = new_locs
+    retracted.req_to_token_pool.req_generation[1] = 7
+    assert retracted.stats.snapshot()["retracted_requests"] == 1
+    for i in range(steps_before, steps_before + steps_after):
+        position = prompt + i
+        alone = decode(never, 0, position, i)
+        resumed = decode(retracted, 1, position, i)
+        torch.testing.assert_close(resumed, alone, rtol=0, atol=0)
+        assert state(retracted, 1) == state(never, 0), f"step {i}: the working sets left the path"
+    stats = retracted.stats.snapshot()
+    assert stats["resumed_requests"] == 1 and stats["arrived_requests"] == 1, "resumed, not a new arrival"

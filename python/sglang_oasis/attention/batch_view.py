@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
@@ -44,3 +44,12 @@ class BatchView(NamedTuple):
     def empty(cls) -> BatchView:
         none = torch.zeros(0, dtype=torch.int64)
         return cls([], none, none, [], 0, torch.zeros(0, dtype=torch.bool))
+
+
+def extend_prefix_lens(forward_batch: Any) -> list[int]:
+    """Each request's cached prefix tokens in an extend batch (SGLang's ``ForwardBatch``)."""
+    if forward_batch.extend_prefix_lens_cpu is not None:
+        return [int(n) for n in forward_batch.extend_prefix_lens_cpu]
+    if forward_batch.extend_prefix_lens is not None:
+        return [int(n) for n in forward_batch.extend_prefix_lens.tolist()]
+    return [0] * len(forward_batch.seq_lens)

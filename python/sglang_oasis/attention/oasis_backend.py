@@ -27,13 +27,14 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sglang_oasis.attention.batch_view import BatchView
+from sglang_oasis.attention.batch_view import BatchView, extend_prefix_lens
 from sglang_oasis.attention.block_prefetcher import INJECT_ENV
 from sglang_oasis.attention.gauges import Gauges
 from sglang_oasis.attention.kv_intake import KVIntake
 from sglang_oasis.attention.pd_node import PDNode
 from sglang_oasis.attention.recall_probe import RecallProbe
 from sglang_oasis.attention.request_slots import RequestSlots
+from sglang_oasis.attention.retraction import Retractions
 from sglang_oasis.attention.selector import FaultInjection, Selector
 from sglang_oasis.attention.sparse_attention import SparseAttention
 from sglang_oasis.attention.strict_mode import StrictMode
@@ -97,6 +98,9 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         self.batch = BatchView.empty()
         self.step = 0
         self.pd.start(args)  # remote partial fetching under PD disaggregation
+        # PD decode: SGLang backs a retracted request up, then resumes it in a new row (sglang_hooks.py)
+        self.retractions = Retractions(self.slots, self.selector, self.attention, self.recall, self.summarised,
+                                       self.stats, self.dense_layers, lambda: self.step)  # fmt: skip
         allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
         self.gauges = Gauges(
             self.slots, pool, allocator, self.stats, bool(getattr(args, "enable_metrics", False))
@@ -127,15 +131,17 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         reqs = [int(r) for r in forward_batch.req_pool_indices.tolist()]
         seq_lens = [int(n) for n in forward_batch.seq_lens.tolist()]
         prefix_lens = (
-            self._prefix_lens(forward_batch) if mode.is_extend() and not mode.is_target_verify() else None
+            extend_prefix_lens(forward_batch) if mode.is_extend() and not mode.is_target_verify() else None
         )
-        self.begin_batch(mode, reqs, seq_lens, prefix_lens)
+        self.begin_batch(mode, reqs, seq_lens, prefix_lens, getattr(forward_batch, "rids", None))
 
     def begin_batch(
-        self, mode: Any, reqs: list[int], seq_lens: list[int], prefix_lens: list[int] | None
-    ) -> None:
-        """A forward pass of ``mode`` over request rows ``reqs``: admit the new ones (an extend's, with
-        their cached ``prefix_lens``; a decode's PD arrivals) and set the batch the layers see."""
+        self, mode: Any, reqs: list[int], seq_lens: list[int], prefix_lens: list[int] | None,
+        rids: list[str] | None = None,
+    ) -> None:  # fmt: skip
+        """A forward pass of ``mode`` over request rows ``reqs`` (SGLang's ``rids``): admit the new ones
+        (an extend's, with their cached ``prefix_lens``; a decode's PD arrivals and resumed retracted
+        requests) and set the batch the layers see."""
         generations = [int(g) for g in self.req_to_token_pool.req_generation[reqs].tolist()]
         admission: bool | torch.Tensor = mode.is_extend() and not mode.is_target_verify()
         if admission:
@@ -145,6 +151,8 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         elif mode.is_decode() or mode.is_target_verify():
             self.step += 1
             self.stats.add("decode_steps")
+            if rids:
+                self.retractions.resume(reqs, generations, seq_lens, rids, mode.is_target_verify(), self.step)
             admission = self.pd.admit(reqs, generations, seq_lens, mode.is_target_verify(), self.step)
         self.set_batch(reqs, admission, generations)
         if mode.is_decode() or mode.is_target_verify():
@@ -162,14 +170,6 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         if not isinstance(admission, torch.Tensor):
             admission = torch.full((len(reqs),), bool(admission), dtype=torch.bool)
         self.batch = BatchView(reqs, req_index, slots, generations, self.step, admission)
-
-    @staticmethod
-    def _prefix_lens(forward_batch: ForwardBatch) -> list[int]:
-        if forward_batch.extend_prefix_lens_cpu is not None:
-            return [int(n) for n in forward_batch.extend_prefix_lens_cpu]
-        if forward_batch.extend_prefix_lens is not None:
-            return [int(n) for n in forward_batch.extend_prefix_lens.tolist()]
-        return [0] * len(forward_batch.seq_lens)
 
     def _admit(self, reqs: list[int], generations: list[int], prefix_lens: list[int]) -> None:
         """Give each new request its request slot (``RequestSlots.admit``: empty, or a warm start). A
@@ -221,8 +221,8 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         self.selector.wait(layer_id)
         seq_lens = forward_batch.seq_lens.cpu().to(torch.int64)
-        if self.batch.admits:  # requests that arrived from a prefill node: summarise their KV first
-            self.intake.catch_up(self.batch, layer_id, seq_lens - 1)
+        # PD arrivals and resumed retracted requests: their KV joins the summaries first (others: no-op)
+        self.intake.catch_up(self.batch, layer_id, seq_lens - 1)
         pool, loc = self.token_to_kv_pool, forward_batch.out_cache_loc
         if save_kv_cache and k is not None and v is not None:
             pool.set_kv_buffer(layer, KVWriteLoc(loc, self.swa_out_cache_loc), k, v)

@@ -111,6 +111,20 @@ class RecallProbe:
                 self._above.pop((slot, layer), None)
         self.rows = []
 
+    def state_of(self, req: int, slot: int) -> tuple[int, dict[int, int]]:
+        """Request row ``req``'s own decode steps and its slot's shrink streaks per layer (a retraction
+        keeps them; ``resume`` gives them to the row and slot it resumes in)."""
+        return self._steps.get(req, (0, 0))[1], {
+            layer: n for (s, layer), n in self._above.items() if s == slot
+        }
+
+    def resume(self, req: int, generation: int, slot: int, state: tuple[int, dict[int, int]]) -> None:
+        steps, above = state
+        self._steps[req] = (generation, steps)
+        for key in [key for key in self._above if key[0] == slot]:
+            del self._above[key]
+        self._above.update({(slot, layer): n for layer, n in above.items()})
+
     def begin(self, batch: BatchView) -> None:
         """A decode or verify pass of ``batch``: count each request's step and choose the rows sampled
         (with a target: each request at its first and every ``every``-th of its own steps; else up to

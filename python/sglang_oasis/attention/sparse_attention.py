@@ -106,6 +106,25 @@ class SparseAttention:
             tail_v = torch.cat([tail_v, host_v.to(tail_v.dtype)])
         return Tail(tail_k, tail_v, torch.cat([locs, new_locs], dim=1), valid)
 
+    def load_tail(self, req: int, slot: int, layers: list[int], committed: int, new: int) -> None:
+        """Load request row ``req``'s tail (positions ``covered * B .. committed`` at each of ``layers``)
+        from the host tier into its active blocks, where they hold it beside ``new`` tokens (a resumed
+        request's; a longer one is read at its step, as any long tail is); counted."""
+        covered = self.working_sets.covered[slot]
+        slots, reqs = torch.tensor([slot]), torch.tensor([req])
+        for layer in layers:
+            start = int(covered[layer]) * self.block_size
+            if not 0 < committed - start <= self.active.span - new:
+                continue
+            starts, ends = torch.tensor([start]), torch.tensor([committed])
+            locs = self.pool_locs(reqs, starts, ends)
+            self.count_host_read("tail_bytes_host_to_device", len(locs))
+            keys, values = (
+                self.kv_pool.get_key_buffer(layer)[locs],
+                self.kv_pool.get_value_buffer(layer)[locs],
+            )
+            self.active.store(layer, slots, starts, ends, keys, values)
+
     def _read_tails(
         self, batch: BatchView, layer_id: int, rows: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
         what: str,
