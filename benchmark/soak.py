@@ -179,6 +179,7 @@ def compare(
     counts = {"sent": len(reqs), "completed": 0, "aborted": 0, "disconnected": 0, "failed_as_expected": 0,
               "failed_unexpectedly": 0, "retracted": 0, "differing": 0, "differing_retracted": 0}  # fmt: skip
     unexpected: list[str] = []
+    differing: list[str] = []
     for request, outcome in zip(reqs, outcomes, strict=True):
         if outcome.status in ("aborted", "disconnected") and request.fate != "complete":
             counts[outcome.status] += 1
@@ -194,10 +195,11 @@ def compare(
         retracted = outcome.retractions > 0 or alone.retractions > 0
         same = outcome.output_ids == alone.output_ids
         if not same:
+            differing.append(request.rid)
             counts["differing_retracted" if retracted else "differing"] += 1
             if not retracted:
                 unexpected.append(f"{request.rid}: output differs from the solo run")
-    return {**counts, "problems": unexpected[:20]}
+    return {**counts, "problems": unexpected[:20], "differing_requests": differing}
 
 
 def drain(url: str, sparse: bool, timeout_s: float = 120.0) -> dict[str, Any]:

@@ -67,6 +67,11 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
      After a backup (with or without remote fetching) it hands the request's rid to the backend (the
      pool's ``oasis_on_retract``), which keeps its selection state for the resume
      (``attention/retraction.py``): SGLang has no retraction callback.
+8. ``schedule_batch.release_req`` (sparse mode): where SGLang releases a running request it retracts
+   (outside PD decode it is re-prefilled later with its output in the prompt); SGLang has no
+   retraction callback. The hook hands the unfinished request's rid to the backend first, as hook 7's
+   backup does, so the re-prefill continues on the request's path (``attention/retraction.py``; a PD
+   decode node keeps only what hook 7 reports backed up).
 """
 
 from __future__ import annotations
@@ -93,8 +98,9 @@ DECODE_COMMIT_TARGET = "sglang.srt.disaggregation.decode.DecodeTransferQueue._co
 DECODE_FREE_TARGET = "sglang.srt.disaggregation.decode.DecodeReqToTokenPool.free"
 FREED_ROW_LISTENER = "oasis_on_free_row"  # attribute of a DecodeReqToTokenPool: called with each freed row
 BACKUP_TARGET = "sglang.srt.mem_cache.common.backup_kv_cache"
+RELEASE_TARGET = "sglang.srt.managers.schedule_batch.release_req"
 BEFORE_BACKUP_LISTENER = "oasis_before_backup"  # attribute of a req-to-token pool: row -> KV whole locally?
-RETRACT_LISTENER = "oasis_on_retract"  # attribute of a req-to-token pool: called with (row, rid) at a backup
+RETRACT_LISTENER = "oasis_on_retract"  # attribute of a req-to-token pool: (row, rid, tokens, backed_up)
 BACKEND_NAME = "oasis"
 REJECTED_DRAFT = -1  # no token id: never equal to the target's prediction
 
@@ -404,13 +410,32 @@ def complete_before_backup(
         if not whole:
             return False
     saved = original(req, tree_cache, req_to_token_pool, *args, **kwargs)
-    keep = getattr(req_to_token_pool, RETRACT_LISTENER, None)
-    if saved and keep is not None and row is not None:
-        try:
-            keep(int(row), str(req.rid))
-        except Exception:  # it resumes with a new admission then, as without this hook
-            logger.exception("oasis: keeping retracted request %s's selection state failed", req.rid)
+    if saved:
+        _keep_retracted(req_to_token_pool, req, backed_up=True)
     return saved
+
+
+def keep_before_release(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+    """``release_req`` (keyword arguments only): a request released unfinished is being retracted; the
+    backend keeps its selection state first (a PD decode node keeps only backed-up ones, hook 7: the
+    others are sent again by the prefill node)."""
+    req, pool = kwargs.get("req"), kwargs.get("req_to_token_pool")
+    if req is not None and pool is not None and not req.finished():
+        _keep_retracted(pool, req, backed_up=False)
+    return original(*args, **kwargs)
+
+
+def _keep_retracted(req_to_token_pool: Any, req: Any, backed_up: bool) -> None:
+    """Tell the pool's retraction listener (the oasis backend) that ``req`` is retracted: its row, rid,
+    the tokens its resume will hold (prompt and output), and whether its KV was backed up."""
+    keep = getattr(req_to_token_pool, RETRACT_LISTENER, None)
+    row = getattr(getattr(req, "kv", None), "req_pool_idx", None)
+    if keep is None or row is None:
+        return
+    try:
+        keep(int(row), str(req.rid), len(req.origin_input_ids) + len(req.output_ids), backed_up)
+    except Exception:  # it resumes with a new admission then, as without the hook
+        logger.exception("oasis: keeping retracted request %s's selection state failed", req.rid)
 
 
 def register(config: OasisConfig) -> None:
@@ -437,6 +462,7 @@ def register(config: OasisConfig) -> None:
         HookRegistry.register(DECODE_COMMIT_TARGET, fetch_admission_blocks, HookType.AROUND)
         HookRegistry.register(DECODE_FREE_TARGET, release_freed_rows, HookType.AROUND)
     HookRegistry.register(BACKUP_TARGET, complete_before_backup, HookType.AROUND)  # PD decode only
+    HookRegistry.register(RELEASE_TARGET, keep_before_release, HookType.AROUND)
 
 
 def patch_cpu_disaggregation() -> None:

@@ -114,14 +114,25 @@ def test_retractions_lose_nothing(
 ) -> None:
     """Under forced retractions: no request fails unless the client ended it, the requests SGLang did not
     retract answer as alone (on the soak server, same configuration without the switch), nothing is held
-    after the drain. A retracted request's continuation may differ in sparse mode (docs/faults.md); it
-    is counted, not asserted."""
+    after the drain, and the retracted ones were re-prefilled from their kept selection state (hook 8).
+    Whether a retracted request then answers as alone is counted, not asserted: the re-prefill recomputes
+    its KV, and on this random-weight model the last bits of the recomputed keys flip near-tied block
+    scores at K = 4 (docs/faults.md; SmolLM2 in bench_soak: none differ)."""
     reqs = soak_workload[:40]
     outcomes = run_mix(retracting_server.url, reqs, CONCURRENCY)
     held = drain(retracting_server.url, sparse=True)
     report = compare(reqs, outcomes, solo_outputs(soak_server.url, reqs, outcomes))
-    print({**report, "held_after_drain": held})
+    stats = requests.get(retracting_server.url + "/oasis/stats", timeout=30).json()
+    print(
+        {
+            **report,
+            "held_after_drain": held,
+            "kept": stats["retracted_requests"],
+            "resumed": stats["resumed_requests"],
+        }
+    )
     assert report["retracted"] > 0, report  # the switch did retract
+    assert stats["retracted_requests"] > 0 and stats["resumed_requests"] > 0, stats
     assert report["failed_unexpectedly"] == 0 and report["differing"] == 0, report["problems"]
     assert held == {"flushed": True, "running_requests": 0, "device_working_set_tokens": 0, "staged_bytes": 0,
                     "host_tokens_used": 0}, held  # fmt: skip

@@ -297,20 +297,23 @@ def test_a_dense_first_step_arrival_leaves_the_rest_of_its_batch_as_it_would_be_
     torch.testing.assert_close(batched[3], alone[3], rtol=0, atol=0)
 
 
-def test_a_retracted_pd_request_resumes_on_the_path_it_was_on() -> None:
+@pytest.mark.parametrize("redo", [False, True])
+def test_a_retracted_pd_request_resumes_on_the_path_it_was_on(redo: bool) -> None:
     """PD decode: SGLang backs a retracted request's KV up, frees its row and later resumes it in a new
-    row with the same KV at new locations. With its selection state kept (``keep_retracted`` at the
-    backup, restored when it reappears by rid) each step after the resume must equal, bit for bit, the
-    step the request takes when it is never retracted: the same output and the same working sets. Before,
-    the resume was a new arrival: a dense first step (every token attended) and a fresh uncapped
-    selection."""
+    row with the same KV at new locations. With its selection state kept (hook 7 at the backup, restored
+    when it reappears by rid) each step after the resume must equal, bit for bit, the step the request
+    takes when it is never retracted: the same output and the same working sets. ``redo``: SGLang
+    dropped the token of the request's last forward (overlap scheduling: retracted before that
+    forward's result was processed) and redoes that step, which must then start from the tables as they
+    were before it (seen on a server: the redone step saw the working sets it had already moved on to).
+    Before, the resume was a new arrival: a dense first step and a fresh uncapped selection."""
     prompt, steps_before, steps_after = 6 * BLOCK + 1, 3, 4
     layer = SimpleNamespace(layer_id=0, tp_q_head_num=1, qk_head_dim=DIM, v_head_dim=DIM, scaling=1.0,
                             is_cross_attention=False)  # fmt: skip
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(prompt + steps_before + steps_after, DIM, generator=gen) * 3
     values = torch.randn(len(keys), DIM, generator=gen)
-    queries = torch.randn(steps_before + steps_after, DIM, generator=gen) * 4
+    queries = torch.randn(len(keys), DIM, generator=gen) * 4
 
     def backend_with_request() -> OasisAttnBackend:
         pool = TinyKVPool(64)
@@ -320,44 +323,186 @@ def test_a_retracted_pd_request_resumes_on_the_path_it_was_on() -> None:
         backend.req_to_token_pool.req_generation[0] = 5  # arrives without a hand-off: a dense first step
         return backend
 
-    def decode(backend: OasisAttnBackend, row: int, position: int, i: int) -> torch.Tensor:
+    def decode(
+        backend: OasisAttnBackend, row: int, position: int
+    ) -> tuple[torch.Tensor, tuple[list[int], int]]:
         loc = int(backend.req_to_token_pool.req_to_token[row, position])
         backend.begin_batch(ForwardMode.DECODE, [row], [position + 1], None, ["rid-0"])
         batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor([row]),
                                 seq_lens=torch.tensor([position + 1]), out_cache_loc=torch.tensor([loc]))  # fmt: skip
         k, v = keys[position][None], values[position][None]
-        out = backend.forward_decode(queries[i][None], k, v, layer, batch)
+        out = backend.forward_decode(queries[position][None], k, v, layer, batch)
+        backend.selector.finish_pending()
+        slot, sets = backend.tier.slot_of(row), backend.working_sets
+        return out[0], (sorted(sets.slot_block[slot, 0, 0].tolist()), int(sets.covered[slot, 0]))
+
+    never, retracted = backend_with_request(), backend_with_request()
+    alone = {position: decode(never, 0, position) for position in range(prompt, len(keys))}
+    for position in range(prompt, prompt + steps_before):
+        decode(retracted, 0, position)
+    # SGLang retracts row 0: its prompt and output tokens (one more than its KV: the last output's KV is
+    # the next step's), or with `redo` one fewer (the last forward's token dropped); backup; row freed
+    # (its generation moves on); other requests run meanwhile.
+    tokens = prompt + steps_before + (0 if redo else 1)
+    getattr(retracted.req_to_token_pool, RETRACT_LISTENER)(0, "rid-0", tokens, True)  # hook 7 at the backup
+    retracted.req_to_token_pool.req_generation[0] = 9
+    retracted.step += 5
+    committed = tokens - 1  # what the backup holds, restored at new pages (the page size is the block size)
+    pool, new_locs = retracted.token_to_kv_pool, torch.arange(9 * BLOCK, 17 * BLOCK, dtype=torch.int32)
+    moved = new_locs[:committed].long()
+    pool.k[moved], pool.v[moved] = pool.k[:committed].clone(), pool.v[:committed].clone()
+    retracted.req_to_token_pool.req_to_token[1, : len(new_locs)] = new_locs
+    retracted.req_to_token_pool.req_generation[1] = 7
+    assert retracted.stats.snapshot()["retracted_requests"] == 1
+    for position in range(committed, len(keys)):
+        out, state = decode(retracted, 1, position)
+        torch.testing.assert_close(out, alone[position][0], rtol=0, atol=0)
+        assert state == alone[position][1], f"position {position}: the working sets left the path"
+    stats = retracted.stats.snapshot()
+    assert stats["resumed_requests"] == 1 and stats["arrived_requests"] == 1, "resumed, not a new arrival"
+
+
+def test_a_pd_request_retracted_before_its_first_step_resumes_from_its_hand_off() -> None:
+    """Retracted between its commit and its first decode step, a request holds no slot yet but holds the
+    prefill node's hand-off: it is kept, and the resumed request starts from it as it would have (not a
+    dense first step with a new admission)."""
+    from sglang_oasis.disaggregation.pd_partial import Arrival
+
+    prompt = 4 * BLOCK + 1
+    layer = SimpleNamespace(layer_id=0, tp_q_head_num=1, qk_head_dim=DIM, v_head_dim=DIM, scaling=1.0,
+                            is_cross_attention=False)  # fmt: skip
+    gen = torch.Generator().manual_seed(5)
+    keys, values = (
+        torch.randn(prompt + 1, DIM, generator=gen) * 3,
+        torch.randn(prompt + 1, DIM, generator=gen),
+    )
+    query = torch.randn(DIM, generator=gen) * 4
+
+    def first_step(retract: bool) -> tuple[torch.Tensor, list[int]]:
+        pool = TinyKVPool(64)
+        backend = _backend(pool, top_k=2)
+        table, generations = backend.req_to_token_pool.req_to_token, backend.req_to_token_pool.req_generation
+        table[0, : prompt + 1] = torch.arange(prompt + 1, dtype=torch.int32)
+        table[1, : prompt + 1] = torch.arange(9 * BLOCK, 9 * BLOCK + prompt + 1, dtype=torch.int32)
+        generations[:2] = torch.tensor([5, 7])
+        selection = torch.tensor([[[False, True, False, True]]])  # not what the step's query would pick
+        arrivals = {0: Arrival(5, selection, prompt)}
+        backend.pd.remote = SimpleNamespace(take_arrival=lambda row, g: arrivals.pop(row, None))
+        first = table[0, : prompt + 1].long()  # where the KV and its summaries arrived (as fetched at commit)
+        pool.k[first, 0], pool.v[first, 0] = keys, values
+        backend.summaries.update(0, first[:-1], pool.k[first[:-1]])
+        row = 0
+        if retract:  # backed up in row 0, resumed in row 1 with the same KV
+            getattr(backend.req_to_token_pool, RETRACT_LISTENER)(0, "rid-0", prompt, True)
+            row = 1
+        locs = table[row, : prompt + 1].long()
+        pool.k[locs, 0], pool.v[locs, 0] = keys, values
+        backend.begin_batch(ForwardMode.DECODE, [row], [prompt + 1], None, ["rid-0"])
+        batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor([row]),
+                                seq_lens=torch.tensor([prompt + 1]), out_cache_loc=locs[-1:])  # fmt: skip
+        out = backend.forward_decode(query[None], keys[-1:], values[-1:], layer, batch)
+        backend.selector.finish_pending()
+        return out[0], sorted(backend.working_sets.slot_block[backend.tier.slot_of(row), 0, 0].tolist())
+
+    alone, resumed = first_step(False), first_step(True)
+    torch.testing.assert_close(resumed[0], alone[0], rtol=0, atol=0)
+    assert resumed[1] == alone[1]
+
+
+@pytest.mark.parametrize("redo", [False, True])
+def test_a_retracted_request_re_prefilled_goes_on_as_it_would_have(redo: bool) -> None:
+    """Without PD, SGLang frees a retracted request's KV and later re-prefills its prompt and output in a
+    new row. With its selection state kept (hook 8 at the release), the extend that reaches its length
+    loads the kept working sets from the pages it just wrote and its last row attends as the decode step
+    the request would have taken: that row, the next working sets and every later step equal the
+    never-retracted request's, bit for bit (the KV here is the same; a real re-prefill recomputes it).
+    Before, the last row attended densely and the working sets were chosen afresh."""
+    prompt, steps_before, steps_after = 6 * BLOCK + 1, 3, 4
+    gen = torch.Generator().manual_seed(11)
+    total = prompt + steps_before + 1 + steps_after
+    keys, values = torch.randn(total, DIM, generator=gen) * 3, torch.randn(total, DIM, generator=gen)
+    queries = torch.randn(total, DIM, generator=gen) * 4
+    layer = SimpleNamespace(layer_id=0, tp_q_head_num=1, tp_k_head_num=1, qk_head_dim=DIM, v_head_dim=DIM,
+                            scaling=1.0, is_cross_attention=False, attn_type=None, sliding_window_size=None)  # fmt: skip
+
+    def backend_for() -> OasisAttnBackend:
+        backend = _backend(TinyKVPool(96), top_k=2, fetch_ratio=0.5)  # K = 2, one load per step
+        table = backend.req_to_token_pool.req_to_token
+        table[0, :48] = torch.arange(48, dtype=torch.int32)
+        table[1, :48] = torch.arange(48, 96, dtype=torch.int32)  # a new row's pages
+        return backend
+
+    def extend(backend: OasisAttnBackend, row: int, length: int) -> torch.Tensor:
+        locs = backend.req_to_token_pool.req_to_token[row, :length].long()
+        backend.begin_batch(ForwardMode.EXTEND, [row], [length], [0], ["rid-0"])
+        batch = SimpleNamespace(
+            forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor([row]), seq_lens=torch.tensor([length]),
+            out_cache_loc=locs, extend_prefix_lens=torch.tensor([0]), extend_seq_lens=torch.tensor([length]),
+            extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[length], encoder_lens=None,
+        )  # fmt: skip
+        out = backend.forward_extend(queries[:length], keys[:length], values[:length], layer, batch)
+        backend.selector.finish_pending()
+        return out[-1]
+
+    def decode(backend: OasisAttnBackend, row: int, position: int) -> torch.Tensor:
+        loc = backend.req_to_token_pool.req_to_token[row, position : position + 1].long()
+        backend.begin_batch(ForwardMode.DECODE, [row], [position + 1], None, ["rid-0"])
+        batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor([row]),
+                                seq_lens=torch.tensor([position + 1]), out_cache_loc=loc)  # fmt: skip
+        out = backend.forward_decode(
+            queries[position][None], keys[position][None], values[position][None], layer, batch
+        )
         backend.selector.finish_pending()
         return out[0]
 
     def state(backend: OasisAttnBackend, row: int) -> tuple[list[int], int]:
         slot = backend.tier.slot_of(row)
-        return sorted(backend.working_sets.slot_block[slot, 0, 0].tolist()), int(
-            backend.working_sets.covered[slot, 0]
-        )
+        sets = backend.working_sets
+        return sorted(sets.slot_block[slot, 0, 0].tolist()), int(sets.covered[slot, 0])
 
-    never, retracted = backend_with_request(), backend_with_request()
-    for i in range(steps_before):
-        for backend in (never, retracted):
-            decode(backend, 0, prompt + i, i)
-    # SGLang retracts row 0: backup, row freed (its generation moves on), other requests run meanwhile.
-    getattr(retracted.req_to_token_pool, RETRACT_LISTENER)(0, "rid-0")  # hook 7 at the backup
-    retracted.req_to_token_pool.req_generation[0] = 9
-    retracted.step += 5
-    committed = prompt + steps_before
-    # its new pages (SGLang's page size is the block size)
-    pool, new_locs = retracted.token_to_kv_pool, torch.arange(9 * BLOCK, 17 * BLOCK, dtype=torch.int32)
-    moved = new_locs[:committed].long()
-    pool.k[moved], pool.v[moved] = pool.k[:committed].clone(), pool.v[:committed].clone()
-    table = retracted.req_to_token_pool.req_to_token
-    table[1, : len(new_locs)] = new_locs
-    retracted.req_to_token_pool.req_generation[1] = 7
+    never, retracted = backend_for(), backend_for()
+    extend(never, 0, prompt)
+    alone = {}
+    for position in range(prompt, total):
+        alone[position] = decode(never, 0, position), state(never, 0)
+    extend(retracted, 0, prompt)
+    for position in range(prompt, prompt + steps_before):
+        decode(retracted, 0, position)
+    # Retracted now: its output holds one token more than its KV (the next step would compute it), or
+    # with `redo` as many (the last forward's token dropped: its step is redone).
+    tokens = prompt + steps_before + (0 if redo else 1)
+    getattr(retracted.req_to_token_pool, RETRACT_LISTENER)(0, "rid-0", tokens, False)  # hook 8 at the release
+    retracted.req_to_token_pool.req_generation[0] += 1  # SGLang freed the row
+    retracted.step += 3  # other requests decoded meanwhile
     assert retracted.stats.snapshot()["retracted_requests"] == 1
-    for i in range(steps_before, steps_before + steps_after):
-        position = prompt + i
-        alone = decode(never, 0, position, i)
-        resumed = decode(retracted, 1, position, i)
-        torch.testing.assert_close(resumed, alone, rtol=0, atol=0)
-        assert state(retracted, 1) == state(never, 0), f"step {i}: the working sets left the path"
-    stats = retracted.stats.snapshot()
-    assert stats["resumed_requests"] == 1 and stats["arrived_requests"] == 1, "resumed, not a new arrival"
+    torch.testing.assert_close(extend(retracted, 1, tokens), alone[tokens - 1][0], rtol=0, atol=0)
+    assert state(retracted, 1) == alone[tokens - 1][1], "the re-prefill's selection left the path"
+    for position in range(tokens, total):
+        torch.testing.assert_close(decode(retracted, 1, position), alone[position][0], rtol=0, atol=0)
+        assert state(retracted, 1) == alone[position][1], (
+            f"position {position}: the working sets left the path"
+        )
+    assert retracted.stats.snapshot()["resumed_requests"] == 1
+
+
+def test_an_extend_mixing_a_re_prefilled_request_with_new_ones_selects_each_part() -> None:
+    """A re-prefilled retracted request (not an admission) in one extend with a shorter new request: the
+    prefill window's prior spans the batch's widest request; the new request's admission uses its own
+    blocks of it, the resumed request a decode step's selection (seen on a server: the prior's width
+    did not match the admission part's blocks and every selection job of the batch failed)."""
+    pool = TinyKVPool(64)
+    backend = _backend(pool, top_k=1, prefill_window=2)
+    long, short = 6 * BLOCK + 1, 2 * BLOCK + 1
+    table = backend.req_to_token_pool.req_to_token
+    table[0, :long], table[1, :short] = torch.arange(long), torch.arange(32, 32 + short)
+    pool.k[:, 0] = torch.randn(pool.k.shape[0], DIM, generator=torch.Generator().manual_seed(2))
+    for row in (0, 1):
+        backend.slots.claim(row, 0)
+    backend.set_batch([0, 1], admission=torch.tensor([False, True]))
+    backend.intake.catch_up(backend.batch, 0, torch.tensor([long, short]))
+    prior = torch.zeros((2, 1, long // BLOCK))
+    prior[1, 0, 1] = 1.0  # the window's attention points at the new request's block 1
+    backend.selector.select(backend.batch, 0, torch.randn(2, 1, DIM), [long, short], prior)
+    backend.selector.finish_pending()
+    assert backend.failures.take(0, 0) is None and backend.failures.take(1, 0) is None
+    assert 1 in backend.working_sets.slot_block[backend.tier.slot_of(1), 0, 0].tolist()

@@ -107,6 +107,7 @@ CHECK = textwrap.dedent(
         hooks.DECODE_COMMIT_TARGET: ["self", "decode_req"],
         hooks.DECODE_FREE_TARGET: ["self", "req"],
         hooks.BACKUP_TARGET: ["req", "tree_cache", "req_to_token_pool", "token_to_kv_pool_allocator", "backend"],
+        hooks.RELEASE_TARGET: ["req", "remaing_req_count", "req_to_token_pool"],
         "sglang.srt.disaggregation.utils.prepare_abort": ["req", "error_message", "status_code"],
         "sglang.srt.mem_cache.common.release_kv_cache": ["req", "tree_cache"],
     }
@@ -151,6 +152,25 @@ CHECK = textwrap.dedent(
         pool = NS(**{hooks.BEFORE_BACKUP_LISTENER: complete})
         answer = hooks.complete_before_backup(backup, NS(kv=NS(req_pool_idx=3), rid="r"), None, pool, None, "cpu_tensor")
         assert answer is whole and calls == expected
+    # ... and once the backup is whole, the backend keeps the request's selection state (row, rid, tokens).
+    kept = []
+    pool = NS(**{hooks.BEFORE_BACKUP_LISTENER: lambda row: True, hooks.RETRACT_LISTENER: lambda *a: kept.append(a)})
+    request = NS(kv=NS(req_pool_idx=3), rid="r", origin_input_ids=[1, 2, 3], output_ids=[4])
+    assert hooks.complete_before_backup(backup, request, None, pool, None, "cpu_tensor") is True
+    assert kept == [(3, "r", 4, True)], kept
+
+    # Hook 8: release_req (keyword arguments only) keeps an unfinished request's state (not backed up).
+    from sglang.srt.managers import schedule_batch
+    params = inspect.signature(pkgutil.resolve_name(hooks.RELEASE_TARGET)).parameters
+    assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in ("req", "req_to_token_pool"))
+    assert "reset_for_retract" in inspect.getsource(schedule_batch.release_req)
+    kept.clear()
+    released = []
+    for finished in (False, True):
+        request = NS(kv=NS(req_pool_idx=5), rid=f"r{finished}", origin_input_ids=[1, 2], output_ids=[3, 4],
+                     finished=lambda finished=finished: finished)
+        hooks.keep_before_release(lambda **kw: released.append(kw["req"].rid), req=request, req_to_token_pool=pool)
+    assert kept == [(5, "rFalse", 4, False)] and released == ["rFalse", "rTrue"], (kept, released)
 
     # send_last_page_only: earlier chunks send nothing, the last stages and sends only the last page.
     import numpy as np

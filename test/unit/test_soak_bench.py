@@ -52,6 +52,7 @@ def test_outcomes_are_classified_against_the_solo_run() -> None:
     assert {k: v for k, v in report.items() if k != "problems"} == {
         "sent": 7, "completed": 3, "aborted": 1, "disconnected": 1, "failed_as_expected": 2,
         "failed_unexpectedly": 2, "retracted": 1, "differing": 1, "differing_retracted": 1,
+        "differing_requests": ["r1", "r4"],
     }  # fmt: skip
     assert len(report["problems"]) == 3 and "r1: output differs" in report["problems"][0]
     # A solo run that was itself retracted is no reference: its request's difference counts apart.

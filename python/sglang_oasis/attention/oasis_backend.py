@@ -98,9 +98,8 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         self.batch = BatchView.empty()
         self.step = 0
         self.pd.start(args)  # remote partial fetching under PD disaggregation
-        # PD decode: SGLang backs a retracted request up, then resumes it in a new row (sglang_hooks.py)
         self.retractions = Retractions(self.slots, self.selector, self.attention, self.recall, self.summarised,
-                                       self.stats, self.dense_layers, lambda: self.step)  # fmt: skip
+                                       self.stats, self.dense_layers, lambda: self.step, self.pd)  # fmt: skip
         allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
         self.gauges = Gauges(
             self.slots, pool, allocator, self.stats, bool(getattr(args, "enable_metrics", False))
@@ -139,15 +138,16 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         self, mode: Any, reqs: list[int], seq_lens: list[int], prefix_lens: list[int] | None,
         rids: list[str] | None = None,
     ) -> None:  # fmt: skip
-        """A forward pass of ``mode`` over request rows ``reqs`` (SGLang's ``rids``): admit the new ones
-        (an extend's, with their cached ``prefix_lens``; a decode's PD arrivals and resumed retracted
-        requests) and set the batch the layers see."""
+        """A forward pass of ``mode`` over request rows ``reqs`` (``rids``): admit the new ones (an extend's,
+        with their cached ``prefix_lens``; a decode's PD arrivals) and set the batch the layers see."""
         generations = [int(g) for g in self.req_to_token_pool.req_generation[reqs].tolist()]
         admission: bool | torch.Tensor = mode.is_extend() and not mode.is_target_verify()
         if admission:
             self._admit(reqs, generations, prefix_lens or [0] * len(reqs))
             self.selector.prompt_len.update(zip(reqs, seq_lens, strict=True))
             self.recall.restart(reqs)
+            if rids:  # retracted requests re-prefilled: they go on where they were (retraction.py)
+                admission = ~self.retractions.resume_extend(reqs, generations, seq_lens, rids, self.step)
         elif mode.is_decode() or mode.is_target_verify():
             self.step += 1
             self.stats.add("decode_steps")
@@ -207,6 +207,8 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         q_rows = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         last = torch.cumsum(forward_batch.extend_seq_lens, 0) - 1  # last new token of each request
         seq_lens = forward_batch.seq_lens.tolist()
+        if not self.batch.admission:  # re-prefilled retracted requests: the sparse step they were at
+            self.retractions.attend_resumed(self.batch, layer, q_rows, last, k, v, out, seq_lens_cpu)
         prior = self.selector.window_prior(self.batch, layer, q_rows, last.tolist(), extend_lens, seq_lens)
         self.selector.select(self.batch, layer_id, q_rows[last], seq_lens, prior)
         return out

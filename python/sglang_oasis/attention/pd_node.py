@@ -61,11 +61,13 @@ class PDNode:
         self.window_blocks = selector.window_blocks
         self.stager: PrefillStager | None = None  # a prefill node with remote partial fetching
         self.remote: DecodeFetcher | None = None  # a decode node with remote partial fetching
+        self.decode_node = False  # a PD decode node (``start``)
         self._admission_selections: dict[int, dict[int, torch.Tensor]] = {}  # req row -> layer -> [H, N]
 
     def start(self, args: Any) -> None:
         """Remote partial fetching's stager or fetcher, as SGLang's server ``args`` make this node."""
         mode = str(getattr(args, "disaggregation_mode", "null"))
+        self.decode_node = mode == "decode"
         if not self.config.remote_fetch or mode not in ("prefill", "decode"):
             return
         if str(getattr(args, "disaggregation_transfer_backend", "mooncake")) != "mooncake":
@@ -142,7 +144,7 @@ class PDNode:
             self.selector.prompt_len[req] = prompt
             fetched = self.remote.take_arrival(req, generation) if self.remote else None
             if fetched is not None and fetched.num_tokens == prompt:
-                self._start_from_handoff(req, slot, fetched, step)
+                self.start_from_handoff(req, slot, fetched, step)
                 continue
             if fetched is not None:  # cannot happen unless SGLang's hand-off changed: fail the request
                 message = f"oasis: request row {req} arrived with {fetched.num_tokens} staged tokens for a {prompt}-token prompt"
@@ -152,7 +154,7 @@ class PDNode:
             dense_step[row] = True
         return dense_step
 
-    def _start_from_handoff(self, req: int, slot: int, arrival: Arrival, step: int) -> None:
+    def start_from_handoff(self, req: int, slot: int, arrival: Arrival, step: int) -> None:
         """Working sets = the prefill node's first selection (its blocks were read at admission)."""
         self.summarised[req] = arrival.num_tokens
         full = arrival.selection.shape[2]

@@ -1,21 +1,29 @@
 """A retracted request's selection state, kept until SGLang resumes it.
 
-Under PD disaggregation SGLang retracts a decode request under memory pressure by backing up its KV
-pages to host memory and freeing its row; it later resumes the request in a new row with the same KV
-restored (``resume_retracted_reqs``). Started afresh there (a dense first step and a new admission
-selection), its continuation would leave the path it was on, and so differ from the same request
-served without a retraction. So at the backup (hook 7's ``backup_kv_cache``) the request's working-set
-tables are saved under its rid, and when it arrives again the new slot gets them back:
+SGLang retracts running requests under memory pressure and resumes them later in a new row:
+
+- under PD disaggregation (decode node) it backs the request's KV pages up to host memory and restores
+  them at the resume (``resume_retracted_reqs``); the request's next forward is a decode;
+- otherwise it frees the request's KV and re-prefills it later: an extend over its prompt and output
+  (after any radix-cached prefix), whose last row computes the next token.
+
+Started afresh there (a PD dense first step, or the extend's dense last row and a new admission), its
+continuation would leave the path it was on, and so differ from the same request served without a
+retraction. So when SGLang retracts it (hooks 7 and 8 in ``sglang_hooks.py``), its working-set tables
+are kept under its rid, and the new row gets them back:
 
 - which block each (layer, KV head) slot holds, and when each was last selected (shifted by the decode
-  steps the request sat out, so its LRU order against its next selections is the same);
+  steps the request sat out, so their LRU order against its next selections is the same);
 - each layer's covered blocks, top-K (what a recall target grew it to) and window pins;
 - its recall probe's own-step count and shrink streaks.
 
-The blocks' K and V, and the active tail after the covered blocks, are loaded from the restored host
-pages (counted in ``blocks_loaded`` and ``tail_bytes_host_to_device``); the summaries are caught up from
-them at the first step (min/max: exact). The first step after the resume is then the sparse step the
-request would have taken without the retraction.
+PD decode: the blocks' K and V and the active tail are loaded from the restored pages at the resume,
+the summaries caught up from them at its step (min/max: exact); a request retracted before its first
+step here keeps its prefill node's hand-off instead. Re-prefill: at the extend that reaches the
+request's length (its last chunk) each layer loads the blocks from the pages the extend just wrote,
+and the last row's attention becomes the sparse step the request would have taken (working set, active
+tail, itself); its selection is a decode step's. The re-prefill recomputes the KV, so the step is
+the same up to the rounding of that recompute (as for dense SGLang).
 
 Saved states are dropped when taken and bounded in number (a retracted request SGLang aborts while it
 waits is never resumed): the oldest go first.
@@ -23,24 +31,31 @@ waits is never resumed): the oldest go first.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
 
+from sglang_oasis.attention.batch_view import BatchView
+from sglang_oasis.attention.pd_node import PDNode
 from sglang_oasis.attention.recall_probe import RecallProbe
 from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.attention.selector import Selector
 from sglang_oasis.attention.sparse_attention import SparseAttention
+from sglang_oasis.disaggregation.pd_partial import Arrival
 from sglang_oasis.memory.headwise_map import EMPTY
 from sglang_oasis.memory.working_set import TransferPlan
 from sglang_oasis.sglang_hooks import RETRACT_LISTENER
 from sglang_oasis.stats import OasisStats
 
+logger = logging.getLogger(__name__)
+
 
 class SavedSelection(NamedTuple):
     step: int  # the backend's decode step when it was saved (the request's last one)
+    tokens: int  # prompt and output when it was retracted: what a re-prefill extends to
     slot_block: torch.Tensor  # [layers, kv_heads, slots]
     last_selected: torch.Tensor  # [layers, kv_heads, slots]
     covered: torch.Tensor  # [layers]
@@ -52,17 +67,17 @@ class SavedSelection(NamedTuple):
 
 class Retractions:
     def __init__(
-        self,
-        slots: RequestSlots,
-        selector: Selector,
-        attention: SparseAttention,
-        recall: RecallProbe,
-        summarised: torch.Tensor,
-        stats: OasisStats,
-        dense_layers: frozenset[int],
-        step: Callable[[], int],
-    ) -> None:
-        self.slots, self.selector, self.attention, self.recall = slots, selector, attention, recall
+        self, slots: RequestSlots, selector: Selector, attention: SparseAttention, recall: RecallProbe,
+        summarised: torch.Tensor, stats: OasisStats, dense_layers: frozenset[int], step: Callable[[], int],
+        pd: PDNode,
+    ) -> None:  # fmt: skip
+        self.slots, self.selector, self.attention, self.recall, self.pd = (
+            slots,
+            selector,
+            attention,
+            recall,
+            pd,
+        )
         self.tier = slots.tier
         self.working_sets = slots.working_sets
         self.summarised = summarised  # [req rows, layers] positions whose keys are in the summaries
@@ -70,30 +85,77 @@ class Retractions:
         self.req_pool, self.kv_pool = attention.req_to_token_pool, attention.kv_pool
         self.layers = [layer for layer in range(int(self.kv_pool.layer_num)) if layer not in dense_layers]
         self.limit = 4 * self.tier.num_request_slots
-        self._saved: OrderedDict[str, SavedSelection] = OrderedDict()
+        self._saved: OrderedDict[str, SavedSelection | Arrival] = OrderedDict()
         self.step = step  # the backend's decode steps so far
-        setattr(self.req_pool, RETRACT_LISTENER, self.keep)  # called by hook 7 at a retraction's backup
+        setattr(self.req_pool, RETRACT_LISTENER, self.keep)  # called by hooks 7 and 8
+        # Each slot's tables as they were before its last selection, and that step's seq_len, decode step
+        # and kind: SGLang may retract a request after its last forward and drop that forward's token
+        # (overlap scheduling), then redo that step after the resume.
+        sets = self.working_sets
+        self._before = {
+            name: getattr(sets, name).clone() for name in ("slot_block", "last_selected", "covered", "top_k")
+        }
+        self._before_len = torch.zeros(len(sets.covered), dtype=torch.int64)
+        self._before_step = torch.zeros(len(sets.covered), dtype=torch.int64)
+        self._before_admission = torch.zeros(len(sets.covered), dtype=torch.bool)
+        selector.before_select = self.remember
+
+    def remember(self, batch: BatchView, layer: int, seq_lens: list[int]) -> None:
+        """Before a selection at ``layer`` (the job that changes the tables has not started): the rows it
+        will change, as they are."""
+        slots, sets = batch.slots, self.working_sets
+        for name, before in self._before.items():
+            before[slots, layer] = getattr(sets, name)[slots, layer]
+        self._before_len[slots] = torch.tensor(seq_lens, dtype=torch.int64)
+        self._before_step[slots] = batch.step
+        self._before_admission[slots] = batch.admitting
 
     def __len__(self) -> int:
         return len(self._saved)
 
-    def keep(self, req: int, rid: str) -> None:
-        """SGLang backed request row ``req`` (``rid``) up for a retraction: keep its selection state (the
-        oldest kept goes beyond the limit)."""
+    def keep(self, req: int, rid: str, tokens: int, backed_up: bool) -> None:
+        """SGLang retracts request row ``req`` (``rid``, ``tokens`` of prompt and output; ``backed_up``:
+        its KV, hook 7): keep its selection state (the oldest kept goes beyond the limit). A PD decode
+        node keeps backed-up requests only (the others come back from the prefill node, sent again)."""
+        if self.pd.decode_node and not backed_up:
+            return
         generation = int(self.req_pool.req_generation[req])
         if not self.slots.holds(req, generation):
+            # Retracted before its first step here: it holds no slot yet, but may hold a hand-off.
+            arrival = self.pd.remote.take_arrival(req, generation) if self.pd.remote else None
+            if arrival is not None:
+                self._remember(rid, arrival)
+            logger.info("oasis: retracted request %s before its first step here (hand-off kept: %s)", rid,
+                        arrival is not None)  # fmt: skip
             return
         self.selector.finish_pending()  # its working sets as the next step would find them
-        slot, sets = self.tier.slot(req), self.working_sets
-        self._saved[rid] = SavedSelection(
-            self.step(), sets.slot_block[slot].clone(), sets.last_selected[slot].clone(), sets.covered[slot].clone(),
-            sets.top_k[slot].clone(), self.tier.pinned[slot].clone(), self.selector.prompt_len.get(req),
-            self.recall.state_of(req, slot),
-        )  # fmt: skip
+        slot = self.tier.slot(req)
+        tables = {name: getattr(self.working_sets, name)[slot].clone() for name in self._before}
+        step, (steps, above) = self.step(), self.recall.state_of(req, slot)
+        if int(self._before_len[slot]) == tokens:
+            # Its last forward computed the token at `tokens - 1` (seq_len `tokens`), but SGLang kept
+            # neither its output nor its KV: it redoes that step after the resume. Keep the tables
+            # from before it (an admission redone is chosen the same way again: nothing to keep).
+            if bool(self._before_admission[slot]):
+                return
+            tables = {name: before[slot].clone() for name, before in self._before.items()}
+            step, steps = int(self._before_step[slot]) - 1, steps - 1
+        self._remember(rid, SavedSelection(
+            step, tokens, tables["slot_block"], tables["last_selected"], tables["covered"], tables["top_k"],
+            self.tier.pinned[slot].clone(), self.selector.prompt_len.get(req), (steps, above),
+        ))  # fmt: skip
+        logger.info(
+            "oasis: retracted request %s at step %d, %d tokens: selection state kept", rid, step, tokens
+        )
+
+    def _remember(self, rid: str, saved: SavedSelection | Arrival) -> None:
+        self._saved[rid] = saved
         self._saved.move_to_end(rid)
         while len(self._saved) > self.limit:
             self._saved.popitem(last=False)
         self.stats.add("retracted_requests")
+
+    # --- PD decode: the KV was backed up and restored ------------------------------------------------
 
     def resume(
         self, reqs: list[int], generations: list[int], seq_lens: list[int], rids: list[str], verify: bool,
@@ -109,42 +171,95 @@ class Retractions:
             if self.slots.holds(req, generation) or rid not in self._saved:
                 continue
             saved = self._saved.pop(rid)
+            committed = seq_lens[row] - (0 if verify else 1)
+            if isinstance(saved, Arrival) and saved.num_tokens != committed:
+                continue  # not the request it was (cannot happen unless SGLang changed): a dense first step
             self.selector.finish_pending()  # slots may change hands below
             slot = self.slots.claim(req, generation)
-            if saved.prompt_len is not None:
-                self.selector.prompt_len[req] = saved.prompt_len
-            loads = self._restore(saved, slot, req, step)
-            self.stats.add("blocks_loaded", loads)
-            self.stats.add("bytes_host_to_device", loads * self.working_sets.bytes_per_block)
-            self.summarised[req] = 0  # caught up from the restored pages at this step (exact min/max)
-            self.attention.load_tail(
-                req, slot, self.layers, seq_lens[row] - (0 if verify else 1), 0 if verify else 1
-            )
-            self.recall.resume(req, generation, slot, saved.probe)
             self.stats.add("resumed_requests")
+            logger.info("oasis: request %s resumed at step %d with %d tokens from its kept %s", rid, step,
+                        committed, "hand-off" if isinstance(saved, Arrival) else "selection state")  # fmt: skip
+            if isinstance(saved, Arrival):  # its hand-off, as its first step here would have taken it
+                self.selector.prompt_len[req] = committed
+                self.pd.start_from_handoff(req, slot, saved, step)
+                self.summarised[req] = 0  # the hand-off's summaries went to its old pages: caught up
+                continue
+            self._restore(saved, req, generation, slot, step)
+            self._load(torch.tensor([slot]), torch.tensor([req]), self.layers)
+            self.summarised[req] = 0  # caught up from the restored pages at this step (exact min/max)
+            self.attention.load_tail(req, slot, self.layers, committed, 0 if verify else 1)
 
-    def _restore(self, saved: SavedSelection, slot: int, req: int, step: int) -> int:
-        """Give the freshly claimed request slot ``slot`` the ``saved`` tables at decode step ``step`` and
-        load its resident blocks from request row ``req``'s new pages. Returns the blocks loaded."""
-        sets, block = self.working_sets, self.working_sets.block_size
+    # --- re-prefill: the KV is recomputed by an extend ----------------------------------------------
+
+    def resume_extend(
+        self, reqs: list[int], generations: list[int], seq_lens: list[int], rids: list[str], step: int
+    ) -> torch.Tensor:
+        """An extend's retracted requests re-prefilled whole (the extend reaching the length they were
+        retracted at: their last chunk; each holds a slot, ``_admit`` gave it one): their kept state
+        back in that slot. ``[bs]`` bool, those rows: they are not admissions (``attend_resumed``)."""
+        resumed = torch.zeros(len(reqs), dtype=torch.bool)
+        for row, (req, generation, rid, length) in enumerate(
+            zip(reqs, generations, rids, seq_lens, strict=True)
+        ):
+            saved = self._saved.get(rid)
+            if not isinstance(saved, SavedSelection) or saved.tokens != length:
+                continue  # an earlier chunk: an ordinary admission, overwritten at the last one
+            del self._saved[rid]
+            self.selector.finish_pending()  # the slot's earlier chunk may still be selecting
+            self._restore(saved, req, generation, self.tier.slot(req), step)
+            self.stats.add("resumed_requests")
+            logger.info("oasis: request %s re-prefilled at step %d with %d tokens: kept selection state", rid,
+                        step, length)  # fmt: skip
+            resumed[row] = True
+        return resumed
+
+    def attend_resumed(
+        self, batch: BatchView, layer: Any, q_rows: torch.Tensor, last: torch.Tensor, k: torch.Tensor,
+        v: torch.Tensor, out: torch.Tensor, seq_lens: torch.Tensor,
+    ) -> None:  # fmt: skip
+        """An extend's re-prefilled retracted requests (its rows that are not admissions), at ``layer``:
+        their blocks are loaded from the pages the extend just wrote, and each one's last row attends as
+        the decode step it would have taken (working set, active tail, itself), not densely: ``out``'s
+        rows are replaced."""
+        rows = ~batch.admitting
+        part = batch.subset(rows)
+        self._load(part.slots, part.req_index, [layer.layer_id])
+        at = last[rows.to(last.device)]
+        heads = self.attention.num_kv_heads
+        keys, values = k.reshape(k.shape[0], heads, -1)[at], v.reshape(v.shape[0], heads, -1)[at]
+        sparse = self.attention.decode(part, q_rows[at], layer, seq_lens[rows], keys, values)
+        out.view(-1, layer.tp_q_head_num, layer.v_head_dim)[at] = sparse.to(out.dtype)
+
+    # --- both ---------------------------------------------------------------------------------------
+
+    def _restore(self, saved: SavedSelection, req: int, generation: int, slot: int, step: int) -> None:
+        """Request slot ``slot`` gets the ``saved`` tables; its next selection is made at ``step``."""
+        sets = self.working_sets
         resident = saved.slot_block != EMPTY
-        # The request's next step is `step`; without the retraction it would have been saved.step + 1.
+        # Without the retraction the request's next selection would have been made at saved.step + 1.
         shift = step - saved.step - 1
         sets.slot_block[slot] = saved.slot_block
         sets.last_selected[slot] = torch.where(resident, saved.last_selected + shift, EMPTY)
         sets.covered[slot] = saved.covered
         sets.top_k[slot] = saved.top_k
         self.tier.pinned[slot] = saved.pinned
-        full = int(saved.covered.max()) if len(saved.covered) else 0
-        pages = self.req_pool.req_to_token[req, 0 : full * block : block].to(torch.int64) // block
-        slots, loads = torch.tensor([slot], dtype=torch.int64), 0
-        for layer in self.layers:
-            heads, positions = resident[layer].nonzero(as_tuple=True)
-            if not len(heads):
-                continue
-            blocks = saved.slot_block[layer][heads, positions]
-            plan = TransferPlan(torch.zeros_like(blocks), heads, positions, blocks, 0)
-            k_buffer, v_buffer = self.kv_pool.get_key_buffer(layer), self.kv_pool.get_value_buffer(layer)
-            sets.load(plan, slots, layer, pages[None], k_buffer, v_buffer)
-            loads += plan.num_loads
-        return loads
+        if saved.prompt_len is not None:
+            self.selector.prompt_len[req] = saved.prompt_len
+        self.recall.resume(req, generation, slot, saved.probe)
+
+    def _load(self, slots: torch.Tensor, reqs: torch.Tensor, layers: list[int]) -> None:
+        """Load every block the request slots ``slots`` hold at ``layers`` from their requests' (rows
+        ``reqs``) pages in the host tier; counted."""
+        sets, block = self.working_sets, self.working_sets.block_size
+        for slot, req in zip(slots.tolist(), reqs.tolist(), strict=True):
+            full = int(sets.covered[slot].max()) if len(sets.covered[slot]) else 0
+            pages = self.req_pool.req_to_token[req, 0 : full * block : block].to(torch.int64) // block
+            one = torch.tensor([slot], dtype=torch.int64)
+            for layer in layers:
+                heads, positions = (sets.slot_block[slot, layer] != EMPTY).nonzero(as_tuple=True)
+                blocks = sets.slot_block[slot, layer][heads, positions]
+                plan = TransferPlan(torch.zeros_like(blocks), heads, positions, blocks, 0)
+                k_buffer, v_buffer = self.kv_pool.get_key_buffer(layer), self.kv_pool.get_value_buffer(layer)
+                sets.load(plan, one, layer, pages[None], k_buffer, v_buffer)
+                self.stats.add("blocks_loaded", plan.num_loads)
+                self.stats.add("bytes_host_to_device", plan.num_loads * sets.bytes_per_block)

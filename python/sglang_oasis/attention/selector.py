@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from typing import Any, NamedTuple
 
 import torch
@@ -106,6 +107,8 @@ class Selector:
             self.num_kv_heads,
         )
         self.caps = FetchCaps(config, int(kv_pool.layer_num))
+        # called with (batch, layer, seq_lens) before a selection changes the working sets (retraction.py)
+        self.before_select: Callable[[BatchView, int, list[int]], None] | None = None
 
     def select(
         self,
@@ -120,15 +123,20 @@ class Selector:
         if not seq_lens:
             return
         if batch.admits and not batch.admission:
-            # A PD arrival's dense first step among ordinary decode rows: each part selects apart, so
-            # an ordinary row's step (its cap, top-K and window pins) is the one it would take alone.
+            # A PD arrival's dense first step among ordinary decode rows, or re-prefilled retracted
+            # requests among an extend's new ones: each part selects apart, so an ordinary row's step
+            # (its cap, top-K and window pins) is the one it would take alone.
             for part in (batch.admitting, ~batch.admitting):
-                rows = part.nonzero().flatten().tolist()
-                self.select(
-                    batch.subset(part), layer_id, queries[part.to(queries.device)],
-                    [seq_lens[row] for row in rows], None if prior is None else prior[part],
-                )  # fmt: skip
+                lens = [seq_lens[row] for row in part.nonzero().flatten().tolist()]
+                part_prior = None  # the window's (the batch's widest blocks): the admissions' only
+                if prior is not None and part is batch.admitting:
+                    part_prior = prior[part][..., : max(lens) // self.block_size]
+                self.select(batch.subset(part), layer_id, queries[part.to(queries.device)], lens, part_prior)
             return
+        if not batch.admission:
+            prior = None  # the prefill window's: admissions only
+        if self.before_select is not None:
+            self.before_select(batch, layer_id, seq_lens)
         block = self.block_size
         reqs, slots = batch.req_index, batch.slots
         full = torch.tensor(seq_lens, dtype=torch.int64) // block
@@ -238,8 +246,8 @@ class Selector:
         for row, (req, last, new, total) in enumerate(
             zip(batch.reqs, last_rows, extend_lens, seq_lens, strict=True)
         ):
-            if full[row] <= self.num_slots:
-                continue  # keeps every block: nothing to rank
+            if full[row] <= self.num_slots or not bool(batch.admitting[row]):
+                continue  # keeps every block: nothing to rank (or a resumed request: no admission)
             rows = min(window, new)
             locs = req_to_token[req, :total].to(torch.int64)
             mass = window_block_mass(q_rows[last - rows + 1 : last + 1], keys[locs], block, layer.scaling)
