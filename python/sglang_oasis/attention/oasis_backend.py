@@ -207,7 +207,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         q_rows = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         last = torch.cumsum(forward_batch.extend_seq_lens, 0) - 1  # last new token of each request
         seq_lens = forward_batch.seq_lens.tolist()
-        if not self.batch.admission:  # re-prefilled retracted requests: the sparse step they were at
+        if not self.batch.admission and k is not None:  # re-prefilled retracted requests: their sparse step
             self.retractions.attend_resumed(self.batch, layer, q_rows, last, k, v, out, seq_lens_cpu)
         prior = self.selector.window_prior(self.batch, layer, q_rows, last.tolist(), extend_lens, seq_lens)
         self.selector.select(self.batch, layer_id, q_rows[last], seq_lens, prior)
