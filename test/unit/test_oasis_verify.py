@@ -58,18 +58,23 @@ def _backend(pool: TinyKVPool, top_k: int = 1, **config: int) -> OasisAttnBacken
     return OasisAttnBackend(runner, OasisConfig(block_size=BLOCK, top_k=top_k, **config))
 
 
+def _layer(scaling: float = 1.0) -> SimpleNamespace:
+    """The slice of SGLang's RadixAttention the backend reads: layer 0, one query head, one KV head."""
+    return SimpleNamespace(layer_id=0, tp_q_head_num=1, tp_k_head_num=1, qk_head_dim=DIM, v_head_dim=DIM,
+                           scaling=scaling, is_cross_attention=False, attn_type=None, sliding_window_size=None)  # fmt: skip
+
+
+def _decode_batch(rows: list[int], seq_lens: list[int], locs: object) -> SimpleNamespace:
+    """The slice of SGLang's ForwardBatch a decode pass reads."""
+    return SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor(rows),
+                           seq_lens=torch.tensor(seq_lens), out_cache_loc=torch.as_tensor(locs))  # fmt: skip
+
+
 def _verify_step(backend: OasisAttnBackend, seq_len: int, scaling: float) -> tuple[SimpleNamespace, ...]:
     """``(layer, batch)`` of a verify step for request 0 (committed length ``seq_len``, its two verify
     rows at the next two locations), with the prefill's summaries already folded in."""
     backend.req_to_token_pool.req_to_token[0, : seq_len + 2] = torch.arange(seq_len + 2, dtype=torch.int32)
-    layer = SimpleNamespace(
-        layer_id=0,
-        tp_q_head_num=1,
-        qk_head_dim=DIM,
-        v_head_dim=DIM,
-        scaling=scaling,
-        is_cross_attention=False,
-    )
+    layer = _layer(scaling)
     batch = SimpleNamespace(
         forward_mode=ForwardMode.TARGET_VERIFY,
         req_pool_indices=torch.tensor([0]),
@@ -149,12 +154,10 @@ def test_a_request_whose_kv_arrived_from_a_prefill_node_is_summarised_and_admitt
     pool.v[:prompt, 0] = torch.randn(prompt, DIM)
     backend.req_to_token_pool.req_to_token[0, : prompt + 2] = torch.arange(prompt + 2, dtype=torch.int32)
     backend.req_to_token_pool.req_generation[0] = 5
-    layer = SimpleNamespace(layer_id=0, tp_q_head_num=1, qk_head_dim=DIM, v_head_dim=DIM, scaling=1.0,
-                            is_cross_attention=False)  # fmt: skip
+    layer = _layer()
 
     def decode(position: int, query: torch.Tensor) -> torch.Tensor:
-        batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor([0]),
-                                seq_lens=torch.tensor([position + 1]), out_cache_loc=torch.tensor([position]))  # fmt: skip
+        batch = _decode_batch([0], [position + 1], [position])
         backend.begin_batch(ForwardMode.DECODE, [0], [position + 1], None)
         k, v = torch.tensor([[0.2, 0.2]]), torch.randn(1, DIM)
         out = backend.forward_decode(query[None], k, v, layer, batch)
@@ -228,8 +231,7 @@ def test_the_prefill_window_chooses_the_first_working_set_by_exact_attention(
     pool.k[BLOCK : 2 * BLOCK, 0] = torch.tensor([1.0, 1.0])
     pool.k[2 * BLOCK : seq_len + 1, 0] = 0.1
     backend.req_to_token_pool.req_to_token[0, : seq_len + 1] = torch.arange(seq_len + 1, dtype=torch.int32)
-    layer = SimpleNamespace(layer_id=0, tp_q_head_num=1, qk_head_dim=DIM, v_head_dim=DIM, scaling=1.0,
-                            is_cross_attention=False)  # fmt: skip
+    layer = _layer()
     backend.slots.claim(0, 0)
     backend.set_batch([0], admission=True)
     backend.intake.catch_up(backend.batch, 0, torch.tensor([seq_len]))
@@ -254,8 +256,7 @@ def test_a_dense_first_step_arrival_leaves_the_rest_of_its_batch_as_it_would_be_
     from sglang_oasis.disaggregation.pd_partial import Arrival
 
     prompt, late = 4 * BLOCK + 1, 2 * BLOCK + 1  # request 0 (handed over), request 1 (no hand-off)
-    layer = SimpleNamespace(layer_id=0, tp_q_head_num=1, qk_head_dim=DIM, v_head_dim=DIM, scaling=1.0,
-                            is_cross_attention=False)  # fmt: skip
+    layer = _layer()
 
     def run(with_arrival: bool) -> tuple[list[int], list[int], int, torch.Tensor]:
         pool = TinyKVPool(64)
@@ -278,8 +279,7 @@ def test_a_dense_first_step_arrival_leaves_the_rest_of_its_batch_as_it_would_be_
         if with_arrival:
             reqs, seq_lens, locs = [0, 1], [prompt + 2, late + 1], [prompt + 1, 32 + late]
         backend.begin_batch(ForwardMode.DECODE, reqs, seq_lens, None)
-        batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor(reqs),
-                                seq_lens=torch.tensor(seq_lens), out_cache_loc=torch.tensor(locs))  # fmt: skip
+        batch = _decode_batch(reqs, seq_lens, locs)
         q = torch.stack([(DIRECTIONS[0] + DIRECTIONS[2]) * 10, DIRECTIONS[1]])[: len(reqs)]
         out = backend.forward_decode(
             q, torch.full((len(reqs), DIM), 0.1), torch.ones(len(reqs), DIM), layer, batch
@@ -308,8 +308,7 @@ def test_a_retracted_pd_request_resumes_on_the_path_it_was_on(redo: bool) -> Non
     were before it (seen on a server: the redone step saw the working sets it had already moved on to).
     Before, the resume was a new arrival: a dense first step and a fresh uncapped selection."""
     prompt, steps_before, steps_after = 6 * BLOCK + 1, 3, 4
-    layer = SimpleNamespace(layer_id=0, tp_q_head_num=1, qk_head_dim=DIM, v_head_dim=DIM, scaling=1.0,
-                            is_cross_attention=False)  # fmt: skip
+    layer = _layer()
     gen = torch.Generator().manual_seed(3)
     keys = torch.randn(prompt + steps_before + steps_after, DIM, generator=gen) * 3
     values = torch.randn(len(keys), DIM, generator=gen)
@@ -328,8 +327,7 @@ def test_a_retracted_pd_request_resumes_on_the_path_it_was_on(redo: bool) -> Non
     ) -> tuple[torch.Tensor, tuple[list[int], int]]:
         loc = int(backend.req_to_token_pool.req_to_token[row, position])
         backend.begin_batch(ForwardMode.DECODE, [row], [position + 1], None, ["rid-0"])
-        batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor([row]),
-                                seq_lens=torch.tensor([position + 1]), out_cache_loc=torch.tensor([loc]))  # fmt: skip
+        batch = _decode_batch([row], [position + 1], [loc])
         k, v = keys[position][None], values[position][None]
         out = backend.forward_decode(queries[position][None], k, v, layer, batch)
         backend.selector.finish_pending()
@@ -369,8 +367,7 @@ def test_a_pd_request_retracted_before_its_first_step_resumes_from_its_hand_off(
     from sglang_oasis.disaggregation.pd_partial import Arrival
 
     prompt = 4 * BLOCK + 1
-    layer = SimpleNamespace(layer_id=0, tp_q_head_num=1, qk_head_dim=DIM, v_head_dim=DIM, scaling=1.0,
-                            is_cross_attention=False)  # fmt: skip
+    layer = _layer()
     gen = torch.Generator().manual_seed(5)
     keys, values = (
         torch.randn(prompt + 1, DIM, generator=gen) * 3,
@@ -398,8 +395,7 @@ def test_a_pd_request_retracted_before_its_first_step_resumes_from_its_hand_off(
         locs = table[row, : prompt + 1].long()
         pool.k[locs, 0], pool.v[locs, 0] = keys, values
         backend.begin_batch(ForwardMode.DECODE, [row], [prompt + 1], None, ["rid-0"])
-        batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor([row]),
-                                seq_lens=torch.tensor([prompt + 1]), out_cache_loc=locs[-1:])  # fmt: skip
+        batch = _decode_batch([row], [prompt + 1], locs[-1:])
         out = backend.forward_decode(query[None], keys[-1:], values[-1:], layer, batch)
         backend.selector.finish_pending()
         return out[0], sorted(backend.working_sets.slot_block[backend.tier.slot_of(row), 0, 0].tolist())
@@ -422,8 +418,7 @@ def test_a_retracted_request_re_prefilled_goes_on_as_it_would_have(redo: bool) -
     total = prompt + steps_before + 1 + steps_after
     keys, values = torch.randn(total, DIM, generator=gen) * 3, torch.randn(total, DIM, generator=gen)
     queries = torch.randn(total, DIM, generator=gen) * 4
-    layer = SimpleNamespace(layer_id=0, tp_q_head_num=1, tp_k_head_num=1, qk_head_dim=DIM, v_head_dim=DIM,
-                            scaling=1.0, is_cross_attention=False, attn_type=None, sliding_window_size=None)  # fmt: skip
+    layer = _layer()
 
     def backend_for() -> OasisAttnBackend:
         backend = _backend(TinyKVPool(96), top_k=2, fetch_ratio=0.5)  # K = 2, one load per step
@@ -447,8 +442,7 @@ def test_a_retracted_request_re_prefilled_goes_on_as_it_would_have(redo: bool) -
     def decode(backend: OasisAttnBackend, row: int, position: int) -> torch.Tensor:
         loc = backend.req_to_token_pool.req_to_token[row, position : position + 1].long()
         backend.begin_batch(ForwardMode.DECODE, [row], [position + 1], None, ["rid-0"])
-        batch = SimpleNamespace(forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor([row]),
-                                seq_lens=torch.tensor([position + 1]), out_cache_loc=loc)  # fmt: skip
+        batch = _decode_batch([row], [position + 1], loc)
         out = backend.forward_decode(
             queries[position][None], keys[position][None], values[position][None], layer, batch
         )
