@@ -71,13 +71,7 @@ class Retractions:
         summarised: torch.Tensor, stats: OasisStats, dense_layers: frozenset[int], step: Callable[[], int],
         pd: PDNode,
     ) -> None:  # fmt: skip
-        self.slots, self.selector, self.attention, self.recall, self.pd = (
-            slots,
-            selector,
-            attention,
-            recall,
-            pd,
-        )
+        self.slots, self.selector, self.attention, self.recall, self.pd = slots, selector, attention, recall, pd  # fmt: skip
         self.tier = slots.tier
         self.working_sets = slots.working_sets
         self.summarised = summarised  # [req rows, layers] positions whose keys are in the summaries
@@ -110,9 +104,6 @@ class Retractions:
         self._before_step[slots] = batch.step
         self._before_admission[slots] = batch.admitting
 
-    def __len__(self) -> int:
-        return len(self._saved)
-
     def keep(self, req: int, rid: str, tokens: int, backed_up: bool) -> None:
         """SGLang retracts request row ``req`` (``rid``, ``tokens`` of prompt and output; ``backed_up``:
         its KV, hook 7): keep its selection state (the oldest kept goes beyond the limit). A PD decode
@@ -130,16 +121,17 @@ class Retractions:
             return
         self.selector.finish_pending()  # its working sets as the next step would find them
         slot = self.tier.slot(req)
-        tables = {name: getattr(self.working_sets, name)[slot].clone() for name in self._before}
         step, (steps, above) = self.step(), self.recall.state_of(req, slot)
+        source = {name: getattr(self.working_sets, name) for name in self._before}
         if int(self._before_len[slot]) == tokens:
             # Its last forward computed the token at `tokens - 1` (seq_len `tokens`), but SGLang kept
             # neither its output nor its KV: it redoes that step after the resume. Keep the tables
             # from before it (an admission redone is chosen the same way again: nothing to keep).
             if bool(self._before_admission[slot]):
                 return
-            tables = {name: before[slot].clone() for name, before in self._before.items()}
+            source = self._before
             step, steps = int(self._before_step[slot]) - 1, steps - 1
+        tables = {name: table[slot].clone() for name, table in source.items()}
         self._remember(rid, SavedSelection(
             step, tokens, tables["slot_block"], tables["last_selected"], tables["covered"], tables["top_k"],
             self.tier.pinned[slot].clone(), self.selector.prompt_len.get(req), (steps, above),

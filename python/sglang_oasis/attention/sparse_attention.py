@@ -117,13 +117,7 @@ class SparseAttention:
             if not 0 < committed - start <= self.active.span - new:
                 continue
             starts, ends = torch.tensor([start]), torch.tensor([committed])
-            locs = self.pool_locs(reqs, starts, ends)
-            self.count_host_read("tail_bytes_host_to_device", len(locs))
-            keys, values = (
-                self.kv_pool.get_key_buffer(layer)[locs],
-                self.kv_pool.get_value_buffer(layer)[locs],
-            )
-            self.active.store(layer, slots, starts, ends, keys, values)
+            self.active.store(layer, slots, starts, ends, *self._host_tokens(layer, reqs, starts, ends))
 
     def _read_tails(
         self, batch: BatchView, layer_id: int, rows: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor,
@@ -132,7 +126,14 @@ class SparseAttention:
         """K and V of positions ``[starts, ends)`` of the batch's ``rows``, read from the host tier and
         counted (``tail_bytes_host_to_device``); in strict mode, outside admission, an error naming ``what``."""
         self._check_host_read(what, batch)
-        locs = self.pool_locs(batch.req_index[rows], starts[rows], ends[rows])
+        return self._host_tokens(layer_id, batch.req_index[rows], starts[rows], ends[rows])
+
+    def _host_tokens(
+        self, layer_id: int, reqs: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of positions ``[starts, ends)`` of request rows ``reqs``, read from the host tier and
+        counted (``tail_bytes_host_to_device``)."""
+        locs = self.pool_locs(reqs, starts, ends)
         self.count_host_read("tail_bytes_host_to_device", len(locs))
         return self.kv_pool.get_key_buffer(layer_id)[locs], self.kv_pool.get_value_buffer(layer_id)[locs]
 
