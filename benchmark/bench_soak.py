@@ -9,7 +9,15 @@ Modes (``--modes``, comma-separated):
 - ``eagle3``: sparse with ``--oasis-lookahead eagle3`` (the draft head shipped for SmolLM2; needs the
   whole model, so this mode ignores ``--num-layers``);
 - ``pd``: ``launch_pd`` (sparse prefill and decode servers, Mooncake on 127.0.0.1, remote partial
-  fetching); aborts go to both servers, the drain reads both.
+  fetching); aborts go to both servers, the drain reads both. With ``--pd-faults`` it also injects
+  faults: about one request in ten has a prompt of ``--inject-tokens`` tokens, whose decode-time KV
+  transfers the servers fail (``SGLANG_OASIS_INJECT_TRANSFER_FAILURE``), and once ``--kill-at`` of the
+  requests have finished the prefill server is killed (SIGKILL to its process group) and ``launch_pd``
+  restarts it. A failure is expected when an injected request fails naming the injected failure
+  (``failed_injected``) or a request was in flight while the prefill server was down, up to 5 s after
+  it answered again (``failed_prefill_restart``); any other is unexpected. Every request that completes
+  must still answer as alone; the decode node's ``remote_failed_reads`` and ``transfer_failures`` and
+  the outage (``prefill_outage_s``) are reported.
 
 Per mode (``benchmark/soak.py`` does the work): requests sent, completed, aborted, disconnected,
 failed as expected (aborted or disconnected by the client), failed unexpectedly (must be 0), completed
@@ -32,6 +40,7 @@ hidden, in ``differing_retracted``.
     python benchmark/bench_soak.py --json soak.json [--modes dense,sparse,eagle3,pd] [--requests 200]
         [--concurrency 16] [--num-layers 6] [--top-k 8] [--host-kv-tokens 4096]
         [--prompt-tokens 200,1500] [--new-tokens 16,64] [--seed 25] [--retract-every N]
+        [--pd-faults [--inject-tokens N] [--kill-at 0.5]]
 
 Prints a table and writes JSON (one section per mode, plus ``settings``, ``date``, ``machine``); exits 1
 when a mode failed a must-be-0 figure or did not run.
@@ -40,10 +49,16 @@ when a mode failed a must-be-0 figure or did not run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import math
+import os
+import signal
 import sys
 import tempfile
+import threading
 import time
+from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -54,7 +69,7 @@ from common import machine_info, print_table
 from sglang_oasis.evaluation.passkey import essays_text
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.server_process import ServerProcess
-from soak import compare, drain, run_mix, solo_outputs, summary, workload
+from soak import Excuses, Outcome, SoakRequest, compare, drain, run_mix, solo_outputs, summary, workload
 
 MUST_BE_ZERO = ("failed_unexpectedly", "differing")
 HELD = ("running_requests", "device_working_set_tokens", "staged_bytes", "host_tokens_used")
@@ -84,40 +99,131 @@ def retract_env(every: int) -> dict[str, str]:
     return {"SGLANG_TEST_RETRACT": "1", "SGLANG_TEST_RETRACT_INTERVAL": str(every)} if every else {}
 
 
+class PrefillKiller:
+    """``--pd-faults``: once ``at`` of the ``total`` requests have finished, SIGKILL the prefill server's
+    process group and time until it answers ``/health`` again (``launch_pd`` restarts it); the outage goes
+    to ``excuses``."""
+
+    def __init__(self, launch: Any, total: int, at: float, excuses: Excuses) -> None:
+        self.launch, self.excuses = launch, excuses
+        self.threshold = max(1, round(at * total))
+        self.finished = 0
+        self.lock = threading.Lock()
+        self.thread: threading.Thread | None = None
+        self.outage_s: float | None = None
+        self.started = time.monotonic()  # made right before the mix starts
+        self.killed_at: float | None = None  # seconds into the mix
+
+    def on_done(self, outcome: Outcome) -> None:
+        with self.lock:
+            self.finished += 1
+            if self.finished == self.threshold:
+                self.thread = threading.Thread(target=self._kill, daemon=True)
+                self.thread.start()
+
+    def _kill(self) -> None:
+        url = self.launch.info["prefill"]["url"]
+        down = time.monotonic()
+        os.killpg(int(self.launch.info["prefill"]["pid"]), signal.SIGKILL)
+        self.excuses.outages.append((down, math.inf))
+        self.killed_at = round(down - self.started, 1)
+        time.sleep(2)  # the launcher notices within a second
+        deadline = time.monotonic() + 600
+        while time.monotonic() < deadline:
+            try:
+                if requests.get(url + "/health", timeout=10).status_code == 200:
+                    break
+            except requests.RequestException:
+                pass
+            time.sleep(1)
+        up = time.monotonic()
+        self.excuses.outages[-1] = (down, up)
+        self.outage_s = round(up - down, 1)
+
+    def join(self) -> None:
+        if self.thread is not None:
+            self.thread.join(timeout=900)
+
+
+def serving_again(router_url: str, timeout_s: float = 300.0) -> float:
+    """Seconds until the router serves a one-token request again (after a prefill restart)."""
+    started = time.monotonic()
+    body: dict[str, Any] = {
+        "input_ids": list(range(100, 132)),
+        "sampling_params": {"max_new_tokens": 1, "temperature": 0},
+    }
+    while time.monotonic() - started < timeout_s:
+        with contextlib.suppress(requests.RequestException):
+            if requests.post(router_url + "/generate", json=body, timeout=120).status_code == 200:
+                break
+        time.sleep(2)
+    return round(time.monotonic() - started, 1)
+
+
+def run_pd(
+    args: argparse.Namespace, reqs: list, model: Path, env: dict[str, str], logs: Path
+) -> dict[str, Any]:
+    from sglang_oasis_testing.pd_launch import PDLaunch
+
+    excuses = Excuses(args.inject_tokens if args.pd_faults else None)
+    if args.pd_faults:
+        env = {**env, "SGLANG_OASIS_INJECT_TRANSFER_FAILURE": str(args.inject_tokens),
+               "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"}  # fmt: skip
+    with PDLaunch(mode_args("sparse", args, model), logs / "pd", env) as launch:
+        urls = [launch.prefill.url, launch.decode.url]
+        killer = PrefillKiller(launch, len(reqs), args.kill_at, excuses) if args.pd_faults else None
+        outcomes = run_mix(launch.router.url, reqs, args.concurrency, abort_urls=urls,
+                           on_done=killer.on_done if killer else None)  # fmt: skip
+        retry: list[SoakRequest] = []
+        retried: list[Outcome] = []
+        if killer is not None:
+            killer.join()
+            back_s = serving_again(launch.router.url)
+            # the clients whose requests the outage failed send them again, to be served as alone
+            retry = [replace(r, rid=f"{r.rid}-retry", fate="complete") for r, o in zip(reqs, outcomes, strict=True)
+                     if excuses(r, o) == "prefill_restart"]  # fmt: skip
+            retried = run_mix(launch.router.url, retry, args.concurrency, abort_urls=urls)
+        held = {url: drain(url, sparse=True) for url in urls}
+        solo = solo_outputs(launch.router.url, [*reqs, *retry], [*outcomes, *retried])
+        merged = {"flushed": all(h["flushed"] for h in held.values())}
+        merged |= {name: sum(h[name] for h in held.values()) for name in HELD}
+        # the decode node's retractions: selection states kept at the backup, and resumed with them
+        decode_stats = requests.get(launch.decode.url + "/oasis/stats", timeout=30).json()
+        names = ("retracted_requests", "resumed_requests", "remote_failed_reads", "transfer_failures")
+        result = {
+            **compare(reqs, outcomes, solo, excuses if args.pd_faults else None),
+            "held_after_drain": merged,
+            "decode_node": {name: int(decode_stats[name]) for name in names},
+        }
+        if killer is not None:
+            result["prefill_outage_s"] = killer.outage_s
+            result["prefill_restarted"] = "restarting it" in launch.launcher_log.read_text()
+            result["prefill_killed_at_s"] = killer.killed_at
+            result["router_serving_again_s"] = back_s
+            result["after_restart"] = (
+                compare(retry, retried, solo, Excuses(excuses.inject_len)) if retry else {}
+            )
+        result["requests"] = summary(reqs, outcomes)
+        return result
+
+
 def run_mode(mode: str, args: argparse.Namespace, corpus: list[int], logs: Path) -> dict[str, Any]:
     model = prepare_default_model(None if mode == "eagle3" else args.num_layers)
     env = retract_env(args.retract_every)
-    reqs = workload(args.seed, args.requests, corpus, args.prompt_tokens, args.new_tokens)
+    inject = args.inject_tokens if mode == "pd" and args.pd_faults else None
+    reqs = workload(args.seed, args.requests, corpus, args.prompt_tokens, args.new_tokens, inject_len=inject)
     started = time.monotonic()
     if mode == "pd":
-        from sglang_oasis_testing.pd_launch import PDLaunch
-
-        with PDLaunch(mode_args("sparse", args, model), logs / "pd", env) as launch:
-            urls = [launch.prefill.url, launch.decode.url]
-            outcomes = run_mix(launch.router.url, reqs, args.concurrency, abort_urls=urls)
-            held = {url: drain(url, sparse=True) for url in urls}
-            solo = solo_outputs(launch.router.url, reqs, outcomes)
-            merged = {"flushed": all(h["flushed"] for h in held.values())}
-            merged |= {name: sum(h[name] for h in held.values()) for name in HELD}
-            # the decode node's retractions: selection states kept at the backup, and resumed with them
-            decode_stats = requests.get(launch.decode.url + "/oasis/stats", timeout=30).json()
-            kept = {name: int(decode_stats[name]) for name in ("retracted_requests", "resumed_requests")}
+        result = run_pd(args, reqs, model, env, logs)
     else:
         with ServerProcess(mode_args(mode, args, model), log_path=logs / f"{mode}.log", env=env) as server:
             outcomes = run_mix(server.url, reqs, args.concurrency)
             merged = drain(server.url, sparse=mode != "dense")
             solo = solo_outputs(server.url, reqs, outcomes)
             answers = server.alive()
-    result = {
-        **compare(reqs, outcomes, solo),
-        "held_after_drain": merged,
-        "seconds": time.monotonic() - started,
-    }
-    if mode == "pd":
-        result["decode_retractions"] = kept
-    else:
-        result["alive_after"] = answers
-    result["requests"] = summary(reqs, outcomes)
+        result = {**compare(reqs, outcomes, solo), "held_after_drain": merged, "alive_after": answers}
+        result["requests"] = summary(reqs, outcomes)
+    result["seconds"] = time.monotonic() - started
     return result
 
 
@@ -125,6 +231,8 @@ def failures(result: dict[str, Any]) -> list[str]:
     if "error" in result:
         return [result["error"]]
     bad = [f"{name} = {result[name]}" for name in MUST_BE_ZERO if result[name]]
+    again = result.get("after_restart") or {}
+    bad += [f"after the restart: {name} = {again[name]}" for name in MUST_BE_ZERO if again.get(name)]
     held = result["held_after_drain"]
     bad += [f"{name} = {held[name]} after the drain" for name in HELD if held.get(name)]
     if not held.get("flushed"):
@@ -152,6 +260,15 @@ def main() -> None:
     parser.add_argument("--prompt-tokens", type=pair, default=(200, 1500))
     parser.add_argument("--new-tokens", type=pair, default=(16, 64))
     parser.add_argument("--seed", type=int, default=25)
+    parser.add_argument(
+        "--pd-faults", action="store_true", help="pd: inject transfer failures, restart prefill"
+    )
+    parser.add_argument(
+        "--inject-tokens", type=int, default=613, help="--pd-faults: the failing prompt length"
+    )
+    parser.add_argument(
+        "--kill-at", type=float, default=0.5, help="--pd-faults: kill prefill after this share"
+    )
     parser.add_argument(
         "--retract-every",
         type=int,

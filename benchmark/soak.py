@@ -9,17 +9,24 @@ hits) and some repeating an earlier prompt exactly, streaming and non-streaming,
 
 ``run_mix`` sends them ``concurrency`` at a time and records each request's ``Outcome``; ``solo_outputs``
 then serves every completed request's prompt alone, one at a time, and ``compare`` checks that the
-concurrent run gave each the same greedy tokens. ``drain`` waits for the server to go idle, flushes
+concurrent run gave each the same greedy tokens.
+
+Faults (the PD variant of ``bench_soak.py --pd-faults``): ``workload(inject_len=L)`` makes some requests'
+prompts exactly L tokens long, the length a server started with ``SGLANG_OASIS_INJECT_TRANSFER_FAILURE=L``
+fails decode-time KV transfers of; ``compare(excuse=...)`` then counts a failure the fault explains
+(``Excuses``: an injected transfer failure, or a request in flight while the prefill server was down)
+as failed as expected, under its cause, and any other failure as unexpected. ``drain`` waits for the server to go idle, flushes
 SGLang's radix cache and reads what is still held (``/oasis/stats`` gauges; SGLang's host pool).
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import random
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -45,6 +52,8 @@ class Outcome:
     output_ids: list[int] = field(default_factory=list)
     retractions: int = 0
     error: str | None = None
+    started: float = 0.0  # time.monotonic() when sent
+    ended: float = 0.0  # ... and when its answer (or error) came back
 
 
 def workload(
@@ -55,10 +64,14 @@ def workload(
     new_tokens: tuple[int, int],
     stems: int = 3,
     fate_weights: tuple[float, float, float] = (0.7, 0.15, 0.15),
+    inject_len: int | None = None,
+    inject_share: float = 0.1,
 ) -> list[SoakRequest]:
     """``count`` requests: prompt lengths uniform in ``prompt_tokens``, outputs in ``new_tokens``; half
     start with one of ``stems`` shared stems (half the shortest prompt long), one in eight repeats an
-    earlier request's prompt and length exactly."""
+    earlier request's prompt and length exactly. With ``inject_len`` about ``inject_share`` of the
+    requests (fresh prompts, meant to complete) are ``inject_len`` tokens long instead (the seed's other
+    draws stay as they are without it)."""
     rng = random.Random(seed)
     low, high = prompt_tokens
     if len(corpus) < 2 * high:
@@ -76,6 +89,8 @@ def workload(
         else:
             length = rng.randint(low, high)
             stem = stem_ids[rng.randrange(stems)] if rng.random() < 0.5 else ()
+            if inject_len is not None and rng.random() < inject_share:
+                length, fate, stream = inject_len, "complete", rng.random() < 0.5
             start = rng.randrange(len(corpus) - length)
             ids = (*stem, *corpus[start : start + length - len(stem)])
             max_new = rng.randint(*new_tokens)
@@ -104,12 +119,20 @@ def _finish(meta: dict[str, Any]) -> tuple[str, str | None]:
 
 def send(url: str, request: SoakRequest, abort_urls: Sequence[str] = (), timeout_s: float = 600.0) -> Outcome:
     """Serve one request with its fate (``abort_urls``: the servers an abort goes to; default ``url``)."""
+    started = time.monotonic()
+    outcome = _send(url, request, abort_urls, timeout_s)
+    outcome.started, outcome.ended = started, time.monotonic()
+    return outcome
+
+
+def _send(url: str, request: SoakRequest, abort_urls: Sequence[str], timeout_s: float) -> Outcome:
     timer = None
     if request.fate == "abort":
 
         def abort() -> None:
             for server in abort_urls or [url]:
-                requests.post(server + "/abort_request", json={"rid": request.rid}, timeout=30)
+                with contextlib.suppress(requests.RequestException):  # a server down (a fault run)
+                    requests.post(server + "/abort_request", json={"rid": request.rid}, timeout=30)
 
         timer = threading.Timer(request.fate_at, abort)
         timer.start()
@@ -151,10 +174,22 @@ def _read_stream(response: requests.Response, request: SoakRequest) -> Outcome:
 
 
 def run_mix(
-    url: str, reqs: Sequence[SoakRequest], concurrency: int, abort_urls: Sequence[str] = ()
+    url: str,
+    reqs: Sequence[SoakRequest],
+    concurrency: int,
+    abort_urls: Sequence[str] = (),
+    on_done: Callable[[Outcome], None] | None = None,
 ) -> list[Outcome]:
+    """Send ``reqs`` ``concurrency`` at a time; ``on_done`` is called with each outcome as it comes."""
+
+    def serve(request: SoakRequest) -> Outcome:
+        outcome = send(url, request, abort_urls)
+        if on_done is not None:
+            on_done(outcome)
+        return outcome
+
     with ThreadPoolExecutor(concurrency) as pool:
-        return list(pool.map(lambda r: send(url, r, abort_urls), reqs))
+        return list(pool.map(serve, reqs))
 
 
 def solo_outputs(url: str, reqs: Sequence[SoakRequest], outcomes: Sequence[Outcome]) -> dict[tuple, Outcome]:
@@ -164,18 +199,48 @@ def solo_outputs(url: str, reqs: Sequence[SoakRequest], outcomes: Sequence[Outco
         key = (request.input_ids, request.max_new_tokens)
         if outcome.status == "completed" and key not in solo:
             response = requests.post(url + "/generate", json=_body(request, None, False), timeout=600)
-            response.raise_for_status()
+            if response.status_code != 200:  # no reference (compare says so)
+                solo[key] = Outcome("failed", error=f"HTTP {response.status_code}: {response.text[:300]}")
+                continue
             reply = response.json()
+            status, error = _finish(reply["meta_info"])
             retractions = int(reply["meta_info"].get("num_retractions") or 0)
-            solo[key] = Outcome("completed", list(reply["output_ids"]), retractions)
+            solo[key] = Outcome(status, list(reply["output_ids"]), retractions, error)
     return solo
 
 
+class Excuses:
+    """What explains a request's failure in a fault run (``compare``'s ``excuse``): its prompt has the
+    injected length ``inject_len`` and the error names the injected transfer failure (``"injected"``),
+    or it was in flight while the prefill server was down, between ``down`` and ``up`` (plus ``grace_s``;
+    ``"prefill_restart"``)."""
+
+    def __init__(self, inject_len: int | None = None, grace_s: float = 5.0) -> None:
+        self.inject_len = inject_len
+        self.grace_s = grace_s
+        self.outages: list[tuple[float, float]] = []
+
+    def __call__(self, request: SoakRequest, outcome: Outcome) -> str | None:
+        error = outcome.error or ""
+        if len(request.input_ids) == self.inject_len and "injected transfer failure" in error:
+            return "injected"
+        for down, up in self.outages:
+            if outcome.started < up + self.grace_s and outcome.ended > down:
+                return "prefill_restart"
+        return None
+
+
 def compare(
-    reqs: Sequence[SoakRequest], outcomes: Sequence[Outcome], solo: dict[tuple, Outcome]
+    reqs: Sequence[SoakRequest],
+    outcomes: Sequence[Outcome],
+    solo: dict[tuple, Outcome],
+    excuse: Callable[[SoakRequest, Outcome], str | None] | None = None,
 ) -> dict[str, Any]:
     """Counts by outcome, and the completed requests whose output differs from the solo run (apart:
-    those SGLang retracted and re-prefilled on the way, in the mix or in their solo run)."""
+    those SGLang retracted and re-prefilled on the way, in the mix or in their solo run). A failure the
+    client did not cause is expected when ``excuse`` names its cause (counted as ``failed_<cause>``,
+    e.g. ``Excuses``); a completed request whose solo run failed is ``unverified`` (expected only when
+    ``excuse`` explains the solo run's failure too)."""
     counts = {"sent": len(reqs), "completed": 0, "aborted": 0, "disconnected": 0, "failed_as_expected": 0,
               "failed_unexpectedly": 0, "retracted": 0, "differing": 0, "differing_retracted": 0}  # fmt: skip
     unexpected: list[str] = []
@@ -185,12 +250,23 @@ def compare(
             counts[outcome.status] += 1
             counts["failed_as_expected"] += 1
             continue
+        cause = excuse(request, outcome) if excuse is not None and outcome.status != "completed" else None
+        if cause is not None:
+            counts["failed_as_expected"] += 1
+            counts[f"failed_{cause}"] = counts.get(f"failed_{cause}", 0) + 1
+            continue
         if outcome.status != "completed":
             counts["failed_unexpectedly"] += 1
             unexpected.append(f"{request.rid} ({request.fate}): {outcome.status}: {outcome.error}")
             continue
         counts["completed"] += 1
         alone = solo[(request.input_ids, request.max_new_tokens)]
+        if alone.status != "completed":
+            counts["unverified"] = counts.get("unverified", 0) + 1
+            if excuse is None or excuse(request, alone) is None:
+                counts["failed_unexpectedly"] += 1
+                unexpected.append(f"{request.rid}: its solo run failed: {alone.error}")
+            continue
         counts["retracted"] += outcome.retractions > 0
         retracted = outcome.retractions > 0 or alone.retractions > 0
         same = outcome.output_ids == alone.output_ids
@@ -223,9 +299,11 @@ def drain(url: str, sparse: bool, timeout_s: float = 120.0) -> dict[str, Any]:
 def summary(reqs: Sequence[SoakRequest], outcomes: Sequence[Outcome]) -> list[dict[str, Any]]:
     """Per request, for the JSON: its settings (without the prompt) and outcome (without the tokens)."""
     rows = []
+    first = min((o.started for o in outcomes), default=0.0)
     for request, outcome in zip(reqs, outcomes, strict=True):
         row = {k: v for k, v in asdict(request).items() if k != "input_ids"}
         row.update(prompt_tokens=len(request.input_ids), status=outcome.status, retractions=outcome.retractions,
-                   output_tokens=len(outcome.output_ids), error=outcome.error)  # fmt: skip
+                   output_tokens=len(outcome.output_ids), error=outcome.error,
+                   sent_at_s=round(outcome.started - first, 2), answered_at_s=round(outcome.ended - first, 2))  # fmt: skip
         rows.append(row)
     return rows

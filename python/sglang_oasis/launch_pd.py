@@ -14,7 +14,9 @@ It starts, on 127.0.0.1 by default:
 Clients talk to the router exactly as to one SGLang server (OpenAI API, ``/generate``). If the prefill or
 the decode server dies, the launcher starts it again (same port; at most ``--max-restarts`` times each):
 requests already decoding keep going (their KV is on the decode server), requests that needed the dead
-server fail with an error, and the router sends new requests to the restarted one. Ctrl-C or SIGTERM
+server fail with an error, and the router sends new requests to the restarted one (it checks the
+servers' health every 5 s and retries a server it gave up on after 10 s; ``--router-args`` can set
+``--health-check-interval-secs`` and ``--cb-timeout-duration-secs`` otherwise). Ctrl-C or SIGTERM
 stops all three; so does the router exiting. Each process logs to ``--log-dir``.
 """
 
@@ -122,6 +124,25 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     return args, server_args
 
 
+# The router's recovery from a restarted server, unless --router-args sets them. Its own defaults (a
+# health check every 60 s, 2 good ones to mark a worker healthy again, an open circuit tried again after
+# 60 s) refused every request for ~2 minutes after the launcher had restarted a prefill server (measured
+# with bench_soak --pd-faults: "No available prefill workers (all circuits open or unhealthy)").
+ROUTER_RECOVERY = (("--health-check-interval-secs", "5"), ("--cb-timeout-duration-secs", "10"))
+
+
+def router_argv(
+    prefill_url: str, bootstrap: int, decode_url: str, metrics_port: int, extra: str
+) -> list[str]:
+    """sglang_router's arguments: both servers, metrics on 127.0.0.1, ``ROUTER_RECOVERY``, ``extra``."""
+    user = shlex.split(extra)
+    recovery = [
+        word for option, value in ROUTER_RECOVERY if not given(user, option) for word in (option, value)
+    ]
+    return ["--pd-disaggregation", "--prefill", prefill_url, str(bootstrap), "--decode", decode_url,
+            "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), *recovery, *user]  # fmt: skip
+
+
 def start_cluster(args: argparse.Namespace, server_args: list[str]) -> PDCluster:
     log_dir = args.log_dir or Path(tempfile.mkdtemp(prefix="sglang-oasis-pd-"))
     bootstrap = args.bootstrap_port or free_port()
@@ -148,9 +169,7 @@ def start_cluster(args: argparse.Namespace, server_args: list[str]) -> PDCluster
         # before it binds them: chosen ~50 s earlier, one was once taken meanwhile by a port the starting
         # servers opened ("Address already in use").
         router = ServerProcess(
-            ["--pd-disaggregation", "--prefill", prefill.url, str(bootstrap), "--decode", decode.url,
-             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(free_port()),
-             *shlex.split(args.router_args)],
+            router_argv(prefill.url, bootstrap, decode.url, free_port(), args.router_args),
             log_dir / "router.log", host=args.host, port=args.port or None,
             module="sglang_router.launch_router",
             ready_path="/readiness",  # 200 once it has registered healthy workers (/health answers earlier)

@@ -11,10 +11,12 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sys
 import threading
 import time
 import urllib.request
 from collections.abc import Iterator
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +25,12 @@ import pytest
 from sglang_oasis.server_process import GenerateError, ServerProcess
 from sglang_oasis_testing.pd_launch import PDLaunch
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
+
+from soak import Excuses, compare, drain, run_mix, solo_outputs, workload
+
 PROMPTS = {"short": 300, "long": 1100}  # tokens
+FAULT_PROMPT = 1500  # tokens: the servers fail decode-time KV transfers of prompts this long (injected)
 TOP_K, BLOCK = 32, 16
 LAYERS, KV_HEADS, HEAD_DIM, ITEMSIZE = 6, 3, 64, 4  # SmolLM2's first 6 layers, float32
 BLOCK_BYTES = BLOCK * KV_HEADS * HEAD_DIM * ITEMSIZE  # one block of K (or V) of one layer
@@ -59,7 +66,10 @@ def pd(smollm2_6l_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "--decode-args=--disaggregation-decode-enable-radix-cache",
         ],
         tmp_path_factory.mktemp("pd"),
-        env={"SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"},
+        env={
+            "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60",
+            "SGLANG_OASIS_INJECT_TRANSFER_FAILURE": str(FAULT_PROMPT),
+        },
     )
     try:
         yield launch
@@ -172,12 +182,24 @@ def test_killing_the_prefill_server_fails_only_requests_that_need_it(
     takes its KV fails, so its KV is never shared. Either way a read failed and nothing is reused. (The
     decode server pauses generation while the prefill server is killed, so the sparse request cannot have read
     all its blocks first.) A new request fails instead of hanging; the launcher restarts the prefill
-    server and the same decode server serves the sparse prompt again correctly, from scratch."""
+    server and the same decode server serves the sparse prompt again correctly, from scratch.
+
+    A soak mix goes through the router too (``benchmark/soak.py``: mixed lengths, streaming or not,
+    client aborts and disconnects; some prompts ``FAULT_PROMPT`` tokens long, whose decode-time
+    transfers the servers fail), sent while the prefill server is down: a request fails only when it
+    was in flight during the outage or carries an injected failure, naming it. Sent again after the
+    restart, they complete and answer as served alone, but the injected ones, which fail naming the
+    injected failure; both servers hold nothing after the drain. (``bench_soak.py --pd-faults`` is the
+    long variant: there the kill comes in the middle of a mix.)"""
     covered, sparse = prompt(PROMPTS["short"], 7), prompt(4000, 8)
     new_tokens = 400
     expected = {"covered": smollm2_dense_server.generate(covered, new_tokens)["output_ids"],
                 "sparse": sparse_reference.generate(sparse, 16)["output_ids"]}  # fmt: skip
     results: dict[str, Any] = {}
+    urls = [pd.prefill.url, pd.decode.url]
+    mix = workload(41, 16, prompt(6000, 21), (100, 900), (8, 24), inject_len=FAULT_PROMPT, inject_share=0.25)
+    assert sum(len(r.input_ids) == FAULT_PROMPT for r in mix) >= 2
+    mixed: list[Any] = []
 
     def in_flight(name: str, ids: list[int]) -> None:
         try:
@@ -197,11 +219,14 @@ def test_killing_the_prefill_server_fails_only_requests_that_need_it(
     status, text = pd.decode.post("/pause_generation", {"mode": "in_place"})
     assert status == 200, text
     try:
+        down = time.monotonic()
         os.killpg(int(pd.info["prefill"]["pid"]), signal.SIGKILL)
         time.sleep(1.0)
     finally:
         status, text = pd.decode.post("/continue_generation", {})
     assert status == 200, text
+    threads.append(threading.Thread(target=lambda: mixed.extend(run_mix(pd.router.url, mix, 3, urls))))
+    threads[-1].start()  # the soak mix, sent while the prefill server is down
     for thread in threads:
         thread.join(timeout=300)
 
@@ -224,6 +249,8 @@ def test_killing_the_prefill_server_fails_only_requests_that_need_it(
     while not healthy(pd.info["prefill"]["url"]):
         assert time.monotonic() < deadline, "the prefill server was not restarted"
         time.sleep(2)
+    excuses = Excuses(FAULT_PROMPT)
+    excuses.outages.append((down, time.monotonic()))
     again = pd.decode.oasis_stats()
     while True:
         try:
@@ -236,3 +263,18 @@ def test_killing_the_prefill_server_fails_only_requests_that_need_it(
     assert got == expected["sparse"]
     assert delta(pd.decode.oasis_stats(), again, "remote_cached_blocks") == 0, "incomplete KV was shared"
     assert "restarting it" in pd.launcher_log.read_text()
+
+    retry = [replace(r, rid=f"{r.rid}-retry", fate="complete") for r, o in zip(mix, mixed, strict=True)
+             if excuses(r, o) == "prefill_restart"]  # fmt: skip
+    retried = run_mix(pd.router.url, retry, 3, urls)
+    held = {url: drain(url, sparse=True) for url in urls}
+    solo = solo_outputs(pd.router.url, [*mix, *retry], [*mixed, *retried])
+    report, after = compare(mix, mixed, solo, excuses), compare(retry, retried, solo, Excuses(FAULT_PROMPT))
+    print({"mix": report, "after_restart": after, "held": held})
+    assert report["failed_unexpectedly"] == 0 and report["differing"] == 0, report["problems"]
+    assert after["failed_unexpectedly"] == 0 and after["differing"] == 0, after["problems"]
+    assert after["completed"] + after.get("failed_injected", 0) == len(retry)
+    assert report.get("failed_injected", 0) + after.get("failed_injected", 0) >= 1, (report, after)
+    for server_held in held.values():
+        assert server_held == {"flushed": True, "running_requests": 0, "device_working_set_tokens": 0,
+                               "staged_bytes": 0, "host_tokens_used": 0}, held  # fmt: skip

@@ -16,6 +16,17 @@ def test_server_arguments_pass_through_and_own_options_stay() -> None:
     assert server_args == ["--model-path", "/m", "--oasis-top-k", "8"]
 
 
+def test_the_router_takes_a_restarted_server_back_within_seconds_unless_told_otherwise() -> None:
+    argv = launch_pd.router_argv("http://p", 7000, "http://d", 9000, "--disable-retries")
+    assert argv[:6] == ["--pd-disaggregation", "--prefill", "http://p", "7000", "--decode", "http://d"]
+    assert argv[argv.index("--health-check-interval-secs") + 1] == "5"
+    assert argv[argv.index("--cb-timeout-duration-secs") + 1] == "10"
+    assert argv[-1] == "--disable-retries"
+    own = launch_pd.router_argv("http://p", 7000, "http://d", 9000, "--health-check-interval-secs=30")
+    assert "--health-check-interval-secs" not in own and own[-1] == "--health-check-interval-secs=30"
+    assert own[own.index("--cb-timeout-duration-secs") + 1] == "10"
+
+
 @pytest.mark.parametrize("option", ["--disaggregation-mode", "--disaggregation-bootstrap-port"])
 def test_options_the_launcher_sets_per_server_are_refused(
     option: str, capsys: pytest.CaptureFixture[str]

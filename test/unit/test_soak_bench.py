@@ -9,7 +9,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
 
 from bench_soak import failures
-from soak import Outcome, SoakRequest, compare, workload
+from soak import Excuses, Outcome, SoakRequest, compare, workload
 
 CORPUS = list(range(1000, 5000))
 
@@ -72,3 +72,44 @@ def test_a_mode_fails_on_unexpected_failures_differences_and_held_memory() -> No
         "the radix cache could not be flushed"
     ]
     assert failures({"error": "RuntimeError: no server"}) == ["RuntimeError: no server"]
+
+
+def test_injected_requests_have_the_injected_length_and_leave_the_rest_of_the_seed_alone() -> None:
+    plain = workload(3, 200, CORPUS, (80, 400), (4, 20))
+    injected = workload(3, 200, CORPUS, (80, 400), (4, 20), inject_len=613)
+    hit = [r for r in injected if len(r.input_ids) == 613]
+    assert 5 < len(hit) < 50, len(hit)
+    fresh = [r for r in hit if r.input_ids not in {x.input_ids for x in injected[: injected.index(r)]}]
+    assert all(r.fate == "complete" for r in fresh)
+    assert all(len(r.input_ids) != 613 for r in plain)
+    assert workload(3, 200, CORPUS, (80, 400), (4, 20), inject_len=None) == plain
+
+
+def test_a_fault_run_excuses_only_the_failures_its_faults_explain() -> None:
+    excuses = Excuses(inject_len=2, grace_s=5.0)
+    excuses.outages.append((100.0, 130.0))  # the prefill server was down from t = 100 s to 130 s
+    reqs = [_request(i) for i in range(7)] + [SoakRequest("r7", (1, 2, 3), 3, False, "complete", 1.0)]
+    injected = (
+        "oasis: KV transfer for this request failed (injected transfer failure (X) for request slot(s) [3])"
+    )
+    outcomes = [
+        Outcome("failed", error=f"HTTP 500: {injected}", started=10, ended=12),  # injected length: excused
+        Outcome("failed", error="HTTP 502: no prefill", started=120, ended=121),  # during the outage
+        Outcome(
+            "failed", error="HTTP 500: remote KV read failed", started=90, ended=104
+        ),  # in flight at the kill
+        Outcome("failed", error="HTTP 500: late", started=136, ended=140),  # after up + grace: unexpected
+        Outcome("aborted", error="HTTP 500: boom", started=10, ended=20),  # before the outage: unexpected
+        Outcome("completed", [1, 2, 3], started=10, ended=20),
+        Outcome("completed", [1, 2, 3], started=10, ended=20),  # its solo run failed (injected): unverified
+        Outcome("failed", error=f"HTTP 500: {injected}", started=10, ended=12),  # 3 tokens: not injected
+    ]
+    solo = {(r.input_ids, 3): Outcome("completed", [1, 2, 3]) for r in reqs}
+    solo[(reqs[6].input_ids, 3)] = Outcome("aborted", error=injected)
+    report = compare(reqs, outcomes, solo, excuses)
+    assert report["failed_injected"] == 1 and report["failed_prefill_restart"] == 2
+    assert report["failed_as_expected"] == 3 and report["unverified"] == 1
+    assert report["failed_unexpectedly"] == 3 and report["completed"] == 2, report
+    assert [p.split(" ")[0] for p in report["problems"]] == ["r3", "r4", "r7"]
+    # Without the faults' excuses every one of those failures is unexpected.
+    assert compare(reqs, outcomes, solo)["failed_unexpectedly"] == 7
