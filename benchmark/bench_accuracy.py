@@ -99,6 +99,8 @@ STAT_DELTAS = (
     "recall_target_grows",
     "recall_target_shrinks",
 )
+# What a request's custom_params can set on a shared sparse server (attention/request_options.py).
+SHAREABLE = ("--oasis-mode", "--oasis-top-k", "--oasis-recall-target", "--oasis-recall-max-top-k")
 MODEL_CONTEXT = 8192  # SmolLM2-135M-Instruct's limit
 BLOCK = 16  # the sparse default block size, also the prefix-reuse granularity the estimate assumes
 ANSWER_CHARS = 300
@@ -114,6 +116,7 @@ DECODE_S_PER_STEP = 0.11
 DECODE_S_PER_KV_TOKEN = 5.7e-6
 ANSWER_SHARE = 0.6
 SERVER_START_S = 45.0
+WINDOW_TOKENS = 40  # a cached prompt's extend: the prefill window (32) and the partial last block
 
 
 # ------------------------------------------------------------------------------------------ pure pieces
@@ -166,6 +169,62 @@ def server_configs(top_ks: Sequence[int], extra: Sequence[str] = ()) -> list[Ser
     if len(set(names)) != len(names):
         raise ValueError(f"config names repeat: {names}")
     return configs
+
+
+def request_options(config: ServerConfig) -> dict[str, Any] | None:
+    """The ``custom_params`` with which a request on a shared sparse server takes the steps it would take
+    on ``config``'s own server (``oasis_top_k``, ``oasis_recall_target``); None for dense, and for a config
+    with any other argument (it needs a server of its own)."""
+    if config.top_k is None:
+        return None
+    pairs: dict[str, str] = {}
+    words = list(config.args)
+    while words:
+        word = words.pop(0)
+        option, sep, value = word.partition("=")
+        if not option.startswith("--") or option not in SHAREABLE or (not sep and not words):
+            return None
+        pairs[option] = value if sep else words.pop(0)
+    if pairs.get("--oasis-mode", "sparse") != "sparse":
+        return None
+    return {"oasis_top_k": config.top_k, "oasis_recall_target": float(pairs.get("--oasis-recall-target", 0))}
+
+
+@dataclass(frozen=True)
+class ServerPlan:
+    """One server of the run and the configs it serves: one config on its own server (``options`` None),
+    or several sparse ones on a shared server, each request carrying its config's ``request_options``
+    (the server reserves the largest K any of them may take)."""
+
+    server: ServerConfig
+    configs: tuple[ServerConfig, ...]
+    options: tuple[dict[str, Any] | None, ...]
+
+
+def server_plans(configs: Sequence[ServerConfig], separate: bool = False) -> list[ServerPlan]:
+    """Dense, then (unless ``separate``) one shared server for the sparse configs ``request_options`` can
+    express, then a server for each other config. A recall-target config joins only if it may grow to the
+    shared server's largest K (the server's cap is its growth cap)."""
+    shared = [] if separate else [c for c in configs if request_options(c) is not None]
+    largest = max((c.reserve or 0 for c in shared), default=0)
+    shared = [c for c in shared if not request_options(c)["oasis_recall_target"] or c.reserve == largest]  # type: ignore[index]
+    if len(shared) < 2:
+        shared = []
+    plans = [ServerPlan(c, (c,), (None,)) for c in configs if c.top_k is None]
+    if shared:
+        smallest = min(c.top_k or 0 for c in shared)
+        args = (
+            "--oasis-mode",
+            "sparse",
+            "--oasis-top-k",
+            str(smallest),
+            "--oasis-recall-max-top-k",
+            str(largest),
+        )
+        server = ServerConfig("shared-" + "-".join(c.name for c in shared), args, smallest, largest)
+        plans.append(ServerPlan(server, tuple(shared), tuple(request_options(c) for c in shared)))
+    plans += [ServerPlan(c, (c,), (None,)) for c in configs if c.top_k is not None and c not in shared]
+    return plans
 
 
 def per_context(values: Sequence[int], contexts: Sequence[int]) -> dict[int, int]:
@@ -230,39 +289,46 @@ def decode_s(steps: float, context_tokens: int, layers: int) -> float:
 
 
 def estimate(
-    groups: Sequence[Sequence[tuple[Sample, list[int]]]], servers: int, concurrency: int, layers: int
+    groups: Sequence[Sequence[tuple[Sample, list[int]]]],
+    configs_per_server: Sequence[int],
+    concurrency: int,
+    layers: int,
 ) -> dict[str, Any]:
     """The run's cost by the model above: per server, each group's lead (alone) then the rest in waves of
     ``concurrency`` (prefills one after another, decodes batched), each prompt prefilling what follows
     its longest prefix among the prompts sent before it (the rest of its own group aside). Without
     eviction the tokens prefilled are those of the prompts' prefix tree whatever the order of the groups;
-    leading with the prompt that shares most makes the rest of a group share as if sent one by one."""
+    leading with the prompt that shares most makes the rest of a group share as if sent one by one. A
+    shared server (``configs_per_server`` > 1) prefills once: each further config's requests find their
+    prompt cached but the prefill window's last ``WINDOW_TOKENS``, and decode again."""
     cache = PrefixCache()
-    seconds = prompt_tokens = prefilled = 0.0
+    prefill = decode = again = prompt_tokens = prefilled = 0.0
     for group in groups:
         order = lead_first([ids for _, ids in group])
         lead, rest = group[order[0]], [group[i] for i in order[1:]]
         for position, (_, ids) in enumerate([lead, *rest]):
             cached = cache.cached(ids)
-            seconds += prefill_s(len(ids) - cached, cached, layers)
+            prefill += prefill_s(len(ids) - cached, cached, layers)
+            again += prefill_s(WINDOW_TOKENS, len(ids) - WINDOW_TOKENS, layers)
             prompt_tokens += len(ids)
             prefilled += len(ids) - cached
             if position == 0:
                 cache.add(ids)
-        seconds += decode_s(ANSWER_SHARE * lead[0].max_tokens, len(lead[1]), layers)
+        decode += decode_s(ANSWER_SHARE * lead[0].max_tokens, len(lead[1]), layers)
         for wave in range(0, len(rest), concurrency):
             batch = rest[wave : wave + concurrency]
             steps = ANSWER_SHARE * max(s.max_tokens for s, _ in batch)
-            seconds += decode_s(steps, sum(len(ids) for _, ids in batch), layers)
+            decode += decode_s(steps, sum(len(ids) for _, ids in batch), layers)
         for _, ids in rest:
             cache.add(ids)
-    per_server = seconds + SERVER_START_S
+    seconds = [SERVER_START_S + prefill + decode + (n - 1) * (again + decode) for n in configs_per_server]
     return {
         "requests_per_server": sum(len(g) for g in groups),
         "prompt_tokens_per_server": int(prompt_tokens),
         "prefilled_tokens_per_server": int(prefilled),
-        "seconds_per_server": round(per_server),
-        "minutes": round(servers * per_server / 60, 1),
+        "seconds_per_server": round(SERVER_START_S + prefill + decode),
+        "seconds_by_server": [round(x) for x in seconds],
+        "minutes": round(sum(seconds) / 60, 1),
     }
 
 
@@ -406,8 +472,9 @@ def heatmap(
 # ------------------------------------------------------------------------------------------ server side
 
 
-def ask(url: str, sample: Sample, timeout_s: float = 1800) -> str:
-    """The server's greedy answer to ``sample`` over its OpenAI chat API."""
+def ask(url: str, sample: Sample, options: dict[str, Any] | None = None, timeout_s: float = 1800) -> str:
+    """The server's greedy answer to ``sample`` over its OpenAI chat API (``options``: the request's
+    ``custom_params``)."""
     import requests
 
     body: dict[str, Any] = {
@@ -416,27 +483,112 @@ def ask(url: str, sample: Sample, timeout_s: float = 1800) -> str:
         "temperature": 0,
         "max_tokens": sample.max_tokens,
     }
+    if options is not None:
+        body["custom_params"] = options
     response = requests.post(url + "/v1/chat/completions", json=body, timeout=timeout_s)
     if response.status_code != 200:
         raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
     return str(response.json()["choices"][0]["message"]["content"] or "")
 
 
-def run_group(url: str, group: Sequence[tuple[Sample, list[int]]], concurrency: int) -> list[str | Exception]:
+def run_group(
+    url: str,
+    group: Sequence[tuple[Sample, list[int]]],
+    concurrency: int,
+    options: dict[str, Any] | None = None,
+    lead_alone: bool = True,
+) -> list[str | Exception]:
     """Each sample's answer (or the exception its request raised), in ``group``'s order: the lead first
-    and alone, then the rest ``concurrency`` at a time."""
+    and alone (``lead_alone``: its prompt is not cached yet), then the rest ``concurrency`` at a time."""
 
     def attempt(i: int) -> str | Exception:
         try:
-            return ask(url, group[i][0])
+            return ask(url, group[i][0], options)
         except Exception as exc:  # one failed request is recorded, the others still run
             return exc
 
     order = lead_first([ids for _, ids in group])
-    answers: dict[int, str | Exception] = {order[0]: attempt(order[0])}
+    answers: dict[int, str | Exception] = {order[0]: attempt(order[0])} if lead_alone else {}
+    rest = order[1:] if lead_alone else order
     with ThreadPoolExecutor(concurrency) as pool:
-        answers.update(zip(order[1:], pool.map(attempt, order[1:]), strict=True))
+        answers.update(zip(rest, pool.map(attempt, rest), strict=True))
     return [answers[i] for i in range(len(group))]
+
+
+def settle(server: Any) -> None:
+    """Have the server account for its requests' last background selection jobs (each layer's is folded
+    into the stats when the next forward pass reaches that layer): a 4-token, 1-token-answer request,
+    so that a stats snapshot taken now holds what the requests before it did, and none of it leaks into
+    the next config's figures."""
+    server.generate([1, 2, 3, 4], 1)
+
+
+def run_server(
+    plan: ServerPlan,
+    todo: Sequence[tuple[ServerConfig, dict[str, Any] | None]],
+    groups: dict[tuple[str, int], list[tuple[Sample, list[int]]]],
+    base: Sequence[str],
+    host_tokens: int,
+    concurrency: int,
+    logs: Path,
+    results: dict[str, Any],
+) -> None:
+    """Serve every group to each config of ``todo`` on ``plan``'s server, group by group (on a shared
+    server the first config prefills a group's prompts, the others find them cached), recording cells and
+    per-config figures in ``results``: each config's decode figures sum the stats deltas of its own
+    requests (one config runs at a time, and ``settle`` closes each run)."""
+    from sglang_oasis.server_process import ServerProcess
+
+    name = plan.server.name if len(plan.configs) > 1 else plan.configs[0].name
+    print(f"[bench_accuracy] {name} ...", flush=True)
+    argv = server_argv(plan.server, base, host_tokens, concurrency + 1)
+    server_entry: dict[str, Any] = {"configs": [c.name for c, _ in todo], "args": argv[len(base) :]}
+    results["servers"][name] = server_entry
+    entries: dict[str, dict[str, Any]] = {}
+    sums: dict[str, dict[str, int]] = {}
+    seconds: dict[str, float] = {}
+    for config, options in todo:
+        entries[config.name] = results["configs"][config.name] = {
+            "top_k": config.top_k,
+            "args": argv[len(base) :],
+        }
+        if options is not None:
+            entries[config.name]["request_options"] = options
+        sums[config.name], seconds[config.name] = dict.fromkeys(STAT_DELTAS, 0), 0.0
+    sparse = plan.server.top_k is not None
+    started = time.monotonic()
+    try:
+        with ServerProcess(argv, log_path=logs / f"{name}.log") as server:
+            for (task, context), group in groups.items():
+                for position, (config, options) in enumerate(todo):
+                    before, began = server.oasis_stats() if sparse else {}, time.monotonic()
+                    answers = run_group(server.url, group, concurrency, options, lead_alone=position == 0)
+                    seconds[config.name] += time.monotonic() - began
+                    if sparse:
+                        settle(server)
+                        after = server.oasis_stats()
+                        for stat in STAT_DELTAS:
+                            sums[config.name][stat] += int(after.get(stat, 0)) - int(before.get(stat, 0))
+                    scores = [None if isinstance(a, Exception) else TASKS[task].score(s, a)
+                              for (s, _), a in zip(group, answers, strict=True)]  # fmt: skip
+                    shown = [f"{type(a).__name__}: {a}" if isinstance(a, Exception) else a for a in answers]
+                    results["tasks"][task][str(context)][config.name] = cell_entry(scores, shown)
+                    print(f"  {config.name}: {task} @ {context}: {mean(scores)}", flush=True)
+    except Exception as exc:  # a server that does not start: record it and go on
+        for entry in entries.values():
+            entry["error"] = f"{type(exc).__name__}: {exc}"[:2000]
+    server_entry["wall_s"] = round(time.monotonic() - started, 1)
+    for config, _ in todo:
+        entry = entries[config.name]
+        if sparse and "error" not in entry:
+            entry.update(decode_figures({}, sums[config.name]))
+        # its own requests' time (a shared server's start and the others' requests aside)
+        entry["wall_s"] = round(seconds[config.name], 1) if len(todo) > 1 else server_entry["wall_s"]
+        cells = [by_config[config.name] for ctx in results["tasks"].values() for by_config in ctx.values()
+                 if config.name in by_config]  # fmt: skip
+        entry["requests"] = sum(len(c["scores"]) for c in cells)
+        entry["errors"] = sum(c["errors"] for c in cells)
+        entry.update(config_summary(results["tasks"], config.name))
 
 
 def chat_ids(tokenizer: Any) -> Callable[[Sequence[Message]], list[int]]:
@@ -480,6 +632,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--resume", action="store_true",
                         help="keep the configs an earlier run of the same plan finished in --json")  # fmt: skip
+    parser.add_argument("--separate-servers", action="store_true",
+                        help="a server per sparse config (default: one shared server for those a request's "
+                        "custom_params can set, prefilling each prompt once)")  # fmt: skip
     args = parser.parse_args(argv)
     contexts = args.contexts or list(QUICK_CONTEXTS if args.quick else FULL_CONTEXTS)
     top_ks = args.top_ks if args.top_ks is not None else list(QUICK_TOP_KS if args.quick else TOP_KS)
@@ -516,16 +671,16 @@ def main(argv: list[str] | None = None) -> int:
     if longest > MODEL_CONTEXT:
         parser.error(f"a prompt and its answer take {longest} tokens, over the model's {MODEL_CONTEXT}")
     layers = args.num_layers or 30
-    plan = estimate(list(groups.values()), len(configs), args.concurrency, layers)
-    print(f"[bench_accuracy] plan: {', '.join(c.name for c in configs)}; {plan}", flush=True)
+    plans = server_plans(configs, args.separate_servers)
+    plan = estimate(list(groups.values()), [len(p.configs) for p in plans], args.concurrency, layers)
+    servers = "; ".join(f"{p.server.name if len(p.configs) > 1 else p.configs[0].name}" for p in plans)
+    print(f"[bench_accuracy] servers: {servers}; {plan}", flush=True)
     if args.dry_run:
         print_table(
             ["task", "context", "samples", "prompt tokens", "max_tokens"],
             [[t, c, len(g), ",".join(str(len(ids)) for _, ids in g), g[0][0].max_tokens] for (t, c), g in groups.items()],
         )  # fmt: skip
         return 0
-
-    from sglang_oasis.server_process import ServerProcess
 
     context_length = min(MODEL_CONTEXT, longest + 16)
     host_tokens = math.ceil(max(32768, (args.concurrency + 3) * context_length) / BLOCK) * BLOCK
@@ -538,6 +693,7 @@ def main(argv: list[str] | None = None) -> int:
             "tasks": names, "contexts": contexts, "samples_per_context": {str(c): n for c, n in counts.items()},
             "top_ks": top_ks, "extra_configs": args.extra_config, "num_layers": layers, "dtype": args.dtype,
             "concurrency": args.concurrency, "quick": args.quick, "model": str(model),
+            "separate_servers": args.separate_servers,
             "context_length": context_length, "host_kv_tokens": host_tokens,
         },
         "estimate": plan,
@@ -548,41 +704,17 @@ def main(argv: list[str] | None = None) -> int:
     print(f"server logs in {logs}", flush=True)
     started = time.monotonic()
     kept = resumed(args.json, results) if args.resume else set()
-    for config in configs:
-        if config.name in kept:
-            print(f"[bench_accuracy] {config.name}: kept from {args.json}", flush=True)
-            continue
-        print(f"[bench_accuracy] {config.name} ...", flush=True)
-        entry: dict[str, Any] = {"top_k": config.top_k}
-        results["configs"][config.name] = entry
-        argv_ = server_argv(config, base, host_tokens, args.concurrency + 1)
-        entry["args"] = argv_[len(base) :]
-        config_started = time.monotonic()
-        try:
-            with ServerProcess(argv_, log_path=logs / f"{config.name}.log") as server:
-                before = server.oasis_stats() if config.top_k is not None else {}
-                for (task, context), group in groups.items():
-                    answers = run_group(server.url, group, args.concurrency)
-                    scores = [
-                        None if isinstance(a, Exception) else TASKS[task].score(s, a)
-                        for (s, _), a in zip(group, answers, strict=True)
-                    ]
-                    shown = [f"{type(a).__name__}: {a}" if isinstance(a, Exception) else a for a in answers]
-                    results["tasks"][task][str(context)][config.name] = cell_entry(scores, shown)
-                    print(f"  {task} @ {context}: {mean(scores)}", flush=True)
-                if config.top_k is not None:
-                    entry.update(decode_figures(before, server.oasis_stats()))
-        except Exception as exc:  # a server that does not start: record it and go on
-            entry["error"] = f"{type(exc).__name__}: {exc}"[:2000]
-        entry["wall_s"] = round(time.monotonic() - config_started, 1)
-        cells = [by_config[config.name] for ctx in results["tasks"].values() for by_config in ctx.values()
-                 if config.name in by_config]  # fmt: skip
-        entry["requests"] = sum(len(c["scores"]) for c in cells)
-        entry["errors"] = sum(c["errors"] for c in cells)
-        entry.update(config_summary(results["tasks"], config.name))
-        results["wall_s"] = round(time.monotonic() - started, 1)
-        args.json.parent.mkdir(parents=True, exist_ok=True)
-        args.json.write_text(json.dumps(results, indent=2) + "\n")
+    results["servers"] = {}
+    for plan_ in plans:
+        todo = [(c, o) for c, o in zip(plan_.configs, plan_.options, strict=True) if c.name not in kept]
+        for config in plan_.configs:
+            if config.name in kept:
+                print(f"[bench_accuracy] {config.name}: kept from {args.json}", flush=True)
+        if todo:
+            run_server(plan_, todo, groups, base, host_tokens, args.concurrency, logs, results)
+            results["wall_s"] = round(time.monotonic() - started, 1)
+            args.json.parent.mkdir(parents=True, exist_ok=True)
+            args.json.write_text(json.dumps(results, indent=2) + "\n")
 
     done = [c.name for c in configs if "error" not in results["configs"][c.name]]
     print_table(["task", "context", *done], table_rows(results["tasks"], done, [str(c) for c in contexts]))

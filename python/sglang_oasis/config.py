@@ -177,9 +177,11 @@ class OasisConfig:
     recall_max_top_k: int = field(
         default=0,
         metadata={
-            "help": "The largest top-K --oasis-recall-target may grow a layer's working set to (sparse "
-            "mode; 0: 4 x --oasis-top-k). Blocks per layer and KV head the device tier reserves per "
-            "request slot when the target is on.",
+            "help": "The largest top-K a layer's working set may take (sparse mode): what "
+            "--oasis-recall-target may grow it to, and the most a request may ask for with "
+            '"custom_params": {"oasis_top_k": K}. The device tier reserves this many blocks per layer '
+            "and KV head for every request slot. 0: --oasis-top-k, or 4 x --oasis-top-k with a recall "
+            "target.",
         },
     )
     warm_start: bool = field(
@@ -302,12 +304,12 @@ class OasisConfig:
     @property
     def fetch_cap(self) -> int | None:
         """Blocks per head and step the host tier may send (None: no cap)."""
-        return None if self.fetch_ratio >= 1 else math.ceil(self.fetch_ratio * self.top_k)
+        return self.fetch_cap_for(self.top_k)
 
     @property
     def window_blocks(self) -> int:
         """Blocks per layer and KV head that the prefill window keeps selected for the whole request."""
-        return math.ceil(self.window_keep * self.top_k) if self.prefill_window else 0
+        return self.window_blocks_for(self.top_k)
 
     @property
     def fetch_cap_bounds(self) -> tuple[int, int]:
@@ -324,11 +326,26 @@ class OasisConfig:
 
     @property
     def max_top_k(self) -> int:
-        """The most blocks a layer's working set may select by score: ``--oasis-top-k``, or with
-        ``--oasis-recall-target`` the size it may grow to (``--oasis-recall-max-top-k``, default 4 x K)."""
-        if not self.recall_target:
-            return self.top_k
-        return self.recall_max_top_k or 4 * self.top_k
+        """The most blocks a layer's working set may select by score (``--oasis-recall-max-top-k``): what
+        a recall target may grow it to and a request may ask for; by default ``--oasis-top-k``, or 4 x K
+        with ``--oasis-recall-target``."""
+        if self.recall_max_top_k:
+            return self.recall_max_top_k
+        return 4 * self.top_k if self.recall_target else self.top_k
+
+    def window_blocks_for(self, top_k: int) -> int:
+        """Blocks per layer and KV head the prefill window keeps selected for a request of this top-K."""
+        return math.ceil(self.window_keep * top_k) if self.prefill_window else 0
+
+    def fetch_cap_for(self, top_k: int) -> int | None:
+        """``fetch_cap`` for a request of this top-K (a request's own ``oasis_top_k``)."""
+        return None if self.fetch_ratio >= 1 else math.ceil(self.fetch_ratio * top_k)
+
+    @property
+    def pin_slots(self) -> int:
+        """Window pins the device tier stores per request slot, layer and KV head: room for the largest
+        top-K a request may take."""
+        return self.window_blocks_for(self.max_top_k)
 
     @property
     def slots_per_head(self) -> int:

@@ -72,6 +72,12 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
    retraction callback. The hook hands the unfinished request's rid to the backend first, as hook 7's
    backup does, so the re-prefill continues on the request's path (``attention/retraction.py``; a PD
    decode node keeps only what hook 7 reports backed up).
+9. ``ForwardBatch.init_new`` (sparse mode): a request may set its own top-K and recall target in its
+   ``custom_params`` (``attention/request_options.py``), but SGLang hands the attention backend the
+   forward batch only, which carries no sampling parameters (``SamplingBatchInfo.custom_params`` is
+   filled only with custom logit processors enabled). The hook notes each request's ``custom_params`` by
+   rid as the forward batch is built; the backend looks its batch's rids up (the batch it is handed is
+   a copy of the one built here, so an attribute set on it would not reach it). Nothing else changes.
 """
 
 from __future__ import annotations
@@ -81,6 +87,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
+from sglang_oasis.attention.request_options import note_params
 from sglang_oasis.config import OasisConfig
 
 DRAFT_EXTEND_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend"
@@ -99,6 +106,7 @@ DECODE_FREE_TARGET = "sglang.srt.disaggregation.decode.DecodeReqToTokenPool.free
 FREED_ROW_LISTENER = "oasis_on_free_row"  # attribute of a DecodeReqToTokenPool: called with each freed row
 BACKUP_TARGET = "sglang.srt.mem_cache.common.backup_kv_cache"
 RELEASE_TARGET = "sglang.srt.managers.schedule_batch.release_req"
+FORWARD_BATCH_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 BEFORE_BACKUP_LISTENER = "oasis_before_backup"  # attribute of a req-to-token pool: row -> KV whole locally?
 RETRACT_LISTENER = "oasis_on_retract"  # attribute of a req-to-token pool: (row, rid, tokens, backed_up)
 BACKEND_NAME = "oasis"
@@ -185,12 +193,17 @@ def _backend(scheduler: Any) -> Any:
     return getattr(getattr(getattr(scheduler, "tp_worker", None), "model_runner", None), "attn_backend", None)
 
 
+def _pd_part(scheduler: Any, name: str) -> Any:
+    """The oasis backend's PD stager (``"stager"``) or fetcher (``"remote"``); None on any other node."""
+    return getattr(getattr(_backend(scheduler), "pd", None), name, None)
+
+
 def mark_staged_send(
     original: Callable[..., Any], scheduler: Any, req: Any, last_chunk: bool = False, end_idx: Any = None
 ) -> Any:
     """AROUND hook (prefill): a request sent by remote partial fetching carries, on its Mooncake sender,
     the stager and (last chunk) what to stage."""
-    stager = getattr(_backend(scheduler), "stager", None)
+    stager = _pd_part(scheduler, "stager")
     sender: Any = getattr(req, "disagg_kv_sender", None)
     if stager is not None and stager.ready.is_set() and _is_mooncake_sender(sender):
         if getattr(sender, "_oasis_whole", False):  # decided at its first send: it goes whole
@@ -277,7 +290,7 @@ def fetch_admission_blocks(original: Callable[..., Any], queue: Any, decode_req:
     """AROUND hook (decode): after SGLang commits a transferred request, read what its first working sets
     need from the prefill node (see hook 7)."""
     result = original(queue, decode_req)
-    remote = getattr(_backend(queue.scheduler), "remote", None)
+    remote = _pd_part(queue.scheduler, "remote")
     req = decode_req.req
     if remote is None:  # fetching is off on this node (--tp-size > 1, another transfer backend)
         _refuse_if_staged(req)
@@ -438,6 +451,17 @@ def _keep_retracted(req_to_token_pool: Any, req: Any, backed_up: bool) -> None:
         logger.exception("oasis: keeping retracted request %s's selection state failed", req.rid)
 
 
+def carry_request_params(
+    original: Callable[..., Any], cls: Any, batch: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """``ForwardBatch.init_new`` (hook 9): note each request's ``custom_params`` by rid for the attention
+    backend (``request_options.note_params``) before the forward batch it is about to run is built."""
+    reqs = getattr(batch, "reqs", None)
+    if reqs is not None:
+        note_params({str(r.rid): getattr(r.sampling_params, "custom_params", None) for r in reqs})
+    return original(cls, batch, *args, **kwargs)
+
+
 def register(config: OasisConfig) -> None:
     """Register the hooks this configuration needs (SGLang applies them after all plugins load)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -463,6 +487,7 @@ def register(config: OasisConfig) -> None:
         HookRegistry.register(DECODE_FREE_TARGET, release_freed_rows, HookType.AROUND)
     HookRegistry.register(BACKUP_TARGET, complete_before_backup, HookType.AROUND)  # PD decode only
     HookRegistry.register(RELEASE_TARGET, keep_before_release, HookType.AROUND)
+    HookRegistry.register(FORWARD_BATCH_TARGET, carry_request_params, HookType.AROUND)
 
 
 def patch_cpu_disaggregation() -> None:

@@ -1,8 +1,9 @@
 """benchmark/bench_accuracy.py end to end at CI size (issue 27): SmolLM2's first 6 layers (a truncated
 model cannot answer, so scores are not the point), two tasks at ~1K tokens, one sample each, a dense
-server and a sparse one whose K covers every block. Sparse with K covering the context answers exactly as
-dense, so the two servers' answers and scores must agree; the sparse server's decode figures come from
-its /oasis/stats."""
+server and one shared sparse server for two configs: a K that covers every block and K = 8, each request
+carrying its config's K in its custom_params (the second config finds the prompts cached). Sparse with K
+covering the context answers exactly as dense, so those answers and scores must agree; each config's
+decode figures come from the /oasis/stats deltas of its own requests."""
 
 from __future__ import annotations
 
@@ -26,11 +27,13 @@ K = 72  # blocks of 16: every block of a ~1K prompt and its answer
 def test_the_quick_accuracy_run_scores_dense_and_a_covering_k_alike(tmp_path: Path) -> None:
     out = tmp_path / "accuracy.json"
     argv = ["--json", str(out), "--quick", "--num-layers", "6", "--tasks", ",".join(TASKS),
-            "--contexts", "1000", "--samples", "1", "--top-ks", str(K), "--concurrency", "1"]  # fmt: skip
+            "--contexts", "1000", "--samples", "1", "--top-ks", f"{K},8", "--concurrency", "1"]  # fmt: skip
     assert bench_accuracy.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["settings"]["num_layers"] == 6 and report["settings"]["quick"]
-    assert list(report["configs"]) == ["dense", f"k{K}"]  # --quick adds no recall-target server
+    assert list(report["configs"]) == ["dense", f"k{K}", "k8"]  # --quick adds no recall-target server
+    assert report["servers"][f"shared-k{K}-k8"]["configs"] == [f"k{K}", "k8"]
+    assert report["configs"]["k8"]["request_options"] == {"oasis_top_k": 8, "oasis_recall_target": 0.0}
     for task in TASKS:
         cell = report["tasks"][task]["1000"]
         dense, sparse = cell["dense"], cell[f"k{K}"]
@@ -43,4 +46,7 @@ def test_the_quick_accuracy_run_scores_dense_and_a_covering_k_alike(tmp_path: Pa
     assert figures["recall_mean"] == pytest.approx(1.0, abs=1e-5)
     assert "decode_bytes_per_step" not in report["configs"]["dense"]
     assert figures["vs_dense"] == 0
+    small = report["configs"]["k8"]  # K = 8 of ~60 blocks: decode loads blocks, recall below 1
+    assert small["stats"]["decode_steps"] > 0 and small["decode_bytes_per_step"] > 0
+    assert small["errors"] == 0 and small["recall_mean"] is not None and small["recall_mean"] < 1.0
     assert (tmp_path / "accuracy.png").exists()

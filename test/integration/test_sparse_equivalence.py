@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
@@ -11,7 +12,7 @@ import pytest
 import requests
 import torch
 
-from sglang_oasis.server_process import ServerProcess
+from sglang_oasis.server_process import ServerProcess, greedy_body
 
 pytestmark = pytest.mark.server
 
@@ -80,6 +81,46 @@ def test_a_recall_target_grows_working_sets_until_the_output_is_dense(
         1.0, abs=1e-5
     )
     assert after["recall_below_target"] == before["recall_below_target"]  # held from the first step on
+
+
+def with_options(server: ServerProcess, input_ids: list[int], options: dict) -> tuple[int, str]:
+    body = greedy_body(input_ids, NEW_TOKENS)
+    body["sampling_params"]["custom_params"] = options
+    return server.post("/generate", body)
+
+
+def test_a_request_sets_its_own_top_k_and_recall_target(
+    tiny_qwen3_server: ServerProcess, recall_target_server: ServerProcess
+) -> None:
+    """``custom_params`` (``attention/request_options.py``) on the recall-target server (K = 2, target
+    0.99, up to 64 blocks): requests turning the target off and asking for K = 64 (every block) answer
+    exactly as dense, concurrently, and nothing grows; requests turning it off at the server's K = 2 get
+    no growth and miss attention; a request asking for more than the server reserves, or for an unknown
+    option, fails alone with a message naming it, and the server goes on serving."""
+    batch = prompts(seed=4)
+    covering = {"oasis_top_k": 64, "oasis_recall_target": 0}
+    before = recall_target_server.oasis_stats()
+    with ThreadPoolExecutor(len(batch)) as pool:
+        replies = list(pool.map(lambda ids: with_options(recall_target_server, ids, covering), batch))
+    assert all(status == 200 for status, _ in replies), replies
+    got = [json.loads(text)["output_ids"] for _, text in replies]
+    assert got == concurrently(tiny_qwen3_server, batch)
+    middle = recall_target_server.oasis_stats()
+    assert middle["recall_target_grows"] == before["recall_target_grows"]
+
+    for ids in batch[-2:]:  # 333 and 1000 tokens: 20 and 62 full blocks, K = 2
+        status, text = with_options(recall_target_server, ids, {"oasis_recall_target": 0})
+        assert status == 200, text
+    after = recall_target_server.oasis_stats()
+    assert after["recall_target_grows"] == middle["recall_target_grows"]
+    samples = after["recall_samples"] - middle["recall_samples"]
+    assert samples > 0 and (after["recall_sum_ppm"] - middle["recall_sum_ppm"]) / samples < 0.99e6
+
+    for options, named in (({"oasis_top_k": 65}, "oasis_top_k=65: must be an integer from 1 to 64"),
+                           ({"oasis_topk": 8}, "unknown oasis_topk")):  # fmt: skip
+        status, text = with_options(recall_target_server, batch[3], options)
+        assert status != 200 and named in text, (status, text)
+    assert greedy(recall_target_server, batch[0]) == greedy(tiny_qwen3_server, batch[0])
 
 
 def test_stats_count_the_sparse_work(tiny_qwen3_sparse_server: ServerProcess) -> None:

@@ -41,9 +41,11 @@ from bench_accuracy import (
     estimate,
     lead_first,
     per_context,
+    request_options,
     resumed,
     server_argv,
     server_configs,
+    server_plans,
     table_rows,
 )
 
@@ -399,12 +401,38 @@ def test_estimate_reuses_prefixes_from_each_groups_lead() -> None:
         [sample_with([*shared[:200], -3]), sample_with([*shared[:300], -2])],  # the second one leads
         [sample_with([*shared[:100], -1])],
     ]
-    plan = estimate(groups, servers=2, concurrency=4, layers=30)
+    plan = estimate(groups, configs_per_server=[1, 1], concurrency=4, layers=30)
     assert plan["requests_per_server"] == 4
     assert plan["prompt_tokens_per_server"] == 3 + 201 + 301 + 101
     # group 0 all 3; group 1's lead 301, its other sample 201 - 192; group 2 101 - 96
     assert plan["prefilled_tokens_per_server"] == 3 + 301 + 9 + 5
     assert plan["minutes"] == pytest.approx(2 * plan["seconds_per_server"] / 60, abs=0.1)
+    # A shared server of three configs prefills once: far less than three servers, more than one.
+    shared = estimate(groups, configs_per_server=[1, 3], concurrency=4, layers=30)["seconds_by_server"]
+    assert shared[0] == plan["seconds_per_server"] < shared[1] < 3 * shared[0]
+
+
+def test_sparse_configs_share_a_server_when_a_requests_options_can_set_them() -> None:
+    configs = server_configs([16, 64], ["target=--oasis-top-k 16 --oasis-recall-target 0.9 --oasis-recall-max-top-k 64",
+                                        "small=--oasis-top-k 16 --oasis-recall-target 0.9 --oasis-recall-max-top-k 32",
+                                        "nowin=--oasis-top-k 16 --oasis-prefill-window 0"])  # fmt: skip
+    by_name = {c.name: c for c in configs}
+    assert request_options(by_name["dense"]) is None and request_options(by_name["nowin"]) is None
+    assert request_options(by_name["k64"]) == {"oasis_top_k": 64, "oasis_recall_target": 0.0}
+    assert request_options(by_name["target"]) == {"oasis_top_k": 16, "oasis_recall_target": 0.9}
+    plans = server_plans(configs)
+    assert [[c.name for c in p.configs] for p in plans] == [
+        ["dense"],
+        ["k16", "k64", "target"],
+        ["small"],
+        ["nowin"],
+    ]
+    shared = plans[1].server
+    assert shared.top_k == 16 and shared.reserve == 64  # the largest K any request may take
+    assert shared.args == ("--oasis-mode", "sparse", "--oasis-top-k", "16", "--oasis-recall-max-top-k", "64")
+    assert plans[1].options == tuple(request_options(c) for c in plans[1].configs)
+    assert [len(p.configs) for p in server_plans(configs, separate=True)] == [1] * 6
+    assert [len(p.configs) for p in server_plans(server_configs([16]))] == [1, 1]  # one sparse: its own
 
 
 def test_cells_summaries_and_table() -> None:

@@ -500,3 +500,44 @@ def test_an_extend_mixing_a_re_prefilled_request_with_new_ones_selects_each_part
     backend.selector.finish_pending()
     assert backend.failures.take(0, 0) is None and backend.failures.take(1, 0) is None
     assert 1 in backend.working_sets.slot_block[backend.tier.slot_of(1), 0, 0].tolist()
+
+
+def test_a_requests_own_top_k_takes_the_steps_of_a_server_with_that_k() -> None:
+    """``custom_params`` ``oasis_top_k`` (request_options.py): a request asking for K = 4 on a server of
+    K = 2 (that lets requests take up to 4) takes the decode steps a server of K = 4 takes: the same
+    working sets after every step, its fetch cap ceil(0.5 x 4) = 2 blocks rather than the server's 1,
+    and the same output (up to summation order: its working set's slots may sit in another order). A K
+    beyond what the server reserves fails the request, naming the option."""
+    prompt, steps = 10 * BLOCK + 1, 8
+    layer = _layer()
+    gen = torch.Generator().manual_seed(11)
+    keys = torch.randn(prompt + steps, DIM, generator=gen) * 3
+    values = torch.randn(len(keys), DIM, generator=gen)
+    queries = torch.randn(len(keys), DIM, generator=gen) * 4
+
+    def run(server_k: int, params: list | None, **config: int) -> tuple[list, OasisAttnBackend]:
+        pool = TinyKVPool(64)
+        pool.k[:prompt, 0], pool.v[:prompt, 0] = keys[:prompt], values[:prompt]
+        backend = _backend(pool, top_k=server_k, fetch_ratio=0.5, **config)
+        backend.req_to_token_pool.req_to_token[0, :60] = torch.arange(60, dtype=torch.int32)
+        backend.req_to_token_pool.req_generation[0] = 5  # arrives without a hand-off: a dense first step
+        trace = []
+        for position in range(prompt, len(keys)):
+            backend.begin_batch(ForwardMode.DECODE, [0], [position + 1], None, None, params)
+            batch = _decode_batch([0], [position + 1], [position])
+            k, v = keys[position][None], values[position][None]
+            out = backend.forward_decode(queries[position][None], k, v, layer, batch)
+            backend.selector.finish_pending()
+            slot, sets = backend.tier.slot_of(0), backend.working_sets
+            trace.append((out[0], sorted(sets.slot_block[slot, 0, 0].tolist()), int(sets.top_k[slot, 0])))
+        return trace, backend
+
+    asked, _ = run(2, [{"oasis_top_k": 4}], recall_max_top_k=4)
+    server, _ = run(4, None)
+    for position, ((out, held, k), (ref_out, ref_held, ref_k)) in enumerate(zip(asked, server, strict=True)):
+        assert held == ref_held and k == ref_k == 4, f"step {position}: {held} vs {ref_held}"
+        torch.testing.assert_close(out, ref_out)
+    assert [held for _, held, _ in run(2, None)[0]] != [held for _, held, _ in server]  # K matters here
+    _, refused = run(2, [{"oasis_top_k": 5}], recall_max_top_k=4)
+    message = refused.failures.take(0, 5)
+    assert message is not None and "oasis_top_k=5: must be an integer from 1 to 4" in message

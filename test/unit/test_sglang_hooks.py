@@ -238,6 +238,21 @@ CHECK = textwrap.dedent(
         assert hooks.fetch_admission_blocks(lambda q, d: "committed", queue, decode_req) == "committed"
     assert off.req.finished_reason is not None and "--tp-size 1" in off.req.finished_reason.message
     assert whole.req.finished_reason is None
+
+    # Hook 9: each request's custom_params, noted by rid as a forward batch is built.
+    # ForwardBatch.init_new is a classmethod taking (batch, model_runner) whose batch has the requests
+    # (it reads their rids, which the batch the backend gets carries).
+    from types import SimpleNamespace
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang_oasis.attention.request_options import batch_params
+    assert isinstance(ForwardBatch.__dict__["init_new"], classmethod)
+    found = list(inspect.signature(pkgutil.resolve_name(hooks.FORWARD_BATCH_TARGET)).parameters)
+    assert found[:2] == ["batch", "model_runner"], found
+    assert "rids=[req.rid for req in batch.reqs]" in inspect.getsource(ForwardBatch.init_new)
+    reqs = [SimpleNamespace(rid=rid, sampling_params=SimpleNamespace(custom_params=p))
+            for rid, p in (("a", {"oasis_top_k": 8}), ("b", None))]
+    built = hooks.carry_request_params(lambda cls, batch, runner: "built", ForwardBatch, SimpleNamespace(reqs=reqs), None)
+    assert built == "built" and batch_params(["b", "a", "c"]) == [None, {"oasis_top_k": 8}, None]
     print("hooks-ok")
     """
 )

@@ -17,6 +17,10 @@ class BatchView(NamedTuple):
     # not capped, sized afresh. A decode batch can mix them with ordinary rows (``Selector.select`` then
     # selects each part apart, so no ordinary row is admitted again).
     admitting: torch.Tensor
+    # [bs] each request's own top-K (int64) and recall target (float): its ``custom_params`` (see
+    # ``request_options.py``), else the server's; None: the server's for every row
+    top_k: torch.Tensor | None = None
+    target: torch.Tensor | None = None
 
     @property
     def admission(self) -> bool:
@@ -38,7 +42,17 @@ class BatchView(NamedTuple):
             [gen for gen, kept in zip(self.generations, keep, strict=True) if kept],
             self.step,
             self.admitting[rows],
+            None if self.top_k is None else self.top_k[rows],
+            None if self.target is None else self.target[rows],
         )
+
+    def top_ks(self, default: int) -> torch.Tensor:
+        """``[bs]`` each row's top-K (``default``: the server's)."""
+        return torch.full((len(self.reqs),), default, dtype=torch.int64) if self.top_k is None else self.top_k
+
+    def targets(self, default: float) -> torch.Tensor:
+        """``[bs]`` each row's recall target (``default``: the server's; 0: none)."""
+        return torch.full((len(self.reqs),), default) if self.target is None else self.target
 
     @classmethod
     def empty(cls) -> BatchView:

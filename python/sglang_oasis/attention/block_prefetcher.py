@@ -49,7 +49,7 @@ class SelectionJob(NamedTuple):
     pages: torch.Tensor  # [bs, N] host page of each logical block
     step: int
     admission: bool  # the first working set after an extend: nothing capped, nothing "fresh"
-    cap: int | None  # None: no cap
+    cap: int | torch.Tensor | None  # None: no cap; [bs]: each request's own
     fail_reqs: tuple[int, ...]  # injected failures
 
 

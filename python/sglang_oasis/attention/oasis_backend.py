@@ -33,6 +33,7 @@ from sglang_oasis.attention.gauges import Gauges
 from sglang_oasis.attention.kv_intake import KVIntake
 from sglang_oasis.attention.pd_node import PDNode
 from sglang_oasis.attention.recall_probe import RecallProbe
+from sglang_oasis.attention.request_options import RequestOptions, batch_params, read_options
 from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.attention.retraction import Retractions
 from sglang_oasis.attention.selector import FaultInjection, Selector
@@ -40,7 +41,7 @@ from sglang_oasis.attention.sparse_attention import SparseAttention
 from sglang_oasis.attention.strict_mode import StrictMode
 from sglang_oasis.attention.transfer_failures import TransferFailures
 from sglang_oasis.config import OasisConfig
-from sglang_oasis.disaggregation.pd_partial import DecodeFetcher, PrefillStager, register_draft_pool
+from sglang_oasis.disaggregation.pd_partial import register_draft_pool
 from sglang_oasis.memory.device_tier import DeviceTier
 from sglang_oasis.stats import OasisStats
 
@@ -112,16 +113,6 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             self.summaries.nbytes / 2**20,
         )  # fmt: skip
 
-    # --- what the scheduler hooks (sglang_hooks.py) and the PD stager read ----------------------
-
-    @property
-    def stager(self) -> PrefillStager | None:
-        return self.pd.stager
-
-    @property
-    def remote(self) -> DecodeFetcher | None:
-        return self.pd.remote
-
     # --- per forward batch ------------------------------------------------------------------------
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
@@ -132,15 +123,20 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         prefix_lens = (
             extend_prefix_lens(forward_batch) if mode.is_extend() and not mode.is_target_verify() else None
         )
-        self.begin_batch(mode, reqs, seq_lens, prefix_lens, getattr(forward_batch, "rids", None))
+        rids = getattr(forward_batch, "rids", None)
+        self.begin_batch(mode, reqs, seq_lens, prefix_lens, rids, batch_params(rids))
 
     def begin_batch(
         self, mode: Any, reqs: list[int], seq_lens: list[int], prefix_lens: list[int] | None,
-        rids: list[str] | None = None,
+        rids: list[str] | None = None, params: list[dict[str, Any] | None] | None = None,
     ) -> None:  # fmt: skip
-        """A forward pass of ``mode`` over request rows ``reqs`` (``rids``): admit the new ones (an extend's,
-        with their cached ``prefix_lens``; a decode's PD arrivals) and set the batch the layers see."""
+        """A forward pass of ``mode`` over request rows ``reqs`` (``rids``, ``custom_params``): admit the new
+        ones (an extend's, with their cached ``prefix_lens``; a decode's PD arrivals) and set the batch
+        the layers see (each row's own top-K and recall target: ``request_options.py``)."""
         generations = [int(g) for g in self.req_to_token_pool.req_generation[reqs].tolist()]
+        options = read_options(params, self.config, self.pd.disaggregated)
+        for row, message in options.errors.items():  # they fail alone, at this pass's result
+            self.failures.report(reqs[row], generations[row], message)
         admission: bool | torch.Tensor = mode.is_extend() and not mode.is_target_verify()
         if admission:
             self._admit(reqs, generations, prefix_lens or [0] * len(reqs))
@@ -154,22 +150,24 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             if rids:
                 self.retractions.resume(reqs, generations, seq_lens, rids, mode.is_target_verify(), self.step)
             admission = self.pd.admit(reqs, generations, seq_lens, mode.is_target_verify(), self.step)
-        self.set_batch(reqs, admission, generations)
+        self.set_batch(reqs, admission, generations, options)
         if mode.is_decode() or mode.is_target_verify():
             self.recall.begin(self.batch)
 
     def set_batch(
-        self, reqs: list[int], admission: bool | torch.Tensor = False, generations: list[int] | None = None
-    ) -> None:
+        self, reqs: list[int], admission: bool | torch.Tensor = False, generations: list[int] | None = None,
+        options: RequestOptions | None = None,
+    ) -> None:  # fmt: skip
         """The batch the next layers' attention calls see: ``admission`` for every row, or ``[bs]`` bool
-        per row (``generations``: None reads SGLang's)."""
+        per row (``generations``: None reads SGLang's; ``options``: None, the server's for every row)."""
         if generations is None:
             generations = [int(g) for g in self.req_to_token_pool.req_generation[reqs].tolist()]
         slots = torch.tensor([self.tier.slot_of(req) for req in reqs], dtype=torch.int64)
         req_index = torch.tensor(reqs, dtype=torch.int64)
         if not isinstance(admission, torch.Tensor):
             admission = torch.full((len(reqs),), bool(admission), dtype=torch.bool)
-        self.batch = BatchView(reqs, req_index, slots, generations, self.step, admission)
+        top_k, target = (None, None) if options is None else options[:2]
+        self.batch = BatchView(reqs, req_index, slots, generations, self.step, admission, top_k, target)
 
     def _admit(self, reqs: list[int], generations: list[int], prefix_lens: list[int]) -> None:
         """Give each new request its request slot (``RequestSlots.admit``: empty, or a warm start). A

@@ -62,12 +62,14 @@ class PDNode:
         self.stager: PrefillStager | None = None  # a prefill node with remote partial fetching
         self.remote: DecodeFetcher | None = None  # a decode node with remote partial fetching
         self.decode_node = False  # a PD decode node (``start``)
+        self.disaggregated = False  # either node of a PD pair (``start``)
         self._admission_selections: dict[int, dict[int, torch.Tensor]] = {}  # req row -> layer -> [H, N]
 
     def start(self, args: Any) -> None:
         """Remote partial fetching's stager or fetcher, as SGLang's server ``args`` make this node."""
         mode = str(getattr(args, "disaggregation_mode", "null"))
         self.decode_node = mode == "decode"
+        self.disaggregated = mode in ("prefill", "decode")
         if not self.config.remote_fetch or mode not in ("prefill", "decode"):
             return
         if str(getattr(args, "disaggregation_transfer_backend", "mooncake")) != "mooncake":

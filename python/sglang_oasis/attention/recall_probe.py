@@ -49,22 +49,29 @@ SHRINK_AFTER = 3
 
 
 def window_top_k(
-    prior: torch.Tensor, full: torch.Tensor, sink_blocks: int, top_k: int, max_top_k: int, target: float
+    prior: torch.Tensor,
+    full: torch.Tensor,
+    sink_blocks: int,
+    top_k: int | torch.Tensor,
+    max_top_k: int,
+    target: float | torch.Tensor,
 ) -> torch.Tensor:
     """``[bs]``: the top-K each request's first working set needs at a layer for its worst KV head to hold
     ``target`` of the prefill window's attention (``prior`` ``[bs, kv_heads, N]``, each full block's share
-    of it; the sinks and the partial tail are always held), within ``[top_k, max_top_k]``."""
+    of it; the sinks and the partial tail are always held), within ``[top_k, max_top_k]`` (``top_k`` and
+    ``target``: one for all, or ``[bs]`` each request's own)."""
     index = torch.arange(prior.shape[-1])
     scorable = (index[None, :] < full[:, None]) & (index[None, :] >= sink_blocks)  # [bs, N]
     mass = prior.masked_fill(~scorable[:, None, :], 0.0)
     ordered = mass.sort(dim=-1, descending=True).values
     missed = mass.sum(dim=-1, keepdim=True) - ordered.cumsum(dim=-1)  # [bs, H, N]: missed by top (i + 1)
-    allowed = 1.0 - target
-    need = torch.where(missed[..., 0] + ordered[..., 0] > allowed, (missed > allowed).sum(dim=-1) + 1, 0)
+    allowed = (1.0 - torch.as_tensor(target, dtype=prior.dtype)).expand(prior.shape[0])[:, None]  # [bs, 1]
+    over = missed > allowed[..., None]
+    need = torch.where(missed[..., 0] + ordered[..., 0] > allowed, over.sum(dim=-1) + 1, 0)
     return on_ladder(need.amax(dim=-1), top_k, max_top_k)
 
 
-def on_ladder(need: torch.Tensor, top_k: int, max_top_k: int) -> torch.Tensor:
+def on_ladder(need: torch.Tensor, top_k: int | torch.Tensor, max_top_k: int) -> torch.Tensor:
     """The smallest of ``top_k x 2**n`` at least ``need`` (the sizes doubling and halving visit; few sizes
     in a batch keep top-K to few calls), at most ``max_top_k``."""
     doublings = torch.ceil(torch.log2(need.clamp(min=1).double() / top_k)).clamp(min=0)
@@ -135,17 +142,22 @@ class RecallProbe:
             count = count + 1 if known == generation else 1
             self._steps[req] = (generation, count)
             steps.append(count)
-        rows = len(batch.reqs)
-        if self.every <= 0 or not rows:
-            self.rows = []
-        elif self.target:
-            # its first decode step too: the window that sized its working sets was the prompt's end
-            self.rows = [row for row, count in enumerate(steps) if count % self.every == 0 or count == 1]
-        elif batch.step % self.every == 0:
+        self.rows = []
+        if self.every <= 0 or not steps:
+            return
+        # With a target (the server's, or the request's own): its first decode step too (the window that
+        # sized its working sets was the prompt's end) and every ``every``-th of its own steps.
+        targeted = (batch.targets(self.target) > 0).tolist()
+        chosen = {
+            row
+            for row, count in enumerate(steps)
+            if targeted[row] and (count % self.every == 0 or count == 1)
+        }
+        others = [row for row in range(len(steps)) if not targeted[row]]
+        if others and batch.step % self.every == 0:  # the others rotate through the batch's rows
             first = (batch.step // self.every) * SAMPLED_REQUESTS
-            self.rows = sorted({(first + i) % rows for i in range(min(rows, SAMPLED_REQUESTS))})
-        else:
-            self.rows = []
+            chosen |= {others[(first + i) % len(others)] for i in range(min(len(others), SAMPLED_REQUESTS))}
+        self.rows = sorted(chosen)
 
     def due(self) -> bool:
         return self.every > 0 and bool(self.rows)
@@ -166,14 +178,15 @@ class RecallProbe:
         the step's queries; ``seq_lens`` count the step's token, whose host location is
         ``last_locs[row]`` where given, else SGLang's table's), publish the window's figures and, with a
         target, resize the sampled working sets."""
+        own_k, targets = batch.top_ks(self.top_k).tolist(), batch.targets(self.target).tolist()
         for row in self.rows:
             last = None if last_locs is None else last_locs[row]
             slot = int(batch.slots[row])
             recall, agreement = self.measure(
-                batch.reqs[row], slot, layer_id, q_rows[row], seq_lens[row], scale, last
+                batch.reqs[row], slot, layer_id, q_rows[row], seq_lens[row], scale, last, own_k[row]
             )
-            if self.target:
-                self.hold_target(slot, layer_id, float(recall.min()))
+            if targets[row]:
+                self.hold_target(slot, layer_id, float(recall.min()), targets[row], own_k[row])
             self.stats.add("recall_samples", len(recall))
             self.stats.add("recall_sum_ppm", round(1e6 * float(recall.sum())))
             self.stats.add("lookahead_agreement_sum_ppm", round(1e6 * float(agreement.sum())))
@@ -184,9 +197,10 @@ class RecallProbe:
 
     def measure(
         self, req: int, slot: int, layer_id: int, query: torch.Tensor, seq_len: int, scale: float,
-        last_loc: int | None = None,
+        last_loc: int | None = None, top_k: int | None = None,
     ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
-        """``([kv_heads], [kv_heads])``: recall and lookahead agreement of one request at one layer."""
+        """``([kv_heads], [kv_heads])``: recall and lookahead agreement (against the step's true top
+        ``top_k`` blocks: the request's K, default the server's) of one request at one layer."""
         block = self.block_size
         locs = self.req_to_token_pool.req_to_token[req, :seq_len].to(torch.int64)
         if last_loc is not None:  # a verify step's real row: its key is at the row's own location
@@ -208,24 +222,28 @@ class RecallProbe:
         if full == 0:
             return recall, torch.ones(heads)
         block_mass = mass[:, : full * block].reshape(heads, full, block).sum(dim=-1)
-        top = block_mass.topk(min(self.top_k, full), dim=-1).indices
+        top = block_mass.topk(min(top_k or self.top_k, full), dim=-1).indices
         agreement = seen_blocks.gather(1, top).float().mean(dim=-1)
         return recall, agreement
 
-    def hold_target(self, slot: int, layer_id: int, worst: float) -> None:
-        """One sample of (request slot, layer) whose worst KV head's recall was ``worst``: below target,
-        double its top-K (up to the maximum); well above (within a quarter of the miss budget of 1.0)
-        ``SHRINK_AFTER`` times in a row, halve it (down to ``--oasis-top-k``)."""
+    def hold_target(
+        self, slot: int, layer_id: int, worst: float, target: float | None = None, base: int | None = None
+    ) -> None:
+        """One sample of (request slot, layer) whose worst KV head's recall was ``worst``: below ``target``
+        (default the server's), double its top-K (up to the maximum); well above (within a quarter of the
+        miss budget of 1.0) ``SHRINK_AFTER`` times in a row, halve it (down to ``base``: the request's
+        own top-K, default ``--oasis-top-k``)."""
+        target = self.target if target is None else target
         top_k = self.working_sets.top_k
-        current, base = int(top_k[slot, layer_id]), self.working_sets.base_top_k
+        current, base = int(top_k[slot, layer_id]), self.working_sets.base_top_k if base is None else base
         key = (slot, layer_id)
-        if worst < self.target:
+        if worst < target:
             self.stats.add("recall_below_target")
             self._above.pop(key, None)
             if current < self.max_top_k:
                 top_k[slot, layer_id] = min(self.max_top_k, 2 * current)
                 self.stats.add("recall_target_grows")
-        elif worst >= 1.0 - (1.0 - self.target) / 4 and current > base:
+        elif worst >= 1.0 - (1.0 - target) / 4 and current > base:
             streak = self._above.get(key, 0) + 1
             if streak >= SHRINK_AFTER:
                 top_k[slot, layer_id] = max(base, current // 2)

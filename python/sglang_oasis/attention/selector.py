@@ -83,7 +83,6 @@ class Selector:
     ) -> None:
         self.config = config
         self.block_size = config.block_size
-        self.num_slots = config.top_k + config.sink_blocks
         self.window_blocks = config.window_blocks
         self.working_sets = tier.working_sets
         self.summaries = tier.summaries
@@ -137,18 +136,20 @@ class Selector:
             prior = None  # the prefill window's: admissions only
         if self.before_select is not None:
             self.before_select(batch, layer_id, seq_lens)
-        block = self.block_size
+        block, config = self.block_size, self.config
         reqs, slots = batch.req_index, batch.slots
         full = torch.tensor(seq_lens, dtype=torch.int64) // block
         num_blocks = int(full.max())
         admission = batch.admission
-        if self.config.recall_target and not admission:
-            self._keep_holding_every_block(slots, layer_id, full)
+        own_k, targets = batch.top_ks(config.top_k), batch.targets(config.recall_target)  # [bs] each
+        targeted = targets > 0
+        if bool(targeted.any()) and not admission:
+            self._keep_holding_every_block(slots, layer_id, full, own_k, targeted)
         # Every block is selected; if none filled up since the last selection the working sets already
         # hold them all (this layer's job was waited for): nothing to plan or move.
-        capacity = self.working_sets.top_k[slots, layer_id] + self.config.sink_blocks
+        capacity = self.working_sets.top_k[slots, layer_id] + config.sink_blocks
         unchanged = not admission and bool((full <= capacity).all())
-        if unchanged and self.config.recall_target:  # a target that just grew K: blocks still to load
+        if unchanged and bool(targeted.any()):  # a target that just grew K: blocks still to load
             unchanged = bool((self._held(slots, layer_id) >= full).all())
         if unchanged and bool((self.working_sets.covered[slots, layer_id] == full).all()):
             self.working_sets.touch(slots, layer_id, batch.step)
@@ -156,14 +157,11 @@ class Selector:
             return
         top_k = self.working_sets.top_k
         if admission:  # the first working sets: K, or what the window's attention needs to hold the target
-            top_k[slots, layer_id] = self.config.top_k
-            if self.config.recall_target and prior is not None:
-                config = self.config
-                sized = window_top_k(
-                    prior, full, config.sink_blocks, config.top_k, config.max_top_k, config.recall_target
-                )
-                top_k[slots, layer_id] = sized
-                self.stats.add("recall_target_grows", int((sized > config.top_k).sum()))
+            top_k[slots, layer_id] = own_k
+            if bool(targeted.any()) and prior is not None:
+                sized = window_top_k(prior, full, config.sink_blocks, own_k, config.max_top_k, targets)
+                top_k[slots, layer_id] = torch.where(targeted, sized, own_k)
+                self.stats.add("recall_target_grows", int(((sized > own_k) & targeted).sum()))
         req_to_token = self.req_to_token_pool.req_to_token
         pages = req_to_token[reqs, 0 : num_blocks * block : block].to(torch.int64) // block  # [bs, N]
         if layer_id == self.record_layer:  # for warm starts of later requests sharing these pages
@@ -171,7 +169,7 @@ class Selector:
         pinned = None
         if self.window_blocks:
             if admission:  # the window's best blocks stay selected until the request's next extend
-                self.pinned[slots, layer_id] = self.window_pins(prior, full)
+                self.pinned[slots, layer_id] = self.window_pins(prior, full, own_k)
             else:
                 pinned = self.pinned[slots, layer_id].clone()
         job = SelectionJob(
@@ -186,24 +184,34 @@ class Selector:
             pages=pages,
             step=batch.step,
             admission=admission,
-            cap=None if admission else self.caps[layer_id],
+            cap=None if admission else self._cap(layer_id, batch),
             fail_reqs=() if admission else self.faults.failing(batch.reqs, self.prompt_len),
             top_k=top_k[slots, layer_id].clone(),
         )
         for result in self.pipeline.submit(layer_id, lambda: self.prefetcher.run(job)):
             self._account(result)
 
-    def _keep_holding_every_block(self, slots: torch.Tensor, layer_id: int, full: torch.Tensor) -> None:
-        """Recall target: a working set the target grew and that held every block of the layer at its last
-        selection grows (up the ladder) to hold the blocks that filled up since, rather than drop one
-        until the next recall sample notices."""
+    def _cap(self, layer_id: int, batch: BatchView) -> int | torch.Tensor | None:
+        """The decode step's fetch cap: the layer's, or ``[bs]`` per row for requests with their own top-K
+        (``--oasis-fetch-ratio`` x their K; the adaptive cap stays the layer's)."""
+        cap = self.caps[layer_id]
+        if cap is None or batch.top_k is None or self.config.adaptive_cap:
+            return cap
+        return torch.tensor([self.config.fetch_cap_for(k) or 0 for k in batch.top_k.tolist()])
+
+    def _keep_holding_every_block(
+        self, slots: torch.Tensor, layer_id: int, full: torch.Tensor, own_k: torch.Tensor, targeted: torch.Tensor
+    ) -> None:  # fmt: skip
+        """Recall target (rows ``targeted``): a working set the target grew past its request's top-K
+        (``own_k``) and that held every block of the layer at its last selection grows (up the ladder) to
+        hold the blocks that filled up since, rather than drop one until the next recall sample notices."""
         config, top_k = self.config, self.working_sets.top_k
         current = top_k[slots, layer_id]
         capacity = current + config.sink_blocks
         held_all = self._held(slots, layer_id) >= self.working_sets.covered[slots, layer_id]
-        outgrew = held_all & (current > config.top_k) & (full > capacity) & (current < config.max_top_k)
+        outgrew = held_all & targeted & (current > own_k) & (full > capacity) & (current < config.max_top_k)
         if bool(outgrew.any()):
-            grown = on_ladder(full - config.sink_blocks, config.top_k, config.max_top_k)
+            grown = on_ladder(full - config.sink_blocks, own_k, config.max_top_k)
             top_k[slots[outgrew], layer_id] = grown[outgrew]
             self.stats.add("recall_target_grows", int(outgrew.sum()))
 
@@ -211,16 +219,22 @@ class Selector:
         """``[bs]``: blocks resident in each request's least-filled KV head's working set at the layer."""
         return (self.working_sets.slot_block[slots, layer_id] != EMPTY).sum(dim=-1).amin(dim=-1)
 
-    def window_pins(self, prior: torch.Tensor | None, full: torch.Tensor) -> torch.Tensor:
-        """``[bs, kv_heads, window_blocks]`` block ids the prefill window keeps selected (-1: none),
-        the best by ``prior`` for requests with more blocks than their working sets hold."""
-        pins = torch.full((len(full), self.num_kv_heads, self.window_blocks), -1, dtype=torch.int64)
+    def window_pins(
+        self, prior: torch.Tensor | None, full: torch.Tensor, own_k: torch.Tensor
+    ) -> torch.Tensor:
+        """``[bs, kv_heads, pin slots]`` block ids the prefill window keeps selected (-1: none): the best
+        ``window_blocks_for(K)`` by ``prior`` (``own_k``: each request's K) for requests with more blocks
+        than their working sets hold."""
+        pins = torch.full((len(full), self.num_kv_heads, self.pinned.shape[-1]), -1, dtype=torch.int64)
         if prior is None:
             return pins
-        over = full > self.num_slots  # only these have a prior; they have more blocks than pins
+        over = full > own_k + self.config.sink_blocks  # only these have a prior; they have more blocks
+        counts = torch.tensor([self.config.window_blocks_for(k) for k in own_k.tolist()])
+        width = min(pins.shape[-1], prior.shape[-1])
         valid = torch.arange(prior.shape[-1])[None, None, :] < full[:, None, None]
-        best = prior.masked_fill(~valid, float("-inf")).topk(self.window_blocks, dim=-1).indices
-        pins[over] = best[over]
+        best = prior.masked_fill(~valid, float("-inf")).topk(width, dim=-1).indices
+        best = best.masked_fill(torch.arange(width)[None, None, :] >= counts[:, None, None], -1)
+        pins[over, :, :width] = best[over]
         return pins
 
     def window_prior(
@@ -238,7 +252,8 @@ class Selector:
         request keeps all its blocks anyway."""
         window, block = self.config.prefill_window, self.block_size
         full = [n // block for n in seq_lens]
-        if window == 0 or max(full, default=0) <= self.num_slots:
+        holds = [k + self.config.sink_blocks for k in batch.top_ks(self.config.top_k).tolist()]
+        if window == 0 or all(n <= held for n, held in zip(full, holds, strict=True)):
             return None
         keys = self.kv_pool.get_key_buffer(layer.layer_id)
         req_to_token = self.req_to_token_pool.req_to_token
@@ -246,7 +261,7 @@ class Selector:
         for row, (req, last, new, total) in enumerate(
             zip(batch.reqs, last_rows, extend_lens, seq_lens, strict=True)
         ):
-            if full[row] <= self.num_slots or not bool(batch.admitting[row]):
+            if full[row] <= holds[row] or not bool(batch.admitting[row]):
                 continue  # keeps every block: nothing to rank (or a resumed request: no admission)
             rows = min(window, new)
             locs = req_to_token[req, :total].to(torch.int64)

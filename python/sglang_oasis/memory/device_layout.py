@@ -50,8 +50,8 @@ class TierShape(NamedTuple):
     element_bytes: int
     host_pages: int  # pages of SGLang's KV pool (its padding pages included)
     block_size: int
-    slots_per_head: int  # top-K (at most --oasis-recall-max-top-k with a recall target) + sink blocks
-    window_blocks: int  # blocks per layer and KV head the prefill window pins
+    slots_per_head: int  # the largest top-K (--oasis-recall-max-top-k) + sink blocks
+    window_blocks: int  # blocks per layer and KV head the prefill window may pin (at the largest top-K)
     active_tokens: int  # ring positions per layer and KV head of the active blocks (``active_span``)
 
     @property
@@ -66,7 +66,7 @@ class TierShape(NamedTuple):
         """The shape of a model's KV (layers, KV heads, head_dim, element bytes) served with ``config``."""
         return cls(
             num_layers, num_kv_heads, head_dim, element_bytes, host_pages, config.block_size,
-            config.slots_per_head, config.window_blocks,
+            config.slots_per_head, config.pin_slots,
             active_span(config.block_size, config.verify_rows),
         )  # fmt: skip
 

@@ -128,7 +128,7 @@ class WorkingSetPool:
         layer: int,
         selected: torch.Tensor,
         step: int,
-        cap: int | None = None,
+        cap: int | torch.Tensor | None = None,
         fresh_from: torch.Tensor | None = None,
         priority: torch.Tensor | None = None,
         capacity: torch.Tensor | None = None,
@@ -143,7 +143,8 @@ class WorkingSetPool:
             reqs: ``[bs]`` request slots.
             selected: ``[bs, kv_heads, N]`` bool, the blocks each head should hold (at most ``num_slots``).
             step: decode step, recorded as the last selection of every selected resident block.
-            cap: at most this many missing blocks below ``fresh_from`` load per head (None: all).
+            cap: at most this many missing blocks below ``fresh_from`` load per head (None: all; ``[bs]``:
+                each request's own).
             fresh_from: ``[bs]`` first block id that just filled up (loaded whatever the cap).
             priority: ``[bs, kv_heads, N]`` float, the order in which capped blocks are admitted
                 (higher first; ties by block id). None: block id order.
@@ -175,7 +176,7 @@ class WorkingSetPool:
             order_key = -priority.float() if priority is not None else torch.zeros(missing.shape)
             order = torch.where(capped, order_key, float("inf")).argsort(dim=-1, stable=True)
             rank = torch.empty_like(order).scatter_(-1, order, index.expand_as(order).contiguous())
-            admitted = capped & (rank < cap)
+            admitted = capped & (rank < (cap.view(-1, 1, 1) if isinstance(cap, torch.Tensor) else cap))
             deferred = int((capped & ~admitted).sum())
             missing = missing & (fresh | admitted)
         # Victim order: free slots (key -1), then unselected blocks by last selection, ties by block id
