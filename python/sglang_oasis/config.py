@@ -137,7 +137,8 @@ class OasisConfig:
         metadata={
             "help": "Fetch cap per step (sparse mode): at most ceil(ratio x top-k) predicted blocks per "
             "request, layer and KV head are loaded from the host tier in one decode step, best summary "
-            "score first; the rest wait for later steps. 1.0 loads every predicted block at once. "
+            "score first; the rest wait for later steps (top-k: the working set's own, a request's "
+            "oasis_top_k or what --oasis-recall-target grew it to). 1.0 loads every predicted block at once. "
             "Admission (the first working set after prefill) and blocks that just filled up are not "
             "capped.",
         },

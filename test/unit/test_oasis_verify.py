@@ -541,3 +541,33 @@ def test_a_requests_own_top_k_takes_the_steps_of_a_server_with_that_k() -> None:
     _, refused = run(2, [{"oasis_top_k": 5}], recall_max_top_k=4)
     message = refused.failures.take(0, 5)
     assert message is not None and "oasis_top_k=5: must be an integer from 1 to 4" in message
+
+
+def test_a_working_set_a_recall_target_grew_fills_at_the_pace_of_its_new_k() -> None:
+    """The fetch cap is ``--oasis-fetch-ratio`` x the working set's top-K at the layer: when a recall target
+    doubles K = 2 to 8, the next step may load ceil(0.5 x 8) = 4 missing blocks per head, not the
+    server's ceil(0.5 x 2) = 1 (before, a grown working set took one block per step to fill)."""
+    prompt = 10 * BLOCK + 1
+    layer = _layer()
+    gen = torch.Generator().manual_seed(12)
+    keys = torch.randn(prompt + 2, DIM, generator=gen) * 3
+    values = torch.randn(len(keys), DIM, generator=gen)
+    pool = TinyKVPool(64)
+    pool.k[:prompt, 0], pool.v[:prompt, 0] = keys[:prompt], values[:prompt]
+    backend = _backend(pool, top_k=2, fetch_ratio=0.5, recall_max_top_k=8)
+    backend.req_to_token_pool.req_to_token[0, :60] = torch.arange(60, dtype=torch.int32)
+    backend.req_to_token_pool.req_generation[0] = 5  # arrives without a hand-off: a dense first step
+    loaded, held = [], []
+    for position in range(prompt, prompt + 2):
+        backend.begin_batch(ForwardMode.DECODE, [0], [position + 1], None)
+        batch = _decode_batch([0], [position + 1], [position])
+        query = torch.ones(1, DIM) * 4  # the same query both steps: the selection changes only by K
+        backend.forward_decode(query, keys[position][None], values[position][None], layer, batch)
+        backend.selector.finish_pending()
+        loaded.append(backend.stats.snapshot()["decode_blocks_loaded"])
+        slot = backend.tier.slot_of(0)
+        held.append(int((backend.working_sets.slot_block[slot, 0, 0] >= 0).sum()))
+        assert int(backend.working_sets.top_k[slot, 0]) == (2 if position == prompt else 8)
+        backend.working_sets.top_k[slot, 0] = 8  # what RecallProbe.hold_target does twice below target
+    assert loaded[1] - loaded[0] == 4, loaded  # 1 with the server's cap
+    assert held[1] == held[0] + 4, held

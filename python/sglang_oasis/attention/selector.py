@@ -184,20 +184,22 @@ class Selector:
             pages=pages,
             step=batch.step,
             admission=admission,
-            cap=None if admission else self._cap(layer_id, batch),
+            cap=None if admission else self._cap(layer_id, top_k[slots, layer_id]),
             fail_reqs=() if admission else self.faults.failing(batch.reqs, self.prompt_len),
             top_k=top_k[slots, layer_id].clone(),
         )
         for result in self.pipeline.submit(layer_id, lambda: self.prefetcher.run(job)):
             self._account(result)
 
-    def _cap(self, layer_id: int, batch: BatchView) -> int | torch.Tensor | None:
-        """The decode step's fetch cap: the layer's, or ``[bs]`` per row for requests with their own top-K
-        (``--oasis-fetch-ratio`` x their K; the adaptive cap stays the layer's)."""
+    def _cap(self, layer_id: int, top_k: torch.Tensor) -> int | torch.Tensor | None:
+        """The decode step's fetch cap: ``--oasis-fetch-ratio`` x each working set's top-K at the layer
+        (``top_k`` ``[bs]``: the request's own K, or what a recall target grew it to, so a grown working
+        set fills at the pace a server of that K would), the layer's when every row has the server's K;
+        ``--oasis-adaptive-cap``: the layer's."""
         cap = self.caps[layer_id]
-        if cap is None or batch.top_k is None or self.config.adaptive_cap:
+        if cap is None or self.config.adaptive_cap or bool((top_k == self.config.top_k).all()):
             return cap
-        return torch.tensor([self.config.fetch_cap_for(k) or 0 for k in batch.top_k.tolist()])
+        return torch.tensor([self.config.fetch_cap_for(k) or 0 for k in top_k.tolist()])
 
     def _keep_holding_every_block(
         self, slots: torch.Tensor, layer_id: int, full: torch.Tensor, own_k: torch.Tensor, targeted: torch.Tensor
