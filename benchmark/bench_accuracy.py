@@ -31,8 +31,9 @@ Default full run (``python benchmark/bench_accuracy.py --json accuracy.json``): 
 2K, 4K and 7K tokens with 2, 1, 1 and 1 samples per task: 50 requests per config, 6 configs (dense,
 K = 16, 32, 64, 128, target90) on 2 servers, all 30 layers in float32. With a server per config it took
 ~19 minutes per server on the 2-core CPU machines (measured 2026-12-02: dense and K = 16 / 64
-1,142-1,168 s, target90 1,343 s), ~2 hours in all; with the shared server the estimate is ~51 minutes
-(what it took: ``docs/results.md``). ``--dry-run`` prints the estimate of any plan without starting a
+1,142-1,168 s, target90 1,343 s), ~2 hours in all; with the shared server the estimate is ~51 minutes,
+but it took ~45 minutes for the ~1K-4K groups alone (2026-12-03: the five configs' decodes run one after
+another; ~95 minutes in all projected; ``docs/results.md``). ``--dry-run`` prints the estimate of any plan without starting a
 server (its model, calibrated on that run: prefill ~4.3 ms per new token plus attention, 4K from scratch
 ~29 s; decode ~110 ms per step; ~45 s per server start; prefix reuse leaves ~75% of the prompt tokens to
 prefill). Each config then has 20 samples at
