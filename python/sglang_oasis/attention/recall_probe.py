@@ -226,16 +226,13 @@ class RecallProbe:
         agreement = seen_blocks.gather(1, top).float().mean(dim=-1)
         return recall, agreement
 
-    def hold_target(
-        self, slot: int, layer_id: int, worst: float, target: float | None = None, base: int | None = None
-    ) -> None:
+    def hold_target(self, slot: int, layer_id: int, worst: float, target: float, base: int) -> None:
         """One sample of (request slot, layer) whose worst KV head's recall was ``worst``: below ``target``
-        (default the server's), double its top-K (up to the maximum); well above (within a quarter of the
-        miss budget of 1.0) ``SHRINK_AFTER`` times in a row, halve it (down to ``base``: the request's
-        own top-K, default ``--oasis-top-k``)."""
-        target = self.target if target is None else target
+        (the request's), double its top-K (up to the maximum); well above (within a quarter of the miss
+        budget of 1.0) ``SHRINK_AFTER`` times in a row, halve it (down to ``base``: the request's own
+        top-K)."""
         top_k = self.working_sets.top_k
-        current, base = int(top_k[slot, layer_id]), self.working_sets.base_top_k if base is None else base
+        current = int(top_k[slot, layer_id])
         key = (slot, layer_id)
         if worst < target:
             self.stats.add("recall_below_target")
