@@ -16,11 +16,13 @@ Servers: dense has its own. The sparse configs a request can set in its ``custom
 recall target; ``attention/request_options.py``) share one sparse server, started with the smallest K
 and ``--oasis-recall-max-top-k`` the largest K any of them may take; each request carries its config's
 options, so on that server it takes the steps it would take on a server of its own (its K, fetch cap,
-prefill-window pins and recall target), up to summation order. Per task and context, the first config's
-requests prefill the prompts and the others find them cached but the prefill window's last tokens,
-which they compute again; one config runs at a time and each config's decode figures are the stats
-deltas of its own requests. Any other ``--extra-config`` gets a server of its own, and so does every
-config with ``--separate-servers``.
+prefill-window pins and recall target), up to summation order. Per task and context a 1-token request
+prefills each prompt, then every config's requests run at once (``--concurrency`` per config), each
+finding its prompt cached but the prefill window's last tokens, which it computes again. Requests go
+through ``/generate`` (the chat template applied here, as the chat API would) because its reply carries
+the request's own decode figures (``meta_info["oasis"]``, ``attention/request_ledger.py``): a config's
+figures are the sums of its requests'. Any other ``--extra-config`` gets a server of its own, and so
+does every config with ``--separate-servers``.
 
 Radix cache reuse: a context's samples share their haystack up to their first needle (the six needle
 tasks share one header and haystack), so per task and context the sample sharing the longest prefixes
@@ -30,13 +32,16 @@ each prefilling only what follows its cached prefix.
 Default full run (``python benchmark/bench_accuracy.py --json accuracy.json``): all 10 tasks at ~1K,
 2K, 4K and 7K tokens with 2, 1, 1 and 1 samples per task: 50 requests per config, 6 configs (dense,
 K = 16, 32, 64, 128, target90) on 2 servers, all 30 layers in float32. With a server per config it took
-~19 minutes per server on the 2-core CPU machines (measured 2026-12-02: dense and K = 16 / 64
-1,142-1,168 s, target90 1,343 s), ~2 hours in all; with the shared server the estimate is ~51 minutes,
-but it took ~45 minutes for the ~1K-4K groups alone (2026-12-03: the five configs' decodes run one after
-another; ~95 minutes in all projected; ``docs/results.md``). ``--dry-run`` prints the estimate of any plan without starting a
-server (its model, calibrated on that run: prefill ~4.3 ms per new token plus attention, 4K from scratch
-~29 s; decode ~110 ms per step; ~45 s per server start; prefix reuse leaves ~75% of the prompt tokens to
-prefill). Each config then has 20 samples at
+~19 minutes per server on the 2-core CPU machines (2026-12-02: dense and K = 16 / 64 1,142-1,168 s,
+target90 1,343 s), ~2 hours in all; with the shared server running its configs one after another,
+~95 minutes projected (2026-12-03: ~45 minutes for the ~1K-4K groups). Since the configs run at once
+and an extend after a cached prefix computes only its own rows (``attention/extend_attention.py``: a
+32-token window after 2K cached took 87 ms per layer in SGLang's torch_native extend, 3.7 ms now), see
+``docs/results.md`` for the time measured. ``--dry-run`` prints the estimate of any plan without
+starting a server (its model, calibrated on the 2026-12-02 run: prefill ~4.3 ms per new token plus
+attention, 4K from scratch ~29 s; decode ~110 ms per step plus ~90 ms per further sparse request in
+the batch; ~45 s per server start; prefix reuse leaves ~75% of the prompt tokens to prefill). Each
+config then has 20 samples at
 ~1K and 10 at each longer context (over the tasks) but one or two per cell: read the per-context and
 per-config means, and the cells only as a hint. Every cell at 10 samples (``--samples 10``) is ~16
 hours; ``--samples 3,2,1,1`` ~2.2 hours. ``--quick`` (CI-sized): ~1K and 2K, 2 samples per task,
@@ -46,8 +51,8 @@ smoke-tests the machinery.
 
 Status (2026-12-03): the generators and scorers are unit-tested (``test/unit/test_accuracy_tasks.py``);
 ``test/integration/test_accuracy_bench.py`` runs the benchmark end to end in CI (6-layer SmolLM2, two
-tasks at ~1K, a dense server and a shared sparse one for a K covering every block and K = 8: the
-covering K must answer as dense and read nothing from the host tier at decode). Results:
+tasks at ~1K, a dense server and a shared sparse one for a K covering every block and K = 8 at once:
+the covering K must answer as dense and read nothing from the host tier at decode). Results:
 ``docs/results.md``, "Long-context accuracy".
 
     python benchmark/bench_accuracy.py --json accuracy.json [--quick] [--tasks a,b] [--contexts
@@ -63,12 +68,14 @@ it shares the sparse server only when that is the largest K of the shared config
 Writes ``tasks.<task>.<context>.<config>.{score, scores, errors, answers}`` (score: the mean over the
 cell's samples that got an answer; answers cut to 300 characters), ``configs.<config>.{mean_score,
 by_context, by_task, vs_dense, wall_s, requests, errors, args}`` (means over cells, each task and
-context weighted equally; vs_dense: the mean of score - dense score over the cells both have; sparse
-servers add ``decode_bytes_per_step``, ``decode_blocks_per_step`` and ``recall_mean`` over the run and
-the ``stats`` deltas they come from: what decode moved from the host tier, against the score it got),
+context weighted equally; vs_dense: the mean of score - dense score over the cells both have; wall_s:
+its server's; sparse configs add ``decode_bytes_per_step``, ``decode_blocks_per_step`` (per request
+decode step) and ``recall_mean`` and the sums of their requests' figures they come from,
+``request_figures``: what decode moved from the host tier, against the score it got),
 ``samples.<task>.<context>`` (seed, prompt tokens, expected values, needle depths), ``servers.<name>``
-(its configs, arguments and ``wall_s``; a config's ``wall_s`` on a shared server is its own requests'
-time), ``settings``, ``estimate``, ``date``, ``machine`` and ``wall_s``; the JSON is rewritten after
+(its configs, arguments and ``wall_s``; a sparse server's ``/oasis/stats`` deltas over the run,
+``stats``, and ``unattributed``: the decode loads no request's figures hold, those of the background
+jobs each request's last step launched), ``settings``, ``estimate``, ``date``, ``machine`` and ``wall_s``; the JSON is rewritten after
 every server. A server
 that fails to start gets ``configs.<config>.error`` and the run goes on; the exit code is 1 only when
 nothing was scored. Prints the table and writes a heat map (PNG, default: beside the JSON). ``--resume``
@@ -80,6 +87,7 @@ from __future__ import annotations
 
 import argparse
 import bisect
+import contextlib
 import json
 import math
 import shlex
@@ -90,12 +98,14 @@ from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from datetime import datetime, timezone
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from accuracy_tasks import TASKS, Message, Sample
 from common import common_prefix, int_list, machine_info, print_table
 from sglang_oasis.config import OasisConfig
+from sglang_oasis.sglang_hooks import FIGURES_KEY
 
 FULL_CONTEXTS = (1000, 2000, 4000, 7000)
 FULL_SAMPLES = (2, 1, 1, 1)
@@ -105,7 +115,7 @@ TOP_KS = (16, 32, 64, 128)
 QUICK_TOP_KS = (32,)
 # The full run's recall-target server: K = 16 that each (request, layer) may grow to 128 for 90% recall.
 TARGET_CONFIGS = ("target90=--oasis-top-k 16 --oasis-recall-target 0.9 --oasis-recall-max-top-k 128",)
-# Per sparse server, from GET /oasis/stats over its requests: what decode moved, and what recall held.
+# Per sparse server, from GET /oasis/stats over the run: what decode moved, and what recall held.
 STAT_DELTAS = (
     "decode_steps",
     "decode_bytes_host_to_device",
@@ -116,6 +126,8 @@ STAT_DELTAS = (
     "recall_target_grows",
     "recall_target_shrinks",
 )
+# Per request, from its /generate reply's meta_info["oasis"] (attention/request_ledger.py), summed per config.
+REQUEST_FIGURES = ("decode_steps", "decode_blocks_loaded", "decode_bytes_host_to_device", "recall_samples")
 # What a request's custom_params can set on a shared sparse server (attention/request_options.py).
 SHAREABLE = ("--oasis-mode", "--oasis-top-k", "--oasis-recall-target", "--oasis-recall-max-top-k")
 MODEL_CONTEXT = 8192  # SmolLM2-135M-Instruct's limit
@@ -130,6 +142,7 @@ ANSWER_CHARS = 300
 PREFILL_S_PER_TOKEN = 4.3e-3
 PREFILL_S_PER_PAIR = 1.4e-6
 DECODE_S_PER_STEP = 0.11
+DECODE_S_PER_ROW = 0.09  # sparse, each further request of a batch (2K context, 2026-12-03)
 DECODE_S_PER_KV_TOKEN = 5.7e-6
 ANSWER_SHARE = 0.6
 SERVER_START_S = 45.0
@@ -301,8 +314,9 @@ def prefill_s(new: int, cached: int, layers: int) -> float:
     return layers / 30 * (new * PREFILL_S_PER_TOKEN + new * (cached + new / 2) * PREFILL_S_PER_PAIR)
 
 
-def decode_s(steps: float, context_tokens: int, layers: int) -> float:
-    return layers / 30 * steps * (DECODE_S_PER_STEP + DECODE_S_PER_KV_TOKEN * context_tokens)
+def decode_s(steps: float, context_tokens: int, layers: int, rows: int = 1) -> float:
+    per_step = DECODE_S_PER_STEP + DECODE_S_PER_ROW * (rows - 1) + DECODE_S_PER_KV_TOKEN * context_tokens
+    return layers / 30 * steps * per_step
 
 
 def estimate(
@@ -311,15 +325,17 @@ def estimate(
     concurrency: int,
     layers: int,
 ) -> dict[str, Any]:
-    """The run's cost by the model above: per server, each group's lead (alone) then the rest in waves of
-    ``concurrency`` (prefills one after another, decodes batched), each prompt prefilling what follows
-    its longest prefix among the prompts sent before it (the rest of its own group aside). Without
-    eviction the tokens prefilled are those of the prompts' prefix tree whatever the order of the groups;
-    leading with the prompt that shares most makes the rest of a group share as if sent one by one. A
-    shared server (``configs_per_server`` > 1) prefills once: each further config's requests find their
-    prompt cached but the prefill window's last ``WINDOW_TOKENS``, and decode again."""
+    """The run's cost by the model above, per server. One config: each group's lead (alone) then the
+    rest in waves of ``concurrency`` (prefills one after another, decodes batched), each prompt
+    prefilling what follows its longest prefix among the prompts sent before it (the rest of its own
+    group aside). Without eviction the tokens prefilled are those of the prompts' prefix tree whatever
+    the order of the groups; leading with the prompt that shares most makes the rest of a group share
+    as if sent one by one. A shared server of n configs (``configs_per_server``) prefills each prompt
+    once (``run_group``'s 1-token requests), then each config's requests recompute the prefill window's
+    last ``WINDOW_TOKENS`` and all n configs decode together, ``concurrency`` requests each."""
     cache = PrefixCache()
-    prefill = decode = again = prompt_tokens = prefilled = 0.0
+    prefill = again = prompt_tokens = prefilled = 0.0
+    decode = dict.fromkeys(set(configs_per_server), 0.0)
     for group in groups:
         order = lead_first([ids for _, ids in group])
         lead, rest = group[order[0]], [group[i] for i in order[1:]]
@@ -331,19 +347,23 @@ def estimate(
             prefilled += len(ids) - cached
             if position == 0:
                 cache.add(ids)
-        decode += decode_s(ANSWER_SHARE * lead[0].max_tokens, len(lead[1]), layers)
-        for wave in range(0, len(rest), concurrency):
-            batch = rest[wave : wave + concurrency]
-            steps = ANSWER_SHARE * max(s.max_tokens for s, _ in batch)
-            decode += decode_s(steps, sum(len(ids) for _, ids in batch), layers)
+        for n in decode:
+            if n == 1:
+                decode[n] += decode_s(ANSWER_SHARE * lead[0].max_tokens, len(lead[1]), layers)
+                waves = [rest[i : i + concurrency] for i in range(0, len(rest), concurrency)]
+            else:
+                waves = [list(group)[i : i + concurrency] for i in range(0, len(group), concurrency)]
+            for wave in waves:
+                steps = ANSWER_SHARE * max(s.max_tokens for s, _ in wave)
+                decode[n] += decode_s(steps, n * sum(len(ids) for _, ids in wave), layers, n * len(wave))
         for _, ids in rest:
             cache.add(ids)
-    seconds = [SERVER_START_S + prefill + decode + (n - 1) * (again + decode) for n in configs_per_server]
+    seconds = [SERVER_START_S + prefill + (n > 1) * n * again + decode[n] for n in configs_per_server]
     return {
         "requests_per_server": sum(len(g) for g in groups),
         "prompt_tokens_per_server": int(prompt_tokens),
         "prefilled_tokens_per_server": int(prefilled),
-        "seconds_per_server": round(SERVER_START_S + prefill + decode),
+        "seconds_per_server": round(SERVER_START_S + prefill + decode.get(1, 0.0)),
         "seconds_by_server": [round(x) for x in seconds],
         "minutes": round(sum(seconds) / 60, 1),
     }
@@ -368,16 +388,16 @@ def resumed(path: Path, results: dict[str, Any]) -> set[str]:
     return kept
 
 
-def decode_figures(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
-    """A sparse server's ``STAT_DELTAS`` over the run, and per decode step the bytes and blocks loaded
-    from the host tier (the cost a recall target must keep below a larger fixed K's) and mean recall."""
-    delta = {name: after.get(name, 0) - before.get(name, 0) for name in STAT_DELTAS}
-    steps, samples = delta["decode_steps"], delta["recall_samples"]
+def decode_figures(sums: dict[str, float]) -> dict[str, Any]:
+    """A sparse config's decode figures from the sums of its requests' own (``add_figures``): the sums,
+    and per request decode step the bytes and blocks its decode loaded from the host tier (the cost a
+    recall target must keep below a larger fixed K's) and mean recall."""
+    steps, samples = sums.get("decode_steps", 0), sums.get("recall_samples", 0)
     return {
-        "stats": delta,
-        "decode_bytes_per_step": delta["decode_bytes_host_to_device"] / steps if steps else None,
-        "decode_blocks_per_step": delta["decode_blocks_loaded"] / steps if steps else None,
-        "recall_mean": delta["recall_sum_ppm"] / samples / 1e6 if samples else None,
+        "request_figures": {name: round(sums.get(name, 0)) for name in REQUEST_FIGURES},
+        "decode_bytes_per_step": sums.get("decode_bytes_host_to_device", 0) / steps if steps else None,
+        "decode_blocks_per_step": sums.get("decode_blocks_loaded", 0) / steps if steps else None,
+        "recall_mean": sums.get("recall_sum", 0) / samples if samples else None,
     }
 
 
@@ -489,55 +509,85 @@ def heatmap(
 # ------------------------------------------------------------------------------------------ server side
 
 
-def ask(url: str, sample: Sample, options: dict[str, Any] | None = None, timeout_s: float = 1800) -> str:
-    """The server's greedy answer to ``sample`` over its OpenAI chat API (``options``: the request's
-    ``custom_params``)."""
+class Answer(NamedTuple):
+    text: str
+    figures: dict[str, Any] | None  # the request's own decode figures (sparse servers: meta_info["oasis"])
+
+
+def ask(url: str, sample: Sample, ids: list[int], options: dict[str, Any] | None = None,
+        max_tokens: int | None = None, timeout_s: float = 1800) -> Answer:  # fmt: skip
+    """The server's greedy answer to ``sample`` (its chat prompt's token ids ``ids``, as the chat API
+    would build them) over ``/generate``, which returns the request's own figures beside the text
+    (``options``: the request's ``custom_params``)."""
     import requests
 
-    body: dict[str, Any] = {
-        "model": "default",
-        "messages": sample.prompt_messages,
-        "temperature": 0,
-        "max_tokens": sample.max_tokens,
-    }
+    params: dict[str, Any] = {"temperature": 0, "max_new_tokens": max_tokens or sample.max_tokens}
     if options is not None:
-        body["custom_params"] = options
-    response = requests.post(url + "/v1/chat/completions", json=body, timeout=timeout_s)
+        params["custom_params"] = options
+    response = requests.post(
+        url + "/generate", json={"input_ids": ids, "sampling_params": params}, timeout=timeout_s
+    )
     if response.status_code != 200:
         raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
-    return str(response.json()["choices"][0]["message"]["content"] or "")
+    reply = response.json()
+    figures = reply["meta_info"].get(FIGURES_KEY) or [None]
+    return Answer(str(reply["text"] or ""), figures[-1])
 
 
 def run_group(
     url: str,
     group: Sequence[tuple[Sample, list[int]]],
     concurrency: int,
-    options: dict[str, Any] | None = None,
-    lead_alone: bool = True,
-) -> list[str | Exception]:
-    """Each sample's answer (or the exception its request raised), in ``group``'s order: the lead first
-    and alone (``lead_alone``: its prompt is not cached yet), then the rest ``concurrency`` at a time."""
+    options: Sequence[dict[str, Any] | None] = (None,),
+) -> list[list[Answer | Exception]]:
+    """Per config (its request ``options``), each sample's answer (or the exception its request raised),
+    in ``group``'s order. One config: the lead first and alone (its prompt is not cached yet), then the
+    rest ``concurrency`` at a time. Several (a shared server): each prompt is prefilled first by a
+    1-token request (the lead alone, then the rest), then every config's requests run at once,
+    ``concurrency`` per config, finding their prompts cached but the prefill window."""
 
-    def attempt(i: int) -> str | Exception:
+    def attempt(job: tuple[int, int]) -> Answer | Exception:
+        config, i = job
         try:
-            return ask(url, group[i][0], options)
+            return ask(url, group[i][0], group[i][1], options[config])
         except Exception as exc:  # one failed request is recorded, the others still run
             return exc
 
     order = lead_first([ids for _, ids in group])
-    answers: dict[int, str | Exception] = {order[0]: attempt(order[0])} if lead_alone else {}
-    rest = order[1:] if lead_alone else order
-    with ThreadPoolExecutor(concurrency) as pool:
-        answers.update(zip(rest, pool.map(attempt, rest), strict=True))
-    return [answers[i] for i in range(len(group))]
+    answers: dict[tuple[int, int], Answer | Exception] = {}
+    with ThreadPoolExecutor(concurrency * len(options)) as pool:
+        if len(options) == 1:
+            answers[0, order[0]] = attempt((0, order[0]))
+            jobs = [(0, i) for i in order[1:]]
+        else:  # a failed priming request only costs its config requests' prefill: they still run
+            prime = partial(ask, url, max_tokens=1, options=options[0])
+            _try(prime, *group[order[0]])
+            list(pool.map(lambda i: _try(prime, *group[i]), order[1:]))
+            jobs = [(c, i) for i in order for c in range(len(options))]
+        answers.update(zip(jobs, pool.map(attempt, jobs), strict=True))
+    return [[answers[c, i] for i in range(len(group))] for c in range(len(options))]
+
+
+def _try(call: Callable[..., Any], *args: Any) -> None:
+    with contextlib.suppress(Exception):
+        call(*args)
 
 
 def settle(server: Any) -> None:
     """Have the server account for its requests' last background selection jobs (each layer's is folded
     into the stats when the next forward pass reaches that layer): a 4-token, 1-token-answer request,
-    so that a stats snapshot taken now holds what the requests before it did, and none of it leaks into
-    the next config's figures."""
+    so that a stats snapshot taken now holds what the requests before it did."""
     server.generate([1, 2, 3, 4], 1)
+
+
+def add_figures(sums: dict[str, float], figures: dict[str, Any] | None) -> None:
+    """Add a request's own figures (``RequestLedger``'s report) to its config's ``sums``."""
+    if not figures:
+        return
+    for name in REQUEST_FIGURES:
+        sums[name] = sums.get(name, 0) + (figures.get(name) or 0)
+    if figures.get("recall_mean") is not None:
+        sums["recall_sum"] = sums.get("recall_sum", 0) + figures["recall_mean"] * figures["recall_samples"]
 
 
 def run_server(
@@ -551,19 +601,19 @@ def run_server(
     results: dict[str, Any],
 ) -> None:
     """Serve every group to each config of ``todo`` on ``plan``'s server, group by group (on a shared
-    server the first config prefills a group's prompts, the others find them cached), recording cells and
-    per-config figures in ``results``: each config's decode figures sum the stats deltas of its own
-    requests (one config runs at a time, and ``settle`` closes each run)."""
+    server every config's requests at once, ``run_group``), recording cells and per-config figures in
+    ``results``: each config's decode figures sum its own requests' (``meta_info["oasis"]``); the
+    server's ``/oasis/stats`` deltas over the run and what no request's figures hold (the background
+    jobs each request's last step launched) go in ``servers.<name>``."""
     from sglang_oasis.server_process import ServerProcess
 
     name = plan.server.name if len(plan.configs) > 1 else plan.configs[0].name
     print(f"[bench_accuracy] {name} ...", flush=True)
-    argv = server_argv(plan.server, base, host_tokens, concurrency + 1)
+    argv = server_argv(plan.server, base, host_tokens, concurrency * len(todo) + 1)
     server_entry: dict[str, Any] = {"configs": [c.name for c, _ in todo], "args": argv[len(base) :]}
     results["servers"][name] = server_entry
     entries: dict[str, dict[str, Any]] = {}
-    sums: dict[str, dict[str, int]] = {}
-    seconds: dict[str, float] = {}
+    sums: dict[str, dict[str, float]] = {}
     for config, options in todo:
         entries[config.name] = results["configs"][config.name] = {
             "top_k": config.top_k,
@@ -571,26 +621,34 @@ def run_server(
         }
         if options is not None:
             entries[config.name]["request_options"] = options
-        sums[config.name], seconds[config.name] = dict.fromkeys(STAT_DELTAS, 0), 0.0
+        sums[config.name] = {}
     sparse = plan.server.top_k is not None
     started = time.monotonic()
     try:
         with ServerProcess(argv, log_path=logs / f"{name}.log") as server:
+            before = server.oasis_stats() if sparse else {}
             for (task, context), group in groups.items():
-                for position, (config, options) in enumerate(todo):
-                    before, began = server.oasis_stats() if sparse else {}, time.monotonic()
-                    answers = run_group(server.url, group, concurrency, options, lead_alone=position == 0)
-                    seconds[config.name] += time.monotonic() - began
-                    if sparse:
-                        settle(server)
-                        after = server.oasis_stats()
-                        for stat in STAT_DELTAS:
-                            sums[config.name][stat] += int(after.get(stat, 0)) - int(before.get(stat, 0))
-                    scores = [None if isinstance(a, Exception) else TASKS[task].score(s, a)
+                replies = run_group(server.url, group, concurrency, [o for _, o in todo])
+                for (config, _), answers in zip(todo, replies, strict=True):
+                    for answer in answers:
+                        if isinstance(answer, Answer):
+                            add_figures(sums[config.name], answer.figures)
+                    scores = [None if isinstance(a, Exception) else TASKS[task].score(s, a.text)
                               for (s, _), a in zip(group, answers, strict=True)]  # fmt: skip
-                    shown = [f"{type(a).__name__}: {a}" if isinstance(a, Exception) else a for a in answers]
+                    shown = [
+                        f"{type(a).__name__}: {a}" if isinstance(a, Exception) else a.text for a in answers
+                    ]
                     results["tasks"][task][str(context)][config.name] = cell_entry(scores, shown)
                     print(f"  {config.name}: {task} @ {context}: {mean(scores)}", flush=True)
+            if sparse:
+                settle(server)
+                after = server.oasis_stats()
+                delta = {stat: int(after.get(stat, 0)) - int(before.get(stat, 0)) for stat in STAT_DELTAS}
+                server_entry["stats"] = delta
+                server_entry["unattributed"] = {
+                    stat: delta[stat] - round(sum(s.get(stat, 0) for s in sums.values()))
+                    for stat in ("decode_bytes_host_to_device", "decode_blocks_loaded")
+                }
     except Exception as exc:  # a server that does not start: record it and go on
         for entry in entries.values():
             entry["error"] = f"{type(exc).__name__}: {exc}"[:2000]
@@ -598,9 +656,8 @@ def run_server(
     for config, _ in todo:
         entry = entries[config.name]
         if sparse and "error" not in entry:
-            entry.update(decode_figures({}, sums[config.name]))
-        # its own requests' time (a shared server's start and the others' requests aside)
-        entry["wall_s"] = round(seconds[config.name], 1) if len(todo) > 1 else server_entry["wall_s"]
+            entry.update(decode_figures(sums[config.name]))
+        entry["wall_s"] = server_entry["wall_s"]  # the server's (a shared server's configs run together)
         cells = [by_config[config.name] for ctx in results["tasks"].values() for by_config in ctx.values()
                  if config.name in by_config]  # fmt: skip
         entry["requests"] = sum(len(c["scores"]) for c in cells)

@@ -78,6 +78,18 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
    filled only with custom logit processors enabled). The hook notes each request's ``custom_params`` by
    rid as the forward batch is built; the backend looks its batch's rids up (the batch it is handed is
    a copy of the one built here, so an attribute set on it would not reach it). Nothing else changes.
+10. ``Scheduler.get_output_streamer_class`` (sparse mode): each request's own decode figures
+   (``attention/request_ledger.py``: steps, blocks and bytes read from the host tier, sampled recall)
+   should reach its client, and SGLang's way to add per-request output fields is a subclass of its
+   output streamer with ``has_additional_customized_info`` (the scheduler's method picks the class; no
+   registry). The hook returns SGLang's class extended so: a finished request's figures go out as
+   ``meta_info["oasis"] = [figures]`` (``/generate``; an unfinished one's chunks carry ``[]``). With
+   SGLang's Rust egress (which refuses additional fields) the class is left as it is.
+11. ``TorchNativeAttnBackend._run_sdpa_forward_extend`` (sparse mode; not a hook: the oasis backend
+   subclasses SGLang's torch_native backend and overrides the method, ``attention/extend_attention.py``):
+   it computes an extend's attention over every row of the sequence, cached prefix included, and keeps
+   the new ones; the override computes only from the block of rows before them, bitwise the same.
+   ``test_sglang_hooks.py`` checks the method's parameters and that SGLang's ``forward_extend`` calls it.
 """
 
 from __future__ import annotations
@@ -107,6 +119,8 @@ FREED_ROW_LISTENER = "oasis_on_free_row"  # attribute of a DecodeReqToTokenPool:
 BACKUP_TARGET = "sglang.srt.mem_cache.common.backup_kv_cache"
 RELEASE_TARGET = "sglang.srt.managers.schedule_batch.release_req"
 FORWARD_BATCH_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
+STREAMER_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class"
+FIGURES_KEY = "oasis"  # meta_info key of a request's own figures (hook 10)
 BEFORE_BACKUP_LISTENER = "oasis_before_backup"  # attribute of a req-to-token pool: row -> KV whole locally?
 RETRACT_LISTENER = "oasis_on_retract"  # attribute of a req-to-token pool: (row, rid, tokens, backed_up)
 BACKEND_NAME = "oasis"
@@ -462,6 +476,29 @@ def carry_request_params(
     return original(cls, batch, *args, **kwargs)
 
 
+def report_request_figures(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+    """``Scheduler.get_output_streamer_class`` (hook 10): SGLang's output streamer class, extended to
+    send each finished request's figures (``RequestLedger.take``) with its last output."""
+    base = original(scheduler, *args, **kwargs)
+    if getattr(scheduler, "rust_server", None) is not None:
+        return base  # the Rust egress takes no additional fields (SGLang refuses them at start-up)
+
+    def build_additional_customized_info(streamer: Any, reqs: list[Any]) -> dict[str, list[Any]]:
+        ledger = getattr(getattr(_backend(scheduler), "stats", None), "requests", None)
+        values: list[Any] = []
+        for req in reqs:
+            figures = ledger.take(str(req.rid)) if ledger is not None and req.finished() else None
+            values.append([] if figures is None else [figures])
+        return {FIGURES_KEY: values}
+
+    namespace = {
+        "__slots__": (),
+        "has_additional_customized_info": True,
+        "build_additional_customized_info": build_additional_customized_info,
+    }
+    return type("OasisOutputStreamer", (base,), namespace)
+
+
 def register(config: OasisConfig) -> None:
     """Register the hooks this configuration needs (SGLang applies them after all plugins load)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -488,6 +525,7 @@ def register(config: OasisConfig) -> None:
     HookRegistry.register(BACKUP_TARGET, complete_before_backup, HookType.AROUND)  # PD decode only
     HookRegistry.register(RELEASE_TARGET, keep_before_release, HookType.AROUND)
     HookRegistry.register(FORWARD_BATCH_TARGET, carry_request_params, HookType.AROUND)
+    HookRegistry.register(STREAMER_TARGET, report_request_figures, HookType.AROUND)
 
 
 def patch_cpu_disaggregation() -> None:

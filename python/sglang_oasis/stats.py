@@ -13,6 +13,8 @@ from typing import Any
 
 import numpy as np
 
+from sglang_oasis.attention.request_ledger import RequestLedger
+
 # name -> help. Counters only grow; gauges are current values.
 COUNTERS = {
     "requests": "requests admitted in sparse mode",
@@ -113,7 +115,8 @@ def shm_name(port: int) -> str:
 
 
 class OasisStats:
-    """Named int64 counters over a shared-memory block (or process-local memory when ``name`` is None)."""
+    """Named int64 counters over a shared-memory block (or process-local memory when ``name`` is None),
+    and ``requests``: each running request's own figures (process-local, ``attention/request_ledger.py``)."""
 
     def __init__(self, shm: shared_memory.SharedMemory | None, owner: bool) -> None:
         self._shm = shm
@@ -123,6 +126,7 @@ class OasisStats:
         self._index = {name: i for i, name in enumerate(FIELDS)}
         self._gauges: dict[str, Any] | None = None
         self._recall_layer_gauge: Any = None  # LAYER_FIELDS' Prometheus gauge, labelled by layer
+        self.requests = RequestLedger()
 
     @classmethod
     def create(cls, port: int) -> OasisStats:

@@ -253,6 +253,38 @@ CHECK = textwrap.dedent(
             for rid, p in (("a", {"oasis_top_k": 8}), ("b", None))]
     built = hooks.carry_request_params(lambda cls, batch, runner: "built", ForwardBatch, SimpleNamespace(reqs=reqs), None)
     assert built == "built" and batch_params(["b", "a", "c"]) == [None, {"oasis_top_k": 8}, None]
+
+    # Hook 10: a finished request's own figures go out with its last output (meta_info["oasis"]).
+    from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+    from sglang.srt.managers.tokenizer_manager import TokenizerManager
+    from sglang_oasis.attention.request_ledger import RequestLedger
+    found = list(inspect.signature(pkgutil.resolve_name(hooks.STREAMER_TARGET)).parameters)
+    assert found == ["self"], found
+    assert "self.get_output_streamer_class()(" in inspect.getsource(Scheduler)
+    assert SchedulerOutputStreamer.has_additional_customized_info is False
+    streamer_source = inspect.getsource(SchedulerOutputStreamer._stream_output_generation)
+    assert "build_additional_customized_info(" in streamer_source, "hook 10: SGLang no longer asks for fields"
+    assert "customized_info" in inspect.getsource(TokenizerManager.update_request_meta_info)
+    ledger = RequestLedger()
+    ledger.begin([1, 2], [0, 0], ["done", "running"], decode=True)
+    scheduler = SimpleNamespace(rust_server=None, tp_worker=SimpleNamespace(model_runner=SimpleNamespace(
+        attn_backend=SimpleNamespace(stats=SimpleNamespace(requests=ledger)))))
+    cls = hooks.report_request_figures(lambda s: SchedulerOutputStreamer, scheduler)
+    assert issubclass(cls, SchedulerOutputStreamer) and cls.has_additional_customized_info
+    reqs = [SimpleNamespace(rid="done", finished=lambda: True), SimpleNamespace(rid="running", finished=lambda: False)]
+    info = cls.build_additional_customized_info(None, reqs)
+    assert info == {"oasis": [[ledger_figures := info["oasis"][0][0]], []]}, info
+    assert ledger_figures["decode_steps"] == 1 and ledger.take("done") is None
+    rust = SimpleNamespace(rust_server=object())
+    assert hooks.report_request_figures(lambda s: SchedulerOutputStreamer, rust) is SchedulerOutputStreamer
+
+    # 11: the oasis backend's dense extend overrides SGLang's torch_native one by name and parameters.
+    from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+    from sglang_oasis.attention.extend_attention import CachedPrefixExtend
+    theirs = list(inspect.signature(TorchNativeAttnBackend._run_sdpa_forward_extend).parameters)
+    ours = list(inspect.signature(CachedPrefixExtend._run_sdpa_forward_extend).parameters)
+    assert theirs == ours, (theirs, ours)
+    assert "self._run_sdpa_forward_extend(" in inspect.getsource(TorchNativeAttnBackend.forward_extend)
     print("hooks-ok")
     """
 )

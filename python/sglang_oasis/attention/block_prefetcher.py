@@ -66,6 +66,7 @@ class JobResult(NamedTuple):
     select_ns: int
     transfer_ns: int
     failed: dict[int, tuple[int, str]]  # req row -> (generation of the request that failed, message)
+    host_loads: tuple[tuple[int, int, int], ...] = ()  # (req row, generation, blocks read from the host)
 
 
 class BlockPrefetcher:
@@ -133,6 +134,10 @@ class BlockPrefetcher:
         generation = dict(zip(job.reqs.tolist(), job.generations, strict=True))
         host_plan = plan.subset(~from_active, plan.deferred)
         failed = {req: (generation[req], message) for req, message in self._transfer(job, host_plan).items()}
+        per_row = torch.bincount(host_plan.batch_rows, minlength=len(job.reqs)).tolist()
+        host_loads = tuple(
+            (req, generation[req], n) for req, n in zip(job.reqs.tolist(), per_row, strict=True) if n
+        )
         return JobResult(
             layer_id=job.layer_id,
             admission=job.admission,
@@ -146,6 +151,7 @@ class BlockPrefetcher:
             select_ns=chosen - started,
             transfer_ns=time.perf_counter_ns() - chosen,
             failed=failed,
+            host_loads=host_loads,
         )
 
     def _choose(self, job: SelectionJob) -> tuple[torch.Tensor, torch.Tensor, int]:

@@ -70,7 +70,10 @@ class KVIntake:
                 keys = active.k[layer_id][ring.to(active.k.device)]
             else:
                 self.attention.count_host_read(
-                    "catch_up_bytes_host_to_device", len(locations), keys_only=True
+                    "catch_up_bytes_host_to_device",
+                    reqs[rows],
+                    (seq_lens[rows] - starts[rows]).clamp(min=0),
+                    keys_only=True,
                 )
                 keys = self.kv_pool.get_key_buffer(layer_id)[locations]
             self.summaries.update(layer_id, locations, keys)

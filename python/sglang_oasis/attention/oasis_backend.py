@@ -5,8 +5,8 @@ In sparse mode SGLang's KV pool is the host tier (page size = block size); the d
 class adapts SGLang's backend interface to the parts that do the work, one file each:
 ``request_slots.py`` (which request holds which device slot; warm starts), ``sparse_attention.py``
 (attention over working set + active tail), ``selector.py`` (each step's top-K and the prefetch jobs
-that move blocks), ``pd_node.py`` (PD disaggregation's staging and arrivals) and
-``transfer_failures.py``.
+that move blocks), ``pd_node.py`` (PD disaggregation's staging and arrivals), ``transfer_failures.py``
+and ``extend_attention.py`` (dense extends after a cached prefix, computing only their own rows).
 
 Per layer, an extend (prefill, or a suffix after a prefix hit) attends densely over the pool as SGLang's
 torch_native backend does, folds the new keys into the summaries and selects the first working sets
@@ -29,6 +29,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_oasis.attention.batch_view import BatchView, extend_prefix_lens
 from sglang_oasis.attention.block_prefetcher import INJECT_ENV
+from sglang_oasis.attention.extend_attention import CachedPrefixExtend
 from sglang_oasis.attention.gauges import Gauges
 from sglang_oasis.attention.kv_intake import KVIntake
 from sglang_oasis.attention.pd_node import PDNode
@@ -52,7 +53,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class OasisAttnBackend(TorchNativeAttnBackend):
+class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
     def __init__(
         self,
         model_runner: Any,
@@ -135,6 +136,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         the layers see (each row's own top-K and recall target: ``request_options.py``)."""
         generations = [int(g) for g in self.req_to_token_pool.req_generation[reqs].tolist()]
         options = read_options(params, self.config, self.pd.disaggregated)
+        self.stats.requests.begin(reqs, generations, rids, mode.is_decode() or mode.is_target_verify())
         for row, message in options.errors.items():  # they fail alone, at this pass's result
             self.failures.report(reqs[row], generations[row], message)
         admission: bool | torch.Tensor = mode.is_extend() and not mode.is_target_verify()
@@ -216,7 +218,7 @@ class OasisAttnBackend(TorchNativeAttnBackend):
         if layer.is_cross_attention or layer_id in self.dense_layers:
             if not layer.is_cross_attention:  # attends every committed token, read from the host tier
                 self.attention.count_host_read(
-                    "dense_layer_bytes_host_to_device", int(forward_batch.seq_lens.sum())
+                    "dense_layer_bytes_host_to_device", self.batch.reqs, forward_batch.seq_lens.cpu()
                 )
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
         self.selector.wait(layer_id)
@@ -228,7 +230,8 @@ class OasisAttnBackend(TorchNativeAttnBackend):
             pool.set_kv_buffer(layer, KVWriteLoc(loc, self.swa_out_cache_loc), k, v)
             self.intake.summarise(self.batch, layer_id, loc, k, seq_lens)
         else:  # the token's K and V are already in the host tier only
-            self.attention.count_host_read("tail_bytes_host_to_device", len(loc))
+            new = torch.full((len(self.batch.reqs),), len(loc) // max(1, len(self.batch.reqs)))
+            self.attention.count_host_read("tail_bytes_host_to_device", self.batch.reqs, new)
             k, v = pool.get_key_buffer(layer_id)[loc], pool.get_value_buffer(layer_id)[loc]
         q_rows = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
         if self.strict is not None and self.strict.read_host_pool:  # the deliberately broken variant
@@ -289,13 +292,8 @@ class OasisAttnBackend(TorchNativeAttnBackend):
 
     def _poison_if_strict(self, layer_id: int) -> None:
         if self.strict is not None:
-            StrictMode.poison_resident_blocks(
-                self.working_sets,
-                self.req_to_token_pool.req_to_token,
-                self.token_to_kv_pool,
-                self.batch,
-                layer_id,
-            )
+            pool, table = self.token_to_kv_pool, self.req_to_token_pool.req_to_token
+            StrictMode.poison_resident_blocks(self.working_sets, table, pool, self.batch, layer_id)
 
 
 def create_oasis_backend(model_runner: Any) -> TorchNativeAttnBackend:

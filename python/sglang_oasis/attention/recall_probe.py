@@ -190,6 +190,9 @@ class RecallProbe:
             self.stats.add("recall_samples", len(recall))
             self.stats.add("recall_sum_ppm", round(1e6 * float(recall.sum())))
             self.stats.add("lookahead_agreement_sum_ppm", round(1e6 * float(agreement.sum())))
+            self.stats.requests.add_recall(
+                batch.reqs[row], len(recall), float(recall.sum()), float(agreement.sum())
+            )
             self._recall.extend(recall.tolist())
             self._agreement.extend(agreement.tolist())
             self._per_layer.setdefault(layer_id, deque(maxlen=WINDOW)).extend(recall.tolist())

@@ -302,6 +302,7 @@ class Selector:
             stats.add("blocks_from_active", result.from_active)
             stats.add("decode_blocks_loaded", host_loads)
             stats.add("decode_bytes_host_to_device", bytes_loaded)
+            stats.requests.add_loads(result.host_loads, self.working_sets.bytes_per_block)
             stats.add("blocks_deferred", result.deferred)
             self.caps.observe(result.layer_id, (host_loads + result.deferred) / max(1, result.heads))
         for req, (generation, message) in result.failed.items():

@@ -14,6 +14,7 @@ committed token (counted in ``dense_layer_bytes_host_to_device``).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, NamedTuple
 
 import torch
@@ -58,13 +59,20 @@ class SparseAttention:
         # Bytes of one token's K and V for one KV head in one layer.
         self.token_bytes = 2 * int(kv_pool.head_dim) * self.working_sets.k.element_size()
 
-    def count_host_read(self, counter: str, tokens: int, keys_only: bool = False) -> None:
-        """Count a decode-time read of ``tokens`` tokens' K and V (or keys only) of every KV head of one
-        layer from the host tier, outside the working-set loads: in ``counter`` and in the totals."""
-        nbytes = tokens * self.num_kv_heads * (self.token_bytes // 2 if keys_only else self.token_bytes)
-        self.stats.add(counter, nbytes)
-        self.stats.add("bytes_host_to_device", nbytes)
-        self.stats.add("decode_bytes_host_to_device", nbytes)
+    def count_host_read(
+        self, counter: str, reqs: Sequence[int] | torch.Tensor, tokens: torch.Tensor, keys_only: bool = False
+    ) -> None:
+        """Count a decode-time read of ``tokens[i]`` tokens' K and V (or keys only) of request row
+        ``reqs[i]``, every KV head of one layer, from the host tier, outside the working-set loads: in
+        ``counter``, in the totals and in each request's figures (``request_ledger.py``)."""
+        per_token = self.num_kv_heads * (self.token_bytes // 2 if keys_only else self.token_bytes)
+        nbytes = [int(n) * per_token for n in tokens.tolist()]
+        total = sum(nbytes)
+        self.stats.add(counter, total)
+        self.stats.add("bytes_host_to_device", total)
+        self.stats.add("decode_bytes_host_to_device", total)
+        rows = reqs.tolist() if isinstance(reqs, torch.Tensor) else reqs
+        self.stats.requests.add_bytes([int(r) for r in rows], nbytes)
 
     def advance(
         self, batch: BatchView, layer_id: int, first: torch.Tensor, k: torch.Tensor, v: torch.Tensor
@@ -134,7 +142,7 @@ class SparseAttention:
         """K and V of positions ``[starts, ends)`` of request rows ``reqs``, read from the host tier and
         counted (``tail_bytes_host_to_device``)."""
         locs = self.pool_locs(reqs, starts, ends)
-        self.count_host_read("tail_bytes_host_to_device", len(locs))
+        self.count_host_read("tail_bytes_host_to_device", reqs, (ends - starts).clamp(min=0))
         return self.kv_pool.get_key_buffer(layer_id)[locs], self.kv_pool.get_value_buffer(layer_id)[locs]
 
     def pool_locs(self, reqs: torch.Tensor, starts: torch.Tensor, ends: torch.Tensor) -> torch.Tensor:
@@ -251,7 +259,7 @@ class SparseAttention:
         locations = torch.where(
             committed, self.req_to_token_pool.req_to_token[batch.req_index[:, None], positions], 0
         ).long()
-        self.count_host_read("dense_layer_bytes_host_to_device", int(seq_lens.sum()) + draft_locs.numel())
+        self.count_host_read("dense_layer_bytes_host_to_device", batch.reqs, seq_lens + draft_locs.shape[1])
         locations = torch.cat([locations, draft_locs.cpu()], dim=1)
         keys = self.kv_pool.get_key_buffer(layer_id)[locations].transpose(1, 2)
         values = self.kv_pool.get_value_buffer(layer_id)[locations].transpose(1, 2)
