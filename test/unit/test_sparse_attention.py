@@ -1,7 +1,8 @@
 """``SparseAttention``'s tails on constructed cases: a row whose tail the active blocks hold attends it
 from there; a PD arrival's dense first step (a tail longer than they hold) reads the host tier, in a call
 of its own so that the batch's other rows are not padded to its whole context (issue 25 item 7); a
-request's attention reads the same keys in the same shape alone or in any batch (issue 25 item 13)."""
+request's attention reads the same keys in the same shape alone or in any batch (issue 25 item 13), its
+working set up to its own last occupied slot whatever the batch's others hold."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 
 from sglang_oasis.attention import sparse_attention
 from sglang_oasis.attention.batch_view import BatchView
-from sglang_oasis.attention.sparse_attention import SparseAttention
+from sglang_oasis.attention.sparse_attention import SparseAttention, slot_spans
 from sglang_oasis.memory.device_layout import TierShape, layout
 from sglang_oasis.memory.device_tier import DeviceTier
 from sglang_oasis.stats import OasisStats
@@ -150,3 +151,63 @@ def test_a_request_attends_the_same_alone_as_in_a_batch(monkeypatch: pytest.Monk
     assert widths[0] == widths[1]  # the batch's call and request 0's own: the same tail width
     assert torch.equal(together[0], alone[0])
     torch.testing.assert_close(together[1], run([1])[0])
+
+
+def test_slot_spans_reach_each_requests_last_occupied_slot() -> None:
+    empty = -1
+    slot_rows = torch.tensor(
+        [
+            [[empty] * 6, [empty] * 6],  # nothing resident: the smallest span
+            [[4, empty, empty, empty, empty, empty], [7, 8, 9, empty, empty, empty]],  # 3 on head 1
+            [[1, 2, 3, 4, 5, 6], [empty] * 6],  # every slot
+        ]
+    )
+    assert slot_spans(slot_rows, step=2).tolist() == [2, 4, 6]
+    assert slot_spans(slot_rows, step=4).tolist() == [4, 4, 6]  # rounded up, at most every slot
+
+
+def test_a_request_attends_its_own_span_alone_and_beside_a_fuller_working_set(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Request 0 (no resident block) beside request 1 (both slots of each head full): one call per span,
+    and each request's output is bitwise what it gets alone."""
+    monkeypatch.setattr(sparse_attention, "SPAN_STEP", 1)
+    gen = torch.Generator().manual_seed(3)
+    q = torch.randn(2, Q_HEADS, DIM, generator=gen)
+    layer = SimpleNamespace(layer_id=0, scaling=0.5)
+    spans: list[int] = []
+    real = sparse_attention.ops.headwise_decode_attention
+
+    def recording(*args: torch.Tensor) -> torch.Tensor:
+        spans.append(args[3].shape[2])  # slot_rows: [rows of the call, kv_heads, slots read]
+        return real(*args)
+
+    monkeypatch.setattr(sparse_attention.ops, "headwise_decode_attention", recording)
+
+    def run(rows: list[int]) -> torch.Tensor:
+        attention, pool = _setup(torch.Generator().manual_seed(0))
+        attention.req_to_token_pool.req_to_token[1, :12] = torch.arange(12, dtype=torch.int32)
+        sets = attention.working_sets  # request 1 holds blocks 0 and 1 (positions 0..7), tail 8..10
+        sets.covered[1, 0] = 2
+        sets.slot_block[1, 0] = torch.tensor([[0, 1], [1, 0]])
+        for head in range(HEADS):
+            for slot, block in enumerate(sets.slot_block[1, 0, head].tolist()):
+                sets.k[1, 0, head, slot] = pool.k[block * BLOCK : (block + 1) * BLOCK, head]
+                sets.v[1, 0, head, slot] = pool.v[block * BLOCK : (block + 1) * BLOCK, head]
+        attention.active.store(
+            0, torch.tensor([1]), torch.tensor([8]), torch.tensor([11]), pool.k[8:11], pool.v[8:11]
+        )
+        index = torch.tensor(rows)
+        batch = BatchView(
+            rows, index, index, [0] * len(rows), step=1, admitting=torch.zeros(len(rows), dtype=torch.bool)
+        )
+        seq_lens = torch.tensor([10, 12])[index]
+        new = torch.tensor([49, 11])[index]
+        return attention.decode(batch, q[index], layer, seq_lens, pool.k[new], pool.v[new])
+
+    together = run([0, 1])
+    assert sorted(spans) == [1, 2]  # request 0 reads one (empty) slot, request 1 both
+    alone = [run([0])[0], run([1])[0]]
+    assert torch.equal(together[0], alone[0]) and torch.equal(together[1], alone[1])
+    pool = _setup(torch.Generator().manual_seed(0))[1]  # request 1 sees all its 12 tokens: dense
+    torch.testing.assert_close(together[1], reference(q[1], pool.k[:12], pool.v[:12], 0.5))

@@ -25,6 +25,21 @@ from sglang_oasis.memory.active_blocks import concat_ranges
 from sglang_oasis.memory.device_tier import DeviceTier
 from sglang_oasis.stats import OasisStats
 
+# A request's decode attention reads its working-set slots up to its last occupied one, rounded up to this.
+SPAN_STEP = 8
+
+
+def slot_spans(slot_rows: torch.Tensor, step: int = SPAN_STEP) -> torch.Tensor:
+    """``[bs]``: how many working-set slots each request's decode attention reads (``slot_rows`` ``[bs,
+    kv_heads, slots]``, -1 where empty): up to its last occupied slot on any KV head, rounded up to
+    ``step``, at most every slot. A function of the request's own slots, so its attention has the same
+    shape alone or in any batch; a K = 16 request on a server that reserves 128 blocks per head no longer
+    attends ~130 empty slots (masked, but computed)."""
+    slots = slot_rows.shape[-1]
+    occupied = (slot_rows >= 0).any(dim=1)  # [bs, slots]
+    last = torch.where(occupied, torch.arange(1, slots + 1), 0).amax(dim=-1)
+    return ((last + step - 1) // step * step).clamp(min=step, max=slots)
+
 
 class Tail(NamedTuple):
     """What one layer's attention reads besides the working sets, for a batch."""
@@ -171,17 +186,30 @@ class SparseAttention:
                 "oasis strict device mode: decode attention was given a tensor outside the device tier"
             )
         device = ws_k.device  # host-built index tensors: non_blocking, so the stream need not drain first
-        return ops.headwise_decode_attention(
-            q_rows,
-            ws_k,
-            ws_v,
-            self.working_sets.slot_rows(batch.slots, layer_id).to(device, non_blocking=True),
-            tail.k,
-            tail.v,
-            tail.locs.to(device, non_blocking=True),
-            valid.to(device, non_blocking=True),
-            layer.scaling,
-        )
+        slot_rows = self.working_sets.slot_rows(batch.slots, layer_id)
+        spans = slot_spans(slot_rows, SPAN_STEP)
+
+        def attend(rows: torch.Tensor | slice, span: int) -> torch.Tensor:
+            return ops.headwise_decode_attention(
+                q_rows[rows],
+                ws_k,
+                ws_v,
+                slot_rows[rows, :, :span].contiguous().to(device, non_blocking=True),
+                tail.k,
+                tail.v,
+                tail.locs[rows].to(device, non_blocking=True),
+                valid[rows].to(device, non_blocking=True),
+                layer.scaling,
+            )
+
+        parts = spans.unique().tolist()
+        if len(parts) == 1:
+            return attend(slice(None), parts[0])
+        out = torch.empty_like(q_rows)  # one call per span: each request's attention as it is alone
+        for span in parts:
+            rows = (spans == span).nonzero().flatten()
+            out[rows.to(out.device)] = attend(rows, span)
+        return out
 
     def decode(
         self,
