@@ -43,6 +43,38 @@ def reference(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, scale: 
     return torch.einsum("ht,thd->hd", weights, v)
 
 
+def recorded(monkeypatch: pytest.MonkeyPatch, arg: int, dim: int) -> list[int]:
+    """Record ``shape[dim]`` of argument ``arg`` of every ``headwise_decode_attention`` call."""
+    seen: list[int] = []
+    real = sparse_attention.ops.headwise_decode_attention
+
+    def recording(*args: torch.Tensor) -> torch.Tensor:
+        seen.append(args[arg].shape[dim])
+        return real(*args)
+
+    monkeypatch.setattr(sparse_attention.ops, "headwise_decode_attention", recording)
+    return seen
+
+
+def decode_rows(
+    attention: SparseAttention,
+    pool: Pool,
+    q: torch.Tensor,
+    rows: list[int],
+    seq_lens: list[int],
+    new: list[int],
+) -> torch.Tensor:
+    """A decode step of request ``rows`` (of requests 0 and 1: ``seq_lens`` with the step's token, whose
+    K and V sit at pool location ``new``), no admission."""
+    index = torch.tensor(rows)
+    batch = BatchView(
+        rows, index, index, [0] * len(rows), step=1, admitting=torch.zeros(len(rows), dtype=torch.bool)
+    )
+    locs = torch.tensor(new)[index]
+    layer = SimpleNamespace(layer_id=0, scaling=0.5)
+    return attention.decode(batch, q[index], layer, torch.tensor(seq_lens)[index], pool.k[locs], pool.v[locs])
+
+
 def _setup(gen: torch.Generator) -> tuple[SparseAttention, Pool]:
     shape = TierShape(1, HEADS, DIM, 4, host_pages=18, block_size=BLOCK, slots_per_head=2, window_blocks=0,
                       active_tokens=BLOCK)  # fmt: skip
@@ -77,14 +109,7 @@ def test_a_dense_first_step_attends_apart_from_the_rest_of_the_batch(monkeypatch
     seq_lens = torch.tensor([10, 30])
     q = torch.randn(2, Q_HEADS, DIM, generator=gen)
     k, v = pool.k[[49, 29]], pool.v[[49, 29]]  # the step's new tokens (positions 9 and 29)
-    widths = []
-    real = sparse_attention.ops.headwise_decode_attention
-
-    def recording(*args: torch.Tensor) -> torch.Tensor:
-        widths.append(args[6].shape[1])  # tail_locs: [rows of the call, tail + new tokens]
-        return real(*args)
-
-    monkeypatch.setattr(sparse_attention.ops, "headwise_decode_attention", recording)
+    widths = recorded(monkeypatch, arg=6, dim=1)  # tail_locs: [rows of the call, tail + new tokens]
     out = attention.decode(batch, q, SimpleNamespace(layer_id=0, scaling=0.5), seq_lens, k, v)
     # One call per kind of row; request 0's tail is padded to the active span (its width alone or in
     # any batch), not to request 1's 30 tokens.
@@ -120,17 +145,8 @@ def test_verify_rows_of_a_mixed_batch_equal_each_request_alone() -> None:
 def test_a_request_attends_the_same_alone_as_in_a_batch(monkeypatch: pytest.MonkeyPatch) -> None:
     """Greedy output must not depend on what else runs: request 0 (a 1-token tail) decodes bitwise the
     same alone as beside request 1 (a 3-token tail), in a call of the same width."""
-    gen = torch.Generator().manual_seed(2)
-    q = torch.randn(2, Q_HEADS, DIM, generator=gen)
-    layer = SimpleNamespace(layer_id=0, scaling=0.5)
-    widths: list[int] = []
-    real = sparse_attention.ops.headwise_decode_attention
-
-    def recording(*args: torch.Tensor) -> torch.Tensor:
-        widths.append(args[6].shape[1])
-        return real(*args)
-
-    monkeypatch.setattr(sparse_attention.ops, "headwise_decode_attention", recording)
+    q = torch.randn(2, Q_HEADS, DIM, generator=torch.Generator().manual_seed(2))
+    widths = recorded(monkeypatch, arg=6, dim=1)  # tail_locs: [rows of the call, tail + new tokens]
 
     def run(rows: list[int]) -> torch.Tensor:
         attention, pool = _setup(torch.Generator().manual_seed(0))
@@ -139,13 +155,7 @@ def test_a_request_attends_the_same_alone_as_in_a_batch(monkeypatch: pytest.Monk
         attention.active.store(
             0, torch.tensor([1]), torch.tensor([28]), torch.tensor([31]), pool.k[28:31], pool.v[28:31]
         )
-        index = torch.tensor(rows)
-        batch = BatchView(
-            rows, index, index, [0] * len(rows), step=1, admitting=torch.zeros(len(rows), dtype=torch.bool)
-        )
-        seq_lens = torch.tensor([10, 32])[index]
-        new = torch.tensor([49, 31])[index]
-        return attention.decode(batch, q[index], layer, seq_lens, pool.k[new], pool.v[new])
+        return decode_rows(attention, pool, q, rows, [10, 32], [49, 31])
 
     together, alone = run([0, 1]), run([0])
     assert widths[0] == widths[1]  # the batch's call and request 0's own: the same tail width
@@ -172,17 +182,8 @@ def test_a_request_attends_its_own_span_alone_and_beside_a_fuller_working_set(
     """Request 0 (no resident block) beside request 1 (both slots of each head full): one call per span,
     and each request's output is bitwise what it gets alone."""
     monkeypatch.setattr(sparse_attention, "SPAN_STEP", 1)
-    gen = torch.Generator().manual_seed(3)
-    q = torch.randn(2, Q_HEADS, DIM, generator=gen)
-    layer = SimpleNamespace(layer_id=0, scaling=0.5)
-    spans: list[int] = []
-    real = sparse_attention.ops.headwise_decode_attention
-
-    def recording(*args: torch.Tensor) -> torch.Tensor:
-        spans.append(args[3].shape[2])  # slot_rows: [rows of the call, kv_heads, slots read]
-        return real(*args)
-
-    monkeypatch.setattr(sparse_attention.ops, "headwise_decode_attention", recording)
+    q = torch.randn(2, Q_HEADS, DIM, generator=torch.Generator().manual_seed(3))
+    spans = recorded(monkeypatch, arg=3, dim=2)  # slot_rows: [rows of the call, kv_heads, slots read]
 
     def run(rows: list[int]) -> torch.Tensor:
         attention, pool = _setup(torch.Generator().manual_seed(0))
@@ -197,13 +198,7 @@ def test_a_request_attends_its_own_span_alone_and_beside_a_fuller_working_set(
         attention.active.store(
             0, torch.tensor([1]), torch.tensor([8]), torch.tensor([11]), pool.k[8:11], pool.v[8:11]
         )
-        index = torch.tensor(rows)
-        batch = BatchView(
-            rows, index, index, [0] * len(rows), step=1, admitting=torch.zeros(len(rows), dtype=torch.bool)
-        )
-        seq_lens = torch.tensor([10, 12])[index]
-        new = torch.tensor([49, 11])[index]
-        return attention.decode(batch, q[index], layer, seq_lens, pool.k[new], pool.v[new])
+        return decode_rows(attention, pool, q, rows, [10, 12], [49, 11])
 
     together = run([0, 1])
     assert sorted(spans) == [1, 2]  # request 0 reads one (empty) slot, request 1 both
