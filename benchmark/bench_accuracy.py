@@ -34,10 +34,11 @@ Default full run (``python benchmark/bench_accuracy.py --json accuracy.json``): 
 K = 16, 32, 64, 128, target90) on 2 servers, all 30 layers in float32. With a server per config it took
 ~19 minutes per server on the 2-core CPU machines (2026-12-02: dense and K = 16 / 64 1,142-1,168 s,
 target90 1,343 s), ~2 hours in all; with the shared server running its configs one after another,
-~95 minutes projected (2026-12-03: ~45 minutes for the ~1K-4K groups). Since the configs run at once
-and an extend after a cached prefix computes only its own rows (``attention/extend_attention.py``: a
-32-token window after 2K cached took 87 ms per layer in SGLang's torch_native extend, 3.7 ms now), see
-``docs/results.md`` for the time measured. ``--dry-run`` prints the estimate of any plan without
+~95 minutes projected (2026-12-03: ~45 minutes for the ~1K-4K groups). With the configs at once and
+an extend after a cached prefix computing only its own rows (``attention/extend_attention.py``: a
+32-token window after 2K cached took 87 ms per layer in SGLang's torch_native extend, 3.7 ms now) it
+took 61 minutes (2026-12-03, commit c0dd28f: dense 1,245 s, the shared server 2,421 s;
+``docs/results.md``); the estimate below says 49. ``--dry-run`` prints the estimate of any plan without
 starting a server (its model, calibrated on the 2026-12-02 run: prefill ~4.3 ms per new token plus
 attention, 4K from scratch ~29 s; decode ~110 ms per step plus ~90 ms per further sparse request in
 the batch; ~45 s per server start; prefix reuse leaves ~75% of the prompt tokens to prefill). Each
