@@ -34,9 +34,11 @@ from accuracy_tasks import (
 from bench_accuracy import (
     BLOCK,
     PrefixCache,
+    add_figures,
     cell_entry,
     common_prefix,
     config_summary,
+    decode_figures,
     device_kv_tokens,
     estimate,
     lead_first,
@@ -433,6 +435,21 @@ def test_sparse_configs_share_a_server_when_a_requests_options_can_set_them() ->
     assert plans[1].options == tuple(request_options(c) for c in plans[1].configs)
     assert [len(p.configs) for p in server_plans(configs, separate=True)] == [1] * 6
     assert [len(p.configs) for p in server_plans(server_configs([16]))] == [1, 1]  # one sparse: its own
+
+
+def test_a_configs_decode_figures_sum_its_requests_own() -> None:
+    sums: dict[str, float] = {}
+    add_figures(sums, {"decode_steps": 10, "decode_blocks_loaded": 30, "decode_bytes_host_to_device": 3000,
+                       "recall_samples": 4, "recall_mean": 0.5})  # fmt: skip
+    add_figures(sums, {"decode_steps": 5, "decode_blocks_loaded": 0, "decode_bytes_host_to_device": 0,
+                       "recall_samples": 0, "recall_mean": None})  # never sampled  # fmt: skip
+    add_figures(sums, None)  # a dense server's reply carries none
+    figures = decode_figures(sums)
+    assert figures["request_figures"] == {"decode_steps": 15, "decode_blocks_loaded": 30,
+                                          "decode_bytes_host_to_device": 3000, "recall_samples": 4}  # fmt: skip
+    assert figures["decode_bytes_per_step"] == 200 and figures["decode_blocks_per_step"] == 2
+    assert figures["recall_mean"] == 0.5  # weighted by samples: the unsampled request adds none
+    assert decode_figures({})["decode_bytes_per_step"] is None
 
 
 def test_cells_summaries_and_table() -> None:
