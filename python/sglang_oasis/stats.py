@@ -19,8 +19,10 @@ from sglang_oasis.attention.request_ledger import RequestLedger
 COUNTERS = {
     "requests": "requests admitted in sparse mode",
     "arrived_requests": "requests whose KV arrived from a prefill node (PD decode) rather than an extend here",
-    "retracted_requests": "requests SGLang retracted on this PD decode node whose selection state was kept",
+    "retracted_requests": "requests SGLang retracted whose selection state was kept",
     "resumed_requests": "retracted requests resumed with their kept selection state (no new admission)",
+    "resumed_kv_tokens": "positions whose kept decode K and V a re-prefilled retracted request's extend put back "
+    "in place of its recompute",
     "decode_steps": "decode forward passes",
     "selections": "(request, layer) block selections made",
     "selection_changes": "blocks newly selected into a working set (the sum over selections)",

@@ -411,8 +411,10 @@ def test_a_retracted_request_re_prefilled_goes_on_as_it_would_have(redo: bool) -
     new row. With its selection state kept (hook 8 at the release), the extend that reaches its length
     loads the kept working sets from the pages it just wrote and its last row attends as the decode step
     the request would have taken: that row, the next working sets and every later step equal the
-    never-retracted request's, bit for bit (the KV here is the same; a real re-prefill recomputes it).
-    Before, the last row attended densely and the working sets were chosen afresh."""
+    never-retracted request's, bit for bit. The re-prefill's K and V of the output positions here differ
+    from the decode steps' (a real extend computes them by dense attention): the kept ones are put back
+    (``retracted_kv.py``). Before, the last row attended densely and the working sets were chosen afresh;
+    then the recomputed K and V stood."""
     prompt, steps_before, steps_after = 6 * BLOCK + 1, 3, 4
     gen = torch.Generator().manual_seed(11)
     total = prompt + steps_before + 1 + steps_after
@@ -427,15 +429,21 @@ def test_a_retracted_request_re_prefilled_goes_on_as_it_would_have(redo: bool) -
         table[1, :48] = torch.arange(48, 96, dtype=torch.int32)  # a new row's pages
         return backend
 
-    def extend(backend: OasisAttnBackend, row: int, length: int) -> torch.Tensor:
+    def extend(backend: OasisAttnBackend, row: int, length: int, recomputed: int = 0) -> torch.Tensor:
+        """``recomputed``: positions from there to the last row get other K and V than the decode steps
+        had (the last row's step is computed here, as the decode step would compute it)."""
         locs = backend.req_to_token_pool.req_to_token[row, :length].long()
+        k, v = keys[:length].clone(), values[:length].clone()
+        if recomputed:
+            k[recomputed:-1] += torch.randn(length - 1 - recomputed, DIM, generator=gen)
+            v[recomputed:-1] += torch.randn(length - 1 - recomputed, DIM, generator=gen)
         backend.begin_batch(ForwardMode.EXTEND, [row], [length], [0], ["rid-0"])
         batch = SimpleNamespace(
             forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor([row]), seq_lens=torch.tensor([length]),
             out_cache_loc=locs, extend_prefix_lens=torch.tensor([0]), extend_seq_lens=torch.tensor([length]),
             extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[length], encoder_lens=None,
         )  # fmt: skip
-        out = backend.forward_extend(queries[:length], keys[:length], values[:length], layer, batch)
+        out = backend.forward_extend(queries[:length], k, v, layer, batch)
         backend.selector.finish_pending()
         return out[-1]
 
@@ -469,7 +477,10 @@ def test_a_retracted_request_re_prefilled_goes_on_as_it_would_have(redo: bool) -
     retracted.req_to_token_pool.req_generation[0] += 1  # SGLang freed the row
     retracted.step += 3  # other requests decoded meanwhile
     assert retracted.stats.snapshot()["retracted_requests"] == 1
-    torch.testing.assert_close(extend(retracted, 1, tokens), alone[tokens - 1][0], rtol=0, atol=0)
+    # The extend's own row for the redone step (tokens - 1) is computed afresh, as the step would be.
+    redone = extend(retracted, 1, tokens, recomputed=prompt)
+    assert retracted.stats.snapshot()["resumed_kv_tokens"] == tokens - 1 - prompt
+    torch.testing.assert_close(redone, alone[tokens - 1][0], rtol=0, atol=0)
     assert state(retracted, 1) == alone[tokens - 1][1], "the re-prefill's selection left the path"
     for position in range(tokens, total):
         torch.testing.assert_close(decode(retracted, 1, position), alone[position][0], rtol=0, atol=0)

@@ -22,8 +22,12 @@ the summaries caught up from them at its step (min/max: exact); a request retrac
 step here keeps its prefill node's hand-off instead. Re-prefill: at the extend that reaches the
 request's length (its last chunk) each layer loads the blocks from the pages the extend just wrote,
 and the last row's attention becomes the sparse step the request would have taken (working set, active
-tail, itself); its selection is a decode step's. The re-prefill recomputes the KV, so the step is
-the same up to the rounding of that recompute (as for dense SGLang).
+tail, itself); its selection is a decode step's. The K and V its decode steps computed (positions from
+its prompt's length on) are kept too and put back in place of the extend's recomputed rows at every
+layer, before they are written, summarised or attended: an extend would compute them by dense attention,
+not the sparse steps that made them (up to ``SAVED_KV_BYTES`` for all kept requests; beyond it, and for
+positions an earlier chunk recomputed, the recompute stands). The prompt is recomputed by an extend as it
+was first computed, so the step is the same up to that recompute's rounding (as for dense SGLang).
 
 Saved states are dropped when taken and bounded in number (a retracted request SGLang aborts while it
 waits is never resumed): the oldest go first.
@@ -42,6 +46,7 @@ from sglang_oasis.attention.batch_view import BatchView
 from sglang_oasis.attention.pd_node import PDNode
 from sglang_oasis.attention.recall_probe import RecallProbe
 from sglang_oasis.attention.request_slots import RequestSlots
+from sglang_oasis.attention.retracted_kv import SavedKV, put_back
 from sglang_oasis.attention.selector import Selector
 from sglang_oasis.attention.sparse_attention import SparseAttention
 from sglang_oasis.disaggregation.pd_partial import Arrival
@@ -63,6 +68,7 @@ class SavedSelection(NamedTuple):
     pinned: torch.Tensor  # [layers, kv_heads, window blocks]
     prompt_len: int | None  # as the selector knew it (fault injection picks requests by it)
     probe: Any  # RecallProbe.state_of(...)
+    kv: SavedKV | None  # its decode steps' K and V (re-prefill only)
 
 
 class Retractions:
@@ -80,6 +86,7 @@ class Retractions:
         self.layers = [layer for layer in range(int(self.kv_pool.layer_num)) if layer not in dense_layers]
         self.limit = 4 * self.tier.num_request_slots
         self._saved: OrderedDict[str, SavedSelection | Arrival] = OrderedDict()
+        self._restoring: dict[tuple[int, int], SavedKV] = {}  # (row, generation): this extend's to put back
         self.step = step  # the backend's decode steps so far
         setattr(self.req_pool, RETRACT_LISTENER, self.keep)  # called by hooks 7 and 8
         # Each slot's tables as they were before its last selection, and that step's seq_len, decode step
@@ -132,9 +139,14 @@ class Retractions:
             source = self._before
             step, steps = int(self._before_step[slot]) - 1, steps - 1
         tables = {name: table[slot].clone() for name, table in source.items()}
+        prompt_len = self.selector.prompt_len.get(req)
+        kv = None
+        if not backed_up and prompt_len is not None:
+            kept = sum(s.kv.nbytes for s in self._saved.values() if isinstance(s, SavedSelection) and s.kv)
+            kv = SavedKV.of(self.kv_pool, self.req_pool.req_to_token[req], prompt_len, tokens - 1, kept, rid)
         self._remember(rid, SavedSelection(
             step, tokens, tables["slot_block"], tables["last_selected"], tables["covered"], tables["top_k"],
-            self.tier.pinned[slot].clone(), self.selector.prompt_len.get(req), (steps, above),
+            self.tier.pinned[slot].clone(), prompt_len, (steps, above), kv,
         ))  # fmt: skip
         logger.info(
             "oasis: retracted request %s at step %d, %d tokens: selection state kept", rid, step, tokens
@@ -190,6 +202,7 @@ class Retractions:
         retracted at: their last chunk; each holds a slot, ``_admit`` gave it one): their kept state
         back in that slot. ``[bs]`` bool, those rows: they are not admissions (``attend_resumed``)."""
         resumed = torch.zeros(len(reqs), dtype=torch.bool)
+        self._restoring.clear()
         for row, (req, generation, rid, length) in enumerate(
             zip(reqs, generations, rids, seq_lens, strict=True)
         ):
@@ -199,11 +212,29 @@ class Retractions:
             del self._saved[rid]
             self.selector.finish_pending()  # the slot's earlier chunk may still be selecting
             self._restore(saved, req, generation, self.tier.slot(req), step)
+            if saved.kv is not None:
+                self._restoring[(req, generation)] = saved.kv
             self.stats.add("resumed_requests")
             logger.info("oasis: request %s re-prefilled at step %d with %d tokens: kept selection state", rid,
                         step, length)  # fmt: skip
             resumed[row] = True
         return resumed
+
+    def restore_kv(
+        self, batch: BatchView, layer_id: int, prefix_lens: list[int], extend_lens: list[int],
+        k: torch.Tensor | None, v: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
+        """An extend's new K and V at ``layer_id`` (rows: each request's ``extend_lens`` new tokens after
+        its ``prefix_lens``) with the re-prefilled requests' kept decode K and V in their positions' rows
+        (copies; ``k`` and ``v`` as they are when there is none). Positions in the prefix are the radix
+        cache's or an earlier chunk's, not rewritten."""
+        if not self._restoring or k is None or v is None:
+            return k, v
+        k, v, restored = put_back(self._restoring, batch, layer_id, prefix_lens, extend_lens, k, v,
+                                  self.attention.num_kv_heads)  # fmt: skip
+        if layer_id == 0 and restored:
+            self.stats.add("resumed_kv_tokens", restored)
+        return k, v
 
     def attend_resumed(
         self, batch: BatchView, layer: Any, q_rows: torch.Tensor, last: torch.Tensor, k: torch.Tensor,
