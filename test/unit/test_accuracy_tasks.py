@@ -440,14 +440,18 @@ def test_sparse_configs_share_a_server_when_a_requests_options_can_set_them() ->
 def test_a_configs_decode_figures_sum_its_requests_own() -> None:
     sums: dict[str, float] = {}
     add_figures(sums, {"decode_steps": 10, "decode_blocks_loaded": 30, "decode_bytes_host_to_device": 3000,
+                       "admission_blocks_loaded": 5, "admission_bytes_host_to_device": 500,
                        "recall_samples": 4, "recall_mean": 0.5})  # fmt: skip
     add_figures(sums, {"decode_steps": 5, "decode_blocks_loaded": 0, "decode_bytes_host_to_device": 0,
+                       "admission_blocks_loaded": 10, "admission_bytes_host_to_device": 1000,
                        "recall_samples": 0, "recall_mean": None})  # never sampled  # fmt: skip
     add_figures(sums, None)  # a dense server's reply carries none
     figures = decode_figures(sums)
     assert figures["request_figures"] == {"decode_steps": 15, "decode_blocks_loaded": 30,
-                                          "decode_bytes_host_to_device": 3000, "recall_samples": 4}  # fmt: skip
+                                          "decode_bytes_host_to_device": 3000, "admission_blocks_loaded": 15,
+                                          "admission_bytes_host_to_device": 1500, "recall_samples": 4}  # fmt: skip
     assert figures["decode_bytes_per_step"] == 200 and figures["decode_blocks_per_step"] == 2
+    assert figures["bytes_per_step"] == 300  # (3000 + 1500) / 15
     assert figures["recall_mean"] == 0.5  # weighted by samples: the unsampled request adds none
     assert decode_figures({})["decode_bytes_per_step"] is None
 

@@ -11,12 +11,15 @@ def test_figures_follow_the_request_that_holds_the_row() -> None:
     ledger.begin([3, 5], [1, 1], ["a", "b"], decode=True)
     ledger.add_bytes([3, 5], [100, 7])
     ledger.add_loads([(3, 1, 2), (5, 1, 1)], bytes_per_block=10)
+    ledger.add_loads([(5, 1, 3)], bytes_per_block=10, admission=True)  # the extend's job, a step late
     ledger.add_recall(5, 4, 3.0, 2.0)
     ledger.begin([5], [1], ["b"], decode=True)
     a, b = ledger.take("a"), ledger.take("b")
     assert a == {"decode_steps": 1, "decode_blocks_loaded": 2, "decode_bytes_host_to_device": 120,
+                 "admission_blocks_loaded": 0, "admission_bytes_host_to_device": 0,
                  "recall_samples": 0, "recall_mean": None, "lookahead_agreement_mean": None}  # fmt: skip
     assert b == {"decode_steps": 2, "decode_blocks_loaded": 1, "decode_bytes_host_to_device": 17,
+                 "admission_blocks_loaded": 3, "admission_bytes_host_to_device": 30,
                  "recall_samples": 4, "recall_mean": 0.75, "lookahead_agreement_mean": 0.5}  # fmt: skip
     assert ledger.take("a") is None  # taken once
 

@@ -4,7 +4,9 @@
 settings at once (``custom_params``: ``request_options.py``; ``bench_accuracy``'s shared server runs
 every sparse config of a task together) needs each request's own: the decode steps it took, the blocks
 and bytes its decode read from the host tier (working-set loads, tails, dense layers, summaries'
-catch-up: what ``decode_bytes_host_to_device`` counts), and the recall its sampled steps held. The
+catch-up: what ``decode_bytes_host_to_device`` counts), the blocks its first working sets loaded at its
+extend (a recall target loads at decode what a larger fixed K loads there), and the recall its sampled
+steps held. The
 backend's parts add them here by request row as they add the server's counters; hook 10
 (``sglang_hooks.report_request_figures``) hands a finished request's figures to SGLang's output
 streamer, so ``/generate`` answers carry them as ``meta_info["oasis"][0]``.
@@ -30,6 +32,8 @@ class RequestFigures:
     decode_steps: int = 0
     decode_blocks_loaded: int = 0  # working-set blocks loaded from the host tier at decode
     decode_bytes_host_to_device: int = 0  # those blocks' bytes and every other decode-time host read
+    admission_blocks_loaded: int = 0  # its first working sets' blocks (at its extend; none with K >= blocks)
+    admission_bytes_host_to_device: int = 0
     recall_samples: int = 0  # sampled (layer, KV head) pairs
     recall_sum: float = 0.0
     agreement_sum: float = 0.0
@@ -76,12 +80,20 @@ class RequestLedger:
             if entry is not None and n:
                 entry.decode_bytes_host_to_device += int(n)
 
-    def add_loads(self, loads: Iterable[tuple[int, int, int]], bytes_per_block: int) -> None:
-        """Decode-time working-set loads ``(row, generation, blocks)`` of a finished selection job:
-        attributed only to the request that still holds the row in that generation."""
+    def add_loads(
+        self, loads: Iterable[tuple[int, int, int]], bytes_per_block: int, admission: bool = False
+    ) -> None:
+        """Working-set loads ``(row, generation, blocks)`` of a finished selection job (a decode step's, or
+        with ``admission`` an extend's first working sets): attributed only to the request that still
+        holds the row in that generation."""
         for req, generation, blocks in loads:
             entry = self._owned(req, generation)
-            if entry is not None:
+            if entry is None:
+                continue
+            if admission:
+                entry.admission_blocks_loaded += blocks
+                entry.admission_bytes_host_to_device += blocks * bytes_per_block
+            else:
                 entry.decode_blocks_loaded += blocks
                 entry.decode_bytes_host_to_device += blocks * bytes_per_block
 

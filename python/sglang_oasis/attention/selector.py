@@ -305,6 +305,8 @@ class Selector:
             stats.requests.add_loads(result.host_loads, self.working_sets.bytes_per_block)
             stats.add("blocks_deferred", result.deferred)
             self.caps.observe(result.layer_id, (host_loads + result.deferred) / max(1, result.heads))
+        else:
+            stats.requests.add_loads(result.host_loads, self.working_sets.bytes_per_block, admission=True)
         for req, (generation, message) in result.failed.items():
             if self.failures.report(
                 req, generation, f"oasis: KV transfer for this request failed ({message})"
