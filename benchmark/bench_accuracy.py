@@ -31,14 +31,15 @@ each prefilling only what follows its cached prefix.
 
 Default full run (``python benchmark/bench_accuracy.py --json accuracy.json``): all 10 tasks at ~1K,
 2K, 4K and 7K tokens with 2, 1, 1 and 1 samples per task: 50 requests per config, 6 configs (dense,
-K = 16, 32, 64, 128 and a recall target) on 2 servers, all 30 layers in float32. With a server per config it took
-~19 minutes per server on the 2-core CPU machines (2026-12-02: dense and K = 16 / 64 1,142-1,168 s,
+K = 16, 32, 64, 128 and a recall target) on 2 servers, all 30 layers in float32. With a server per
+config it took ~19 minutes per server on the 2-core CPU machines (2026-12-02: dense and K = 16 / 64 1,142-1,168 s,
 target90 1,343 s), ~2 hours in all; with the shared server running its configs one after another,
 ~95 minutes projected (2026-12-03: ~45 minutes for the ~1K-4K groups). With the configs at once and
 an extend after a cached prefix computing only its own rows (``attention/extend_attention.py``: a
 32-token window after 2K cached took 87 ms per layer in SGLang's torch_native extend, 3.7 ms now) it
-took 61 minutes (2026-12-03, commit c0dd28f: dense 1,245 s, the shared server 2,421 s;
-``docs/results.md``); the estimate below says 49. ``--dry-run`` prints the estimate of any plan without
+took 61 minutes (2026-12-03, commit c0dd28f, target90: dense 1,245 s, the shared server 2,421 s), and
+64 with decode attention trimmed to each request's span and target98 (commit 026cb5a: dense 1,436 s,
+the shared server 2,382 s; ``docs/results.md``); the estimate below says 49. ``--dry-run`` prints the estimate of any plan without
 starting a server (its model, calibrated on the 2026-12-02 run: prefill ~4.3 ms per new token plus
 attention, 4K from scratch ~29 s; decode ~110 ms per step plus ~90 ms per further sparse request in
 the batch; ~45 s per server start; prefix reuse leaves ~75% of the prompt tokens to prefill). Each

@@ -4,7 +4,8 @@ server and one shared sparse server for two configs: a K that covers every block
 carrying its config's K in its custom_params (both configs' requests run at once, on prompts a 1-token
 request prefilled). Sparse with K covering the context answers exactly as dense, so those answers and
 scores must agree; each config's decode figures are the sums of its own requests' (their replies'
-meta_info["oasis"]), and with the server's /oasis/stats deltas they account for every decode step."""
+meta_info["oasis"]), and with the server's /oasis/stats deltas they account for every decode step; the
+first working sets' loads at the extends are counted apart."""
 
 from __future__ import annotations
 
@@ -57,4 +58,12 @@ def test_the_quick_accuracy_run_scores_dense_and_a_covering_k_alike(tmp_path: Pa
     assert 0 < server["stats"]["decode_steps"] <= steps
     unattributed = server["unattributed"]["decode_bytes_host_to_device"]
     assert 0 <= unattributed < small["request_figures"]["decode_bytes_host_to_device"]
+    # The first working sets' loads at the requests' extends (what a warm start did not bring): the larger
+    # K loads more there, in blocks of the decode loads' size, and bytes_per_step adds them.
+    covering, few = figures["request_figures"], small["request_figures"]
+    block_bytes = few["decode_bytes_host_to_device"] // few["decode_blocks_loaded"]
+    assert covering["admission_blocks_loaded"] > few["admission_blocks_loaded"] > 0
+    for own in (covering, few):
+        assert own["admission_bytes_host_to_device"] == own["admission_blocks_loaded"] * block_bytes
+    assert figures["bytes_per_step"] == covering["admission_bytes_host_to_device"] / covering["decode_steps"]
     assert (tmp_path / "accuracy.png").exists()
