@@ -52,8 +52,8 @@ def test_over_the_byte_cap_nothing_is_kept(monkeypatch: pytest.MonkeyPatch) -> N
     assert SavedKV.of(pool, row, 0, 5, kept=one.nbytes, rid="c") is None
 
 
-def _extend(prefix_lens: list[int], extend_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    rows = sum(extend_lens)
+def _extend(rows: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """An extend's new K and V as a model hands them over: ``[rows, heads x dim]``."""
     return torch.randn(rows, HEADS * DIM), torch.randn(rows, HEADS * DIM)
 
 
@@ -67,7 +67,7 @@ def test_put_back_replaces_exactly_the_kept_positions_of_the_extend() -> None:
     saved = {(9, 2): kept_9, (1, 0): kept_1, (4, 1): kept_1}  # (4, 1): an earlier owner of row 4
     batch = SimpleNamespace(reqs=[4, 9, 1], generations=[2, 2, 0])
     prefix_lens, extend_lens = [0, 12, 0], [5, 7, 7]  # row 9: positions 12..18 (18: the redone step)
-    k, v = _extend(prefix_lens, extend_lens)
+    k, v = _extend(sum(extend_lens))
     for layer in range(LAYERS):
         new_k, new_v, count = put_back(saved, batch, layer, prefix_lens, extend_lens, k, v, HEADS)
         assert count == 6 + 3
@@ -80,7 +80,7 @@ def test_put_back_replaces_exactly_the_kept_positions_of_the_extend() -> None:
 
 
 def test_put_back_without_kept_requests_returns_the_same_tensors() -> None:
-    k, v = _extend([0], [4])
+    k, v = _extend(4)
     batch = SimpleNamespace(reqs=[3], generations=[0])
     assert put_back({}, batch, 0, [0], [4], k, v, HEADS) == (k, v, 0)
     other = SavedKV.of(Pool(8), torch.arange(8), 0, 2, kept=0, rid="x")

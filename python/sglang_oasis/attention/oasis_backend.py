@@ -189,14 +189,14 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
     def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):
         if forward_batch.forward_mode.is_target_verify():
             return self.forward_verify(q, k, v, layer, forward_batch, save_kv_cache)
-        layer_id, prefix_lens = layer.layer_id, extend_prefix_lens(forward_batch)
-        extend_lens = [
-            int(n) for n in (forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist())
-        ]  # re-prefilled retracted requests: their decode steps' K and V, not a recompute (retraction.py)
-        k, v = self.retractions.restore_kv(self.batch, layer_id, prefix_lens, extend_lens, k, v)
+        layer_id = layer.layer_id
+        k, v = self.retractions.restore_kv(self.batch, layer_id, forward_batch, k, v)  # retraction.py
         out = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         if layer.is_cross_attention or layer_id in self.dense_layers:  # dense layers never select
             return out
+        extend_lens = [
+            int(n) for n in (forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist())
+        ]
         seq_lens_cpu = forward_batch.seq_lens.cpu().to(torch.int64)
         if k is not None and v is not None and save_kv_cache:
             self.selector.wait(layer_id)  # its job may be copying from the active blocks

@@ -6,8 +6,7 @@ every sparse config of a task together) needs each request's own: the decode ste
 and bytes its decode read from the host tier (working-set loads, tails, dense layers, summaries'
 catch-up: what ``decode_bytes_host_to_device`` counts), the blocks its first working sets loaded at its
 extend (a recall target loads at decode what a larger fixed K loads there), and the recall its sampled
-steps held. The
-backend's parts add them here by request row as they add the server's counters; hook 10
+steps held. The backend's parts add them here by request row as they add the server's counters; hook 10
 (``sglang_hooks.report_request_figures``) hands a finished request's figures to SGLang's output
 streamer, so ``/generate`` answers carry them as ``meta_info["oasis"][0]``.
 

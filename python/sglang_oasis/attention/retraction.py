@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from sglang_oasis.attention.batch_view import BatchView
+from sglang_oasis.attention.batch_view import BatchView, extend_prefix_lens
 from sglang_oasis.attention.pd_node import PDNode
 from sglang_oasis.attention.recall_probe import RecallProbe
 from sglang_oasis.attention.request_slots import RequestSlots
@@ -221,15 +221,23 @@ class Retractions:
         return resumed
 
     def restore_kv(
-        self, batch: BatchView, layer_id: int, prefix_lens: list[int], extend_lens: list[int],
-        k: torch.Tensor | None, v: torch.Tensor | None,
-    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:  # fmt: skip
-        """An extend's new K and V at ``layer_id`` (rows: each request's ``extend_lens`` new tokens after
-        its ``prefix_lens``) with the re-prefilled requests' kept decode K and V in their positions' rows
-        (copies; ``k`` and ``v`` as they are when there is none). Positions in the prefix are the radix
-        cache's or an earlier chunk's, not rewritten."""
+        self,
+        batch: BatchView,
+        layer_id: int,
+        forward_batch: Any,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+    ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+        """An extend's new K and V at ``layer_id`` (``forward_batch``: SGLang's, whose rows are each
+        request's new tokens after its cached prefix) with the re-prefilled requests' kept decode K and V in
+        their positions' rows (copies; ``k`` and ``v`` as they are when there is none). Positions in the
+        prefix are the radix cache's or an earlier chunk's, not rewritten."""
         if not self._restoring or k is None or v is None:
             return k, v
+        prefix_lens = extend_prefix_lens(forward_batch)
+        extend_lens = [
+            int(n) for n in (forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist())
+        ]
         k, v, restored = put_back(self._restoring, batch, layer_id, prefix_lens, extend_lens, k, v,
                                   self.attention.num_kv_heads)  # fmt: skip
         if layer_id == 0 and restored:
