@@ -405,16 +405,17 @@ def test_a_pd_request_retracted_before_its_first_step_resumes_from_its_hand_off(
     assert resumed[1] == alone[1]
 
 
-@pytest.mark.parametrize("redo", [False, True])
-def test_a_retracted_request_re_prefilled_goes_on_as_it_would_have(redo: bool) -> None:
+@pytest.mark.parametrize(("redo", "chunked"), [(False, False), (True, False), (False, True)])
+def test_a_retracted_request_re_prefilled_goes_on_as_it_would_have(redo: bool, chunked: bool) -> None:
     """Without PD, SGLang frees a retracted request's KV and later re-prefills its prompt and output in a
     new row. With its selection state kept (hook 8 at the release), the extend that reaches its length
     loads the kept working sets from the pages it just wrote and its last row attends as the decode step
     the request would have taken: that row, the next working sets and every later step equal the
     never-retracted request's, bit for bit. The re-prefill's K and V of the output positions here differ
     from the decode steps' (a real extend computes them by dense attention): the kept ones are put back
-    (``retracted_kv.py``). Before, the last row attended densely and the working sets were chosen afresh;
-    then the recomputed K and V stood."""
+    (``retracted_kv.py``), also when chunked prefill splits the re-prefill after an output position (the
+    first chunk, an ordinary admission, writes some of them). Before, the last row attended densely and
+    the working sets were chosen afresh; then the recomputed K and V stood (then an earlier chunk's)."""
     prompt, steps_before, steps_after = 6 * BLOCK + 1, 3, 4
     gen = torch.Generator().manual_seed(11)
     total = prompt + steps_before + 1 + steps_after
@@ -429,21 +430,25 @@ def test_a_retracted_request_re_prefilled_goes_on_as_it_would_have(redo: bool) -
         table[1, :48] = torch.arange(48, 96, dtype=torch.int32)  # a new row's pages
         return backend
 
-    def extend(backend: OasisAttnBackend, row: int, length: int, recomputed: int = 0) -> torch.Tensor:
-        """``recomputed``: positions from there to the last row get other K and V than the decode steps
-        had (the last row's step is computed here, as the decode step would compute it)."""
-        locs = backend.req_to_token_pool.req_to_token[row, :length].long()
+    def extend(
+        backend: OasisAttnBackend, row: int, length: int, recomputed: int = 0, start: int = 0, last: int = 1
+    ) -> torch.Tensor:
+        """Positions ``[start, length)`` after a prefix of ``start`` (an earlier chunk's). ``recomputed``:
+        positions from there on get other K and V than the decode steps had, but the ``last`` one (the
+        redone step: computed here as the decode step would compute it; 0 for an earlier chunk)."""
+        locs = backend.req_to_token_pool.req_to_token[row, start:length].long()
         k, v = keys[:length].clone(), values[:length].clone()
         if recomputed:
-            k[recomputed:-1] += torch.randn(length - 1 - recomputed, DIM, generator=gen)
-            v[recomputed:-1] += torch.randn(length - 1 - recomputed, DIM, generator=gen)
-        backend.begin_batch(ForwardMode.EXTEND, [row], [length], [0], ["rid-0"])
+            k[recomputed : length - last] += torch.randn(length - last - recomputed, DIM, generator=gen)
+            v[recomputed : length - last] += torch.randn(length - last - recomputed, DIM, generator=gen)
+        new = length - start
+        backend.begin_batch(ForwardMode.EXTEND, [row], [length], [start], ["rid-0"])
         batch = SimpleNamespace(
             forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor([row]), seq_lens=torch.tensor([length]),
-            out_cache_loc=locs, extend_prefix_lens=torch.tensor([0]), extend_seq_lens=torch.tensor([length]),
-            extend_prefix_lens_cpu=[0], extend_seq_lens_cpu=[length], encoder_lens=None,
+            out_cache_loc=locs, extend_prefix_lens=torch.tensor([start]), extend_seq_lens=torch.tensor([new]),
+            extend_prefix_lens_cpu=[start], extend_seq_lens_cpu=[new], encoder_lens=None,
         )  # fmt: skip
-        out = backend.forward_extend(queries[:length], k, v, layer, batch)
+        out = backend.forward_extend(queries[start:length], k[start:], v[start:], layer, batch)
         backend.selector.finish_pending()
         return out[-1]
 
@@ -478,7 +483,10 @@ def test_a_retracted_request_re_prefilled_goes_on_as_it_would_have(redo: bool) -
     retracted.step += 3  # other requests decoded meanwhile
     assert retracted.stats.snapshot()["retracted_requests"] == 1
     # The extend's own row for the redone step (tokens - 1) is computed afresh, as the step would be.
-    redone = extend(retracted, 1, tokens, recomputed=prompt)
+    if chunked:  # the first chunk ends after the first output position (its K and V recomputed too)
+        extend(retracted, 1, prompt + 2, recomputed=prompt, last=0)
+        assert retracted.stats.snapshot()["resumed_requests"] == 0  # not yet: an admission
+    redone = extend(retracted, 1, tokens, recomputed=prompt, start=prompt + 2 if chunked else 0)
     assert retracted.stats.snapshot()["resumed_kv_tokens"] == tokens - 1 - prompt
     torch.testing.assert_close(redone, alone[tokens - 1][0], rtol=0, atol=0)
     assert state(retracted, 1) == alone[tokens - 1][1], "the re-prefill's selection left the path"

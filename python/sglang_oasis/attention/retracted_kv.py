@@ -10,8 +10,9 @@ positions are then only a means to the last row (the redone step), which attends
 (``Retractions.attend_resumed``) over exactly the K and V it would have had.
 
 Bounded: ``SAVED_KV_BYTES`` for all kept requests together (beyond it a request is re-prefilled from the
-recompute, as before, with a warning). Positions an earlier chunk of the re-prefill computed, or the
-radix cache matched, are in the extend's prefix and are not rewritten.
+recompute, as before, with a warning). A re-prefill split into chunks gets them back at every chunk
+(each writes the rows of its own positions); positions the radix cache matched are in the extend's
+prefix and are not rewritten (a cached output position holds what an earlier request put there).
 """
 
 from __future__ import annotations

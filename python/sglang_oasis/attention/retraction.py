@@ -24,9 +24,9 @@ request's length (its last chunk) each layer loads the blocks from the pages the
 and the last row's attention becomes the sparse step the request would have taken (working set, active
 tail, itself); its selection is a decode step's. The K and V its decode steps computed (positions from
 its prompt's length on) are kept too and put back in place of the extend's recomputed rows at every
-layer, before they are written, summarised or attended: an extend would compute them by dense attention,
-not the sparse steps that made them (up to ``SAVED_KV_BYTES`` for all kept requests; beyond it, and for
-positions an earlier chunk recomputed, the recompute stands). The prompt is recomputed by an extend as it
+layer, before they are written, summarised or attended, at every chunk of the re-prefill: an extend
+would compute them by dense attention, not the sparse steps that made them (up to ``SAVED_KV_BYTES`` for
+all kept requests; beyond it the recompute stands). The prompt is recomputed by an extend as it
 was first computed, so the step is the same up to that recompute's rounding (as for dense SGLang).
 
 Saved states are dropped when taken and bounded in number (a retracted request SGLang aborts while it
@@ -207,8 +207,12 @@ class Retractions:
             zip(reqs, generations, rids, seq_lens, strict=True)
         ):
             saved = self._saved.get(rid)
-            if not isinstance(saved, SavedSelection) or saved.tokens != length:
-                continue  # an earlier chunk: an ordinary admission, overwritten at the last one
+            if not isinstance(saved, SavedSelection) or saved.tokens < length:
+                continue
+            if saved.tokens > length:  # an earlier chunk: an admission overwritten at the last one, but
+                if saved.kv is not None:  # the decode steps' K and V it reaches are put back already
+                    self._restoring[(req, generation)] = saved.kv
+                continue
             del self._saved[rid]
             self.selector.finish_pending()  # the slot's earlier chunk may still be selecting
             self._restore(saved, req, generation, self.tier.slot(req), step)
