@@ -22,7 +22,10 @@ finding its prompt cached but the prefill window's last tokens, which it compute
 through ``/generate`` (the chat template applied here, as the chat API would) because its reply carries
 the request's own decode figures (``meta_info["oasis"]``, ``attention/request_ledger.py``): a config's
 figures are the sums of its requests'. Any other ``--extra-config`` gets a server of its own, and so
-does every config with ``--separate-servers``.
+does every config with ``--separate-servers``. Servers run at once, as many as the machine has cores
+(``--servers-at-once``; each computes on one thread): on the 2-core machines dense and the shared sparse
+server side by side. A config's scores and figures do not depend on it (greedy, each request's own
+steps); its ``wall_s`` does (the servers share the memory bandwidth).
 
 Radix cache reuse: a context's samples share their haystack up to their first needle (the six needle
 tasks share one header and haystack), so per task and context the sample sharing the longest prefixes
@@ -93,9 +96,11 @@ import bisect
 import contextlib
 import json
 import math
+import os
 import shlex
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -122,6 +127,8 @@ TARGET_CONFIGS = ("target98=--oasis-top-k 16 --oasis-recall-target 0.98 --oasis-
 # Per sparse server, from GET /oasis/stats over the run: what decode moved, and what recall held.
 STAT_DELTAS = (
     "decode_steps",
+    "blocks_loaded",  # admission and decode loads
+    "warm_starts",
     "decode_bytes_host_to_device",
     "decode_blocks_loaded",
     "recall_samples",
@@ -335,8 +342,10 @@ def estimate(
     configs_per_server: Sequence[int],
     concurrency: int,
     layers: int,
+    at_once: int = 1,
 ) -> dict[str, Any]:
-    """The run's cost by the model above, per server. One config: each group's lead (alone) then the
+    """The run's cost by the model above, per server (``minutes``: the whole run's, ``at_once`` servers
+    at a time, each started when one before it ends, in order). One config: each group's lead (alone) then the
     rest in waves of ``concurrency`` (prefills one after another, decodes batched), each prompt
     prefilling what follows its longest prefix among the prompts sent before it (the rest of its own
     group aside). Without eviction the tokens prefilled are those of the prompts' prefix tree whatever
@@ -376,8 +385,16 @@ def estimate(
         "prefilled_tokens_per_server": int(prefilled),
         "seconds_per_server": round(SERVER_START_S + prefill + decode.get(1, 0.0)),
         "seconds_by_server": [round(x) for x in seconds],
-        "minutes": round(sum(seconds) / 60, 1),
+        "minutes": round(makespan(seconds, at_once) / 60, 1),
     }
+
+
+def makespan(seconds: Sequence[float], at_once: int) -> float:
+    """How long jobs of ``seconds`` take in order, ``at_once`` at a time (each starts when one ends)."""
+    ends = [0.0] * max(1, at_once)
+    for job in seconds:
+        ends[ends.index(min(ends))] += job
+    return max(ends)
 
 
 def resumed(path: Path, results: dict[str, Any]) -> set[str]:
@@ -723,6 +740,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--resume", action="store_true",
                         help="keep the configs an earlier run of the same plan finished in --json")  # fmt: skip
+    parser.add_argument("--servers-at-once", type=int, default=None,
+                        help="servers running at the same time, each on one thread (default: as many as "
+                        "the machine has cores, at most the servers)")  # fmt: skip
     parser.add_argument("--separate-servers", action="store_true",
                         help="a server per sparse config (default: one shared server for those a request's "
                         "custom_params can set, prefilling each prompt once)")  # fmt: skip
@@ -742,6 +762,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"unknown tasks {unknown}; choose from {', '.join(TASKS)}")
     if args.concurrency < 1 or min(counts.values()) < 1:
         parser.error("--concurrency and --samples must be at least 1")
+    if args.servers_at_once is not None and args.servers_at_once < 1:
+        parser.error("--servers-at-once must be at least 1")
 
     from transformers import AutoTokenizer
 
@@ -763,7 +785,8 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"a prompt and its answer take {longest} tokens, over the model's {MODEL_CONTEXT}")
     layers = args.num_layers or 30
     plans = server_plans(configs, args.separate_servers)
-    plan = estimate(list(groups.values()), [len(p.configs) for p in plans], args.concurrency, layers)
+    at_once = min(len(plans), args.servers_at_once or os.cpu_count() or 1)
+    plan = estimate(list(groups.values()), [len(p.configs) for p in plans], args.concurrency, layers, at_once)
     servers = "; ".join(f"{p.server.name if len(p.configs) > 1 else p.configs[0].name}" for p in plans)
     print(f"[bench_accuracy] servers: {servers}; {plan}", flush=True)
     if args.dry_run:
@@ -784,7 +807,7 @@ def main(argv: list[str] | None = None) -> int:
             "tasks": names, "contexts": contexts, "samples_per_context": {str(c): n for c, n in counts.items()},
             "top_ks": top_ks, "extra_configs": args.extra_config, "num_layers": layers, "dtype": args.dtype,
             "concurrency": args.concurrency, "quick": args.quick, "model": str(model),
-            "separate_servers": args.separate_servers,
+            "separate_servers": args.separate_servers, "servers_at_once": at_once,
             "context_length": context_length, "host_kv_tokens": host_tokens,
         },
         "estimate": plan,
@@ -796,16 +819,39 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     kept = resumed(args.json, results) if args.resume else set()
     results["servers"] = {}
-    for plan_ in plans:
-        todo = [(c, o) for c, o in zip(plan_.configs, plan_.options, strict=True) if c.name not in kept]
-        for config in plan_.configs:
-            if config.name in kept:
-                print(f"[bench_accuracy] {config.name}: kept from {args.json}", flush=True)
-        if todo:
-            run_server(plan_, todo, groups, base, host_tokens, args.concurrency, logs, results)
+    written = threading.Lock()
+
+    def serve(plan_: ServerPlan, todo: list[tuple[ServerConfig, dict[str, Any] | None]]) -> None:
+        """One server's configs, into a part of the results of its own (servers may run at once), merged
+        and written when it is done."""
+        part: dict[str, Any] = {"tasks": {t: {str(c): {} for c in contexts} for t in names}, "configs": {},
+                                "servers": {}}  # fmt: skip
+        run_server(plan_, todo, groups, base, host_tokens, args.concurrency, logs, part)
+        with written:
+            for section in ("configs", "servers"):
+                results[section].update(part[section])
+            for task, by_context in part["tasks"].items():
+                for context, cells in by_context.items():
+                    results["tasks"][task][context].update(cells)
             results["wall_s"] = round(time.monotonic() - started, 1)
             args.json.parent.mkdir(parents=True, exist_ok=True)
             args.json.write_text(json.dumps(results, indent=2) + "\n")
+
+    with ThreadPoolExecutor(at_once) as servers:
+        running = []
+        for plan_ in plans:
+            todo = [(c, o) for c, o in zip(plan_.configs, plan_.options, strict=True) if c.name not in kept]
+            for config in plan_.configs:
+                if config.name in kept:
+                    print(f"[bench_accuracy] {config.name}: kept from {args.json}", flush=True)
+            if todo:
+                running.append(servers.submit(serve, plan_, todo))
+        for job in running:
+            job.result()
+    for name, entry in results["configs"].items():  # vs_dense once dense's cells are all in
+        entry.update(config_summary(results["tasks"], name))
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2) + "\n")
 
     done = [c.name for c in configs if "error" not in results["configs"][c.name]]
     print_table(["task", "context", *done], table_rows(results["tasks"], done, [str(c) for c in contexts]))

@@ -42,6 +42,7 @@ from bench_accuracy import (
     device_kv_tokens,
     estimate,
     lead_first,
+    makespan,
     per_context,
     request_options,
     resumed,
@@ -412,6 +413,16 @@ def test_estimate_reuses_prefixes_from_each_groups_lead() -> None:
     # A shared server of three configs prefills once: far less than three servers, more than one.
     shared = estimate(groups, configs_per_server=[1, 3], concurrency=4, layers=30)["seconds_by_server"]
     assert shared[0] == plan["seconds_per_server"] < shared[1] < 3 * shared[0]
+    # Two servers at once: the run takes the longer one's time.
+    both = estimate(groups, configs_per_server=[1, 3], concurrency=4, layers=30, at_once=2)
+    assert both["minutes"] == pytest.approx(max(both["seconds_by_server"]) / 60, abs=0.1)
+
+
+def test_makespan_starts_each_job_when_one_before_it_ends() -> None:
+    assert makespan([10, 20, 5], 1) == 35
+    assert makespan([10, 20, 5], 2) == 20  # 5 follows 10 on the first: 15
+    assert makespan([10, 20, 30], 2) == 40  # 30 follows 10
+    assert makespan([10, 20], 4) == 20
 
 
 def test_sparse_configs_share_a_server_when_a_requests_options_can_set_them() -> None:
