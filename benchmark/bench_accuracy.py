@@ -25,7 +25,10 @@ figures are the sums of its requests'. Any other ``--extra-config`` gets a serve
 does every config with ``--separate-servers``. Servers run at once, as many as the machine has cores
 (``--servers-at-once``; each computes on one thread): on the 2-core machines dense and the shared sparse
 server side by side. A config's scores and figures do not depend on it (greedy, each request's own
-steps); its ``wall_s`` does (the servers share the memory bandwidth).
+steps); its ``wall_s`` does (the servers share the memory bandwidth). Sparse servers start every
+request cold (``--oasis-warm-start false``, unless a config sets it): a warm start loads only what the
+donor slot lacks, and which config's request claims the priming request's slot first depends on
+timing, so the admission figures would too (by up to 17% between two runs, 2026-12-03).
 
 Radix cache reuse: a context's samples share their haystack up to their first needle (the six needle
 tasks share one header and haystack), so per task and context the sample sharing the longest prefixes
@@ -42,7 +45,9 @@ an extend after a cached prefix computing only its own rows (``attention/extend_
 32-token window after 2K cached took 87 ms per layer in SGLang's torch_native extend, 3.7 ms now) it
 took 61 minutes (2026-12-03, commit c0dd28f, target90: dense 1,245 s, the shared server 2,421 s), and
 64 with decode attention trimmed to each request's span and target98 (commit 026cb5a: dense 1,436 s,
-the shared server 2,382 s; ``docs/results.md``); the estimate below says 49. ``--dry-run`` prints the estimate of any plan without
+the shared server 2,382 s; ``docs/results.md``). With the two servers side by side it took 29 minutes
+(2026-12-03, commit df62791, an Intel Xeon 2-core machine: dense 1,029 s, the shared server 1,756 s);
+the estimate below says 30. ``--dry-run`` prints the estimate of any plan without
 starting a server (its model, calibrated on the 2026-12-02 run: prefill ~4.3 ms per new token plus
 attention, 4K from scratch ~29 s; decode ~110 ms per step plus ~90 ms per further sparse request in
 the batch; ~45 s per server start; prefix reuse leaves ~75% of the prompt tokens to prefill). Each
@@ -292,12 +297,18 @@ def device_kv_tokens(host_tokens: int, top_k: int, slots: int) -> int:
 
 
 def server_argv(config: ServerConfig, base: Sequence[str], host_tokens: int, slots: int) -> list[str]:
-    """The launcher's arguments: ``base`` (model, dtype, context length), the pool sizes, the config's."""
+    """The launcher's arguments: ``base`` (model, dtype, context length), the pool sizes, the config's.
+    Sparse servers without warm starts (unless the config asks for them): a request that warm-starts
+    loads only what its donor slot does not hold, and which config's request claims the slot of the
+    request that primed the prompt first (its K then decides what stays resident) depends on timing; cold,
+    each request loads its own first working sets, the same in every run (its selection is the same
+    either way)."""
     if config.reserve is None:
         return [*base, "--max-total-tokens", str(host_tokens), *config.args]
     sizes = ["--oasis-host-kv-tokens", str(host_tokens)]
     sizes += ["--oasis-device-kv-tokens", str(device_kv_tokens(host_tokens, config.reserve, slots))]
-    return [*base, *sizes, *config.args]
+    cold = [] if "--oasis-warm-start" in config.args else ["--oasis-warm-start", "false"]
+    return [*base, *sizes, *cold, *config.args]
 
 
 def lead_first(prompts: Sequence[Sequence[int]]) -> list[int]:
@@ -848,6 +859,11 @@ def main(argv: list[str] | None = None) -> int:
                 running.append(servers.submit(serve, plan_, todo))
         for job in running:
             job.result()
+    order = [c.name for c in configs]  # the plan's, whichever server finished first
+    results["configs"] = {name: results["configs"][name] for name in order if name in results["configs"]}
+    for by_context in results["tasks"].values():
+        for context, cells in by_context.items():
+            by_context[context] = {name: cells[name] for name in order if name in cells}
     for name, entry in results["configs"].items():  # vs_dense once dense's cells are all in
         entry.update(config_summary(results["tasks"], name))
     args.json.parent.mkdir(parents=True, exist_ok=True)

@@ -357,6 +357,9 @@ def test_server_argv_sizes_the_pools() -> None:
     ]
     sparse = server_argv(k32, base, 32768, 5)
     assert sparse[2:6] == ["--oasis-host-kv-tokens", "32768", "--oasis-device-kv-tokens", "6144"]
+    assert sparse[6:8] == ["--oasis-warm-start", "false"]  # admission figures that do not depend on timing
+    warm = server_configs([32], ["warm=--oasis-top-k 32 --oasis-warm-start true"])[-1]
+    assert server_argv(warm, base, 32768, 5).count("--oasis-warm-start") == 1
     # summaries of 32768 tokens (2048) + 5 working sets of 34 blocks of 16 (2720), 10% more (5245), in 1024s
     assert device_kv_tokens(32768, 32, 5) == 6144 >= 1.1 * (2048 + 5 * 34 * BLOCK)
 
