@@ -46,8 +46,9 @@ an extend after a cached prefix computing only its own rows (``attention/extend_
 took 61 minutes (2026-12-03, commit c0dd28f, target90: dense 1,245 s, the shared server 2,421 s), and
 64 with decode attention trimmed to each request's span and target98 (commit 026cb5a: dense 1,436 s,
 the shared server 2,382 s; ``docs/results.md``). With the two servers side by side it took 29 minutes
-(2026-12-03, commit df62791, an Intel Xeon 2-core machine: dense 1,029 s, the shared server 1,756 s);
-the estimate below says 30. ``--dry-run`` prints the estimate of any plan without
+(2026-12-03, commit df62791, an Intel Xeon 2-core machine: dense 1,029 s, the shared server 1,756 s),
+and 22 with its requests started cold (commit 7fd0a4f: dense 837 s, the shared server 1,336 s; the
+machine ran faster then); the estimate below says 30. ``--dry-run`` prints the estimate of any plan without
 starting a server (its model, calibrated on the 2026-12-02 run: prefill ~4.3 ms per new token plus
 attention, 4K from scratch ~29 s; decode ~110 ms per step plus ~90 ms per further sparse request in
 the batch; ~45 s per server start; prefix reuse leaves ~75% of the prompt tokens to prefill). Each
