@@ -833,6 +833,10 @@ def main(argv: list[str] | None = None) -> int:
     results["servers"] = {}
     written = threading.Lock()
 
+    def write() -> None:
+        args.json.parent.mkdir(parents=True, exist_ok=True)
+        args.json.write_text(json.dumps(results, indent=2) + "\n")
+
     def serve(plan_: ServerPlan, todo: list[tuple[ServerConfig, dict[str, Any] | None]]) -> None:
         """One server's configs, into a part of the results of its own (servers may run at once), merged
         and written when it is done."""
@@ -846,8 +850,7 @@ def main(argv: list[str] | None = None) -> int:
                 for context, cells in by_context.items():
                     results["tasks"][task][context].update(cells)
             results["wall_s"] = round(time.monotonic() - started, 1)
-            args.json.parent.mkdir(parents=True, exist_ok=True)
-            args.json.write_text(json.dumps(results, indent=2) + "\n")
+            write()
 
     with ThreadPoolExecutor(at_once) as servers:
         running = []
@@ -867,8 +870,7 @@ def main(argv: list[str] | None = None) -> int:
             by_context[context] = {name: cells[name] for name in order if name in cells}
     for name, entry in results["configs"].items():  # vs_dense once dense's cells are all in
         entry.update(config_summary(results["tasks"], name))
-    args.json.parent.mkdir(parents=True, exist_ok=True)
-    args.json.write_text(json.dumps(results, indent=2) + "\n")
+    write()
 
     done = [c.name for c in configs if "error" not in results["configs"][c.name]]
     print_table(["task", "context", *done], table_rows(results["tasks"], done, [str(c) for c in contexts]))

@@ -67,3 +67,8 @@ def extend_prefix_lens(forward_batch: Any) -> list[int]:
     if forward_batch.extend_prefix_lens is not None:
         return [int(n) for n in forward_batch.extend_prefix_lens.tolist()]
     return [0] * len(forward_batch.seq_lens)
+
+
+def extend_seq_lens(forward_batch: Any) -> list[int]:
+    """Each request's new tokens in an extend batch (SGLang's ``ForwardBatch``): its rows of q, k and v."""
+    return [int(n) for n in (forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist())]

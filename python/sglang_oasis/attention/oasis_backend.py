@@ -27,7 +27,7 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sglang_oasis.attention.batch_view import BatchView, extend_prefix_lens
+from sglang_oasis.attention.batch_view import BatchView, extend_prefix_lens, extend_seq_lens
 from sglang_oasis.attention.block_prefetcher import INJECT_ENV
 from sglang_oasis.attention.extend_attention import CachedPrefixExtend
 from sglang_oasis.attention.gauges import Gauges
@@ -194,9 +194,7 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
         out = super().forward_extend(q, k, v, layer, forward_batch, save_kv_cache)
         if layer.is_cross_attention or layer_id in self.dense_layers:  # dense layers never select
             return out
-        extend_lens = [
-            int(n) for n in (forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist())
-        ]
+        extend_lens = extend_seq_lens(forward_batch)
         seq_lens_cpu = forward_batch.seq_lens.cpu().to(torch.int64)
         if k is not None and v is not None and save_kv_cache:
             self.selector.wait(layer_id)  # its job may be copying from the active blocks

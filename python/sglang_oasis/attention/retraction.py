@@ -42,7 +42,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from sglang_oasis.attention.batch_view import BatchView, extend_prefix_lens
+from sglang_oasis.attention.batch_view import BatchView, extend_prefix_lens, extend_seq_lens
 from sglang_oasis.attention.pd_node import PDNode
 from sglang_oasis.attention.recall_probe import RecallProbe
 from sglang_oasis.attention.request_slots import RequestSlots
@@ -239,9 +239,7 @@ class Retractions:
         if not self._restoring or k is None or v is None:
             return k, v
         prefix_lens = extend_prefix_lens(forward_batch)
-        extend_lens = [
-            int(n) for n in (forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist())
-        ]
+        extend_lens = extend_seq_lens(forward_batch)
         k, v, restored = put_back(self._restoring, batch, layer_id, prefix_lens, extend_lens, k, v,
                                   self.attention.num_kv_heads)  # fmt: skip
         if layer_id == 0 and restored:
