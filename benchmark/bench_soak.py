@@ -40,7 +40,11 @@ hidden, in ``differing_retracted``.
     python benchmark/bench_soak.py --json soak.json [--modes dense,sparse,eagle3,pd] [--requests 200]
         [--concurrency 16] [--num-layers 6] [--top-k 8] [--host-kv-tokens 4096]
         [--prompt-tokens 200,1500] [--new-tokens 16,64] [--seed 25] [--retract-every N]
-        [--pd-faults [--inject-tokens N] [--kill-at 0.5]]
+        [--pd-faults [--inject-tokens N] [--kill-at 0.5]] [--modes-at-once N]
+
+Modes run side by side, ``--modes-at-once`` of them (default: one per core; each server computes on one
+thread), the longest first (eagle3, pd, sparse, dense); a mode's outcome does not depend on what runs
+beside it (greedy outputs are compared with its own solo runs, on its own server).
 
 Prints a table and writes JSON (one section per mode, plus ``settings``, ``date``, ``machine``); exits 1
 when a mode failed a must-be-0 figure or did not run.
@@ -58,6 +62,7 @@ import sys
 import tempfile
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -73,6 +78,7 @@ from soak import Excuses, Outcome, SoakRequest, compare, drain, run_mix, solo_ou
 
 MUST_BE_ZERO = ("failed_unexpectedly", "differing")
 HELD = ("running_requests", "device_working_set_tokens", "staged_bytes", "host_tokens_used")
+LONGEST_FIRST = ("eagle3", "pd", "sparse", "dense")  # the order modes start in when they run side by side
 
 
 def mode_args(mode: str, args: argparse.Namespace, model: Path) -> list[str]:
@@ -207,8 +213,12 @@ def run_pd(
         return result
 
 
+def mode_model(mode: str, args: argparse.Namespace) -> Path:
+    return prepare_default_model(None if mode == "eagle3" else args.num_layers)
+
+
 def run_mode(mode: str, args: argparse.Namespace, corpus: list[int], logs: Path) -> dict[str, Any]:
-    model = prepare_default_model(None if mode == "eagle3" else args.num_layers)
+    model = mode_model(mode, args)
     env = retract_env(args.retract_every)
     inject = args.inject_tokens if mode == "pd" and args.pd_faults else None
     reqs = workload(args.seed, args.requests, corpus, args.prompt_tokens, args.new_tokens, inject_len=inject)
@@ -270,12 +280,22 @@ def main() -> None:
         "--kill-at", type=float, default=0.5, help="--pd-faults: kill prefill after this share"
     )
     parser.add_argument(
+        "--modes-at-once", type=int, default=None, help="modes run side by side (default: one per core)"
+    )
+    parser.add_argument(
         "--retract-every",
         type=int,
         default=0,
         help="force SGLang retractions every N forward passes (0: off)",
     )
     args = parser.parse_args()
+    modes = args.modes.split(",")
+    unknown = [m for m in modes if m not in LONGEST_FIRST]
+    if unknown:
+        parser.error(f"--modes: unknown {', '.join(unknown)} (known: {', '.join(LONGEST_FIRST)})")
+    if args.modes_at_once is not None and args.modes_at_once < 1:
+        parser.error("--modes-at-once must be at least 1")
+    at_once = min(len(modes), args.modes_at_once or os.cpu_count() or 1)
 
     from transformers import AutoTokenizer
 
@@ -289,19 +309,30 @@ def main() -> None:
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
     }
+    results["settings"]["modes_at_once"] = at_once
     logs = Path(tempfile.mkdtemp(prefix="bench-soak-"))
-    print(f"server logs in {logs}", flush=True)
-    for mode in args.modes.split(","):
+    print(f"server logs in {logs}; {at_once} mode(s) at once", flush=True)
+    for mode in modes:  # converted once, before the modes that share a model start side by side
+        mode_model(mode, args)
+    written = threading.Lock()
+
+    def run(mode: str) -> None:
         print(f"[bench_soak] {mode} ...", flush=True)
         try:
-            results[mode] = run_mode(mode, args, corpus, logs)
+            result = run_mode(mode, args, corpus, logs)
         except Exception as exc:  # one mode failing still reports the others
-            results[mode] = {"error": f"{type(exc).__name__}: {exc}"}
-        args.json.write_text(json.dumps(results, indent=2))
+            result = {"error": f"{type(exc).__name__}: {exc}"}
+        print(f"[bench_soak] {mode} done in {result.get('seconds', 0):.0f} s", flush=True)
+        with written:
+            results[mode] = result
+            args.json.write_text(json.dumps(results, indent=2))
+
+    with ThreadPoolExecutor(at_once) as pool:
+        list(pool.map(run, sorted(modes, key=LONGEST_FIRST.index)))
     columns = ["sent", "completed", "aborted", "disconnected", "failed_unexpectedly", "retracted", "differing",
                "differing_retracted"]  # fmt: skip
     rows, bad = [], {}
-    for mode in args.modes.split(","):
+    for mode in modes:
         result = results[mode]
         held = result.get("held_after_drain", {})
         rows.append([mode, *(result.get(c, "-") for c in columns), sum(held.get(n, 0) for n in HELD)])
