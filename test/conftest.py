@@ -1,4 +1,5 @@
-"""Shared fixtures. Servers are session-scoped: a start costs 20-40 s on these CPU machines."""
+"""Shared fixtures. Servers used by several modules are session-scoped: a start costs 20-40 s on these CPU
+machines."""
 
 from __future__ import annotations
 
@@ -68,11 +69,13 @@ def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
     yield from _serve([], "default-server", tmp_path_factory)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def default_dense_server(
     default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    """Dense SGLang on the default model (all 30 layers): the baseline of passkey and lookahead tests."""
+    """Dense SGLang on the default model (all 30 layers): the passkey tests' baseline. Module scope, like
+    the SmolLM2 servers below: one module per lane uses each (``scripts/run_lanes.py``), and the lanes'
+    servers share the machine's memory."""
     args = ["--model-path", str(default_model_dir), "--oasis-mode", "dense", "--max-total-tokens", "32768"]
     yield from _serve(args, "default-dense", tmp_path_factory)
 
@@ -101,7 +104,7 @@ def tiny_qwen3_sparse_server(
     yield from _serve(args, "tiny-qwen3-sparse", tmp_path_factory)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2_dense_server(
     smollm2_6l_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
@@ -109,7 +112,7 @@ def smollm2_dense_server(
     yield from _serve(args, "smollm2-6l-dense", tmp_path_factory)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def smollm2_sparse_server(
     smollm2_6l_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:

@@ -1,0 +1,41 @@
+"""``scripts/run_lanes.py``, the whole suite as two pytest processes at once: every test module runs in
+exactly one lane, and a lane's failure fails the run."""
+
+from __future__ import annotations
+
+import importlib.util
+import threading
+from pathlib import Path
+from types import ModuleType
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _run_lanes() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("run_lanes", ROOT / "scripts" / "run_lanes.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_every_test_module_runs_in_exactly_one_lane() -> None:
+    plan = _run_lanes().lanes()
+    paths = [path for lane in plan.values() for path in lane]
+    assert len(paths) == len(set(paths))
+    integration = {f"test/integration/{p.name}" for p in (ROOT / "test" / "integration").glob("test_*.py")}
+    assert {p for p in paths if p.startswith("test/integration/")} == integration
+    assert "test/unit" in paths
+    assert all(lane for lane in plan.values()), "no lane is empty"
+
+
+def test_a_lane_reports_its_pytest_exit_status_and_summary(tmp_path: Path) -> None:
+    run_lanes = _run_lanes()
+    (tmp_path / "test_passes.py").write_text("def test_one():\n    assert True\n")
+    (tmp_path / "test_fails.py").write_text("def test_one():\n    assert False\n")
+    results: dict[str, tuple] = {}
+    out = threading.Lock()
+    run_lanes.run_lane("good", [str(tmp_path / "test_passes.py")], 4, out, results)
+    run_lanes.run_lane("bad", [str(tmp_path / "test_fails.py")], 4, out, results)
+    assert results["good"][0] == 0 and "1 passed" in results["good"][2]
+    assert results["bad"][0] == 1 and "1 failed" in results["bad"][2]
