@@ -1,15 +1,21 @@
-"""The whole test suite in two lanes at once: two pytest processes, each with its own servers.
+"""The whole test suite in two lanes at once: two pytest processes.
 
 A test with a server mostly waits on that server, which computes on one thread (``OMP_NUM_THREADS=1``),
-and a third of the suite's time is servers starting; in one pytest process the second core idles. Each
-lane keeps the servers it shares (session fixtures) to itself: the SmolLM2 lane has the unit tests and
-the modules on SmolLM2's servers (all 30 layers, or the first 6), the tiny lane every other module (the
-random-weight tiny models). A module belongs to the SmolLM2 lane when it is named in ``SMOLLM2_LANE``;
-a new module goes to the tiny lane unless added there.
+so in one pytest process the second core mostly idles. The ``servers`` lane runs the modules that share
+session servers (the tiny models' dense and sparse servers), the light ones first and the ones with
+many servers at once last; the ``unit`` lane runs the unit tests, then the modules with their own few
+servers (``UNIT_LANE``), while the other lane is still on its light modules.
+
+Memory, not CPU, bounds the lanes: a server here holds about 3 GiB, and 24 GiB do not hold the heavy
+modules' servers of both lanes at once (tried: the machine ran out and a start timed out). So the
+``unit`` lane yields: each server it starts first waits until ``UNIT_LANE_WAITS_FOR_GIB`` are available
+(``SGLANG_OASIS_SPAWN_WAIT_FOR_GIB``, read by ``ServerProcess.spawn``); the ``servers`` lane never
+waits, so the two never wait on each other.
 
 Each lane's lines are printed as they come, prefixed with the lane's name; both lanes' summaries and
-times at the end. A lane's temporary directory (servers' logs) is kept when it fails, under /tmp. Exits 0 only when both lanes pass. With one CPU (or ``SGLANG_OASIS_TEST_LANES=1``) it
-runs one pytest over everything, as ``pytest`` alone would.
+times, and the lowest available memory, at the end. A lane's temporary directory (its servers' logs) is
+kept under /tmp when it fails. Exits 0 only when both lanes pass. With one CPU (or
+``SGLANG_OASIS_TEST_LANES=1``) it runs one pytest over everything, as ``pytest`` alone would.
 
     python scripts/run_lanes.py        (scripts/run_tests.sh runs it when given no pytest arguments)
 """
@@ -26,41 +32,42 @@ import threading
 import time
 from pathlib import Path
 
+from sglang_oasis.server_process import SPAWN_WAIT_ENV, mem_available_gib
+
 ROOT = Path(__file__).resolve().parent.parent
 INTEGRATION = ROOT / "test" / "integration"
-# The modules on SmolLM2's servers; with the unit tests (~4 minutes) they take about as long as the rest.
-SMOLLM2_LANE = (
+# Modules with their own servers (none of the session ones), after the unit tests (~4 minutes).
+UNIT_LANE = (
+    "test_remote_fetch.py",
+    "test_prefetch_pipeline.py",
     "test_accuracy_bench.py",
-    "test_default_server.py",
-    "test_passkey.py",
-    "test_pd.py",
     "test_rpf_bench.py",
+    "test_default_server.py",
 )
+# The servers lane's modules with the most servers at once, last (in this order); the rest before them.
+SERVERS_LANE_LAST = (
+    "test_passkey.py",
+    "test_pd_eagle3.py",
+    "test_pd.py",
+    "test_sparse_equivalence.py",
+)
+UNIT_LANE_WAITS_FOR_GIB = 9.0
 
 
 def lanes() -> dict[str, list[str]]:
     every = sorted(path.name for path in INTEGRATION.glob("test_*.py"))
-    missing = [name for name in SMOLLM2_LANE if name not in every]
+    missing = [name for name in (*UNIT_LANE, *SERVERS_LANE_LAST) if name not in every]
     if missing:
-        raise SystemExit(f"run_lanes.py: SMOLLM2_LANE names modules that do not exist: {', '.join(missing)}")
-    smollm2 = ["test/unit", *(f"test/integration/{name}" for name in SMOLLM2_LANE)]
-    tiny = [f"test/integration/{name}" for name in every if name not in SMOLLM2_LANE]
-    return {"smollm2": smollm2, "tiny": tiny}
-
-
-def mem_available_gib() -> float | None:
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 2**20
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+        raise SystemExit(f"run_lanes.py names test modules that do not exist: {', '.join(missing)}")
+    rest = [name for name in every if name not in UNIT_LANE and name not in SERVERS_LANE_LAST]
+    return {
+        "unit": ["test/unit", *(f"test/integration/{name}" for name in UNIT_LANE)],
+        "servers": [f"test/integration/{name}" for name in (*rest, *SERVERS_LANE_LAST)],
+    }
 
 
 class LowestMemory(threading.Thread):
-    """The machine's lowest ``MemAvailable`` while the lanes run (sampled every 2 s): how close the lanes'
-    servers together came to the memory's end."""
+    """The machine's lowest ``MemAvailable`` while the lanes run (sampled every 2 s)."""
 
     def __init__(self) -> None:
         super().__init__(daemon=True)
@@ -77,13 +84,21 @@ class LowestMemory(threading.Thread):
 RUNNING: list[subprocess.Popen[str]] = []  # the lanes' pytest processes, told to stop on Ctrl-C
 
 
-def run_lane(name: str, paths: list[str], width: int, out: threading.Lock, results: dict[str, tuple]) -> None:
+def run_lane(
+    name: str,
+    paths: list[str],
+    width: int,
+    out: threading.Lock,
+    results: dict[str, tuple],
+    env: dict[str, str] | None = None,
+) -> None:
     started = time.monotonic()
     basetemp = tempfile.mkdtemp(prefix=f"pytest-{name}-")  # each lane its own; pytest empties it first
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--basetemp={basetemp}", *paths]
     process = subprocess.Popen(
-        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1
-    )
+        command, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, bufsize=1,
+        env={**os.environ, **(env or {})},
+    )  # fmt: skip
     RUNNING.append(process)
     assert process.stdout is not None
     last = ""
@@ -106,8 +121,9 @@ def main() -> int:
     width = max(len(name) for name in plan)
     out = threading.Lock()
     results: dict[str, tuple] = {}
+    envs = {"unit": {SPAWN_WAIT_ENV: str(UNIT_LANE_WAITS_FOR_GIB)}}
     threads = [
-        threading.Thread(target=run_lane, args=(name, paths, width, out, results))
+        threading.Thread(target=run_lane, args=(name, paths, width, out, results, envs.get(name)))
         for name, paths in plan.items()
     ]
     memory = LowestMemory()
@@ -125,7 +141,7 @@ def main() -> int:
     memory.done.set()
     print("\nlanes:")
     for name in plan:
-        code, seconds, last, basetemp = results[name]
+        code, seconds, last, basetemp = results.get(name, (1, 0.0, "(the lane did not finish)", "-"))
         kept = f"  (its servers' logs: {basetemp})" if code else ""
         print(f"  {name:<{width}}  exit {code}  {seconds / 60:.1f} min  {last}{kept}")
     if memory.lowest is not None:

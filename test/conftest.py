@@ -73,9 +73,8 @@ def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
 def default_dense_server(
     default_model_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    """Dense SGLang on the default model (all 30 layers): the passkey tests' baseline. Module scope, like
-    the SmolLM2 servers below: one module per lane uses each (``scripts/run_lanes.py``), and the lanes'
-    servers share the machine's memory."""
+    """Dense SGLang on the default model (all 30 layers): the passkey tests' baseline. Module scope: one
+    module uses it, and its ~3 GiB are better freed for the modules after it."""
     args = ["--model-path", str(default_model_dir), "--oasis-mode", "dense", "--max-total-tokens", "32768"]
     yield from _serve(args, "default-dense", tmp_path_factory)
 
@@ -104,7 +103,7 @@ def tiny_qwen3_sparse_server(
     yield from _serve(args, "tiny-qwen3-sparse", tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def smollm2_dense_server(
     smollm2_6l_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
@@ -112,7 +111,7 @@ def smollm2_dense_server(
     yield from _serve(args, "smollm2-6l-dense", tmp_path_factory)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def smollm2_sparse_server(
     smollm2_6l_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:

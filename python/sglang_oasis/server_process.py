@@ -17,7 +17,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +70,39 @@ class ServerStartError(RuntimeError):
     pass
 
 
+SPAWN_WAIT_ENV = "SGLANG_OASIS_SPAWN_WAIT_FOR_GIB"  # set by scripts/run_lanes.py for its yielding lane
+
+
+def mem_available_gib() -> float | None:
+    """``MemAvailable`` from ``/proc/meminfo``, in GiB (None where there is none)."""
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) / 2**20
+    except (OSError, ValueError, IndexError):
+        pass
+    return None
+
+
+def wait_for_memory(
+    gib: float,
+    timeout_s: float,
+    available: Callable[[], float | None] = mem_available_gib,
+    sleep: Callable[[float], None] = time.sleep,
+) -> float:
+    """Wait until ``available()`` GiB are at least ``gib`` (or it cannot be read), at most ``timeout_s``;
+    returns the seconds waited. Two test lanes share one machine's memory: the lane that yields starts a
+    server only when the other's servers leave room for it, else both run out of memory together."""
+    waited = 0.0
+    while waited < timeout_s:
+        now = available()
+        if now is None or now >= gib:
+            break
+        sleep(2.0)
+        waited += 2.0
+    return waited
+
+
 class ServerProcess:
     """``python -m sglang_oasis.launch_server <args> --host 127.0.0.1 --port <free>``, logged to a file
     (``host``/``port`` override the address; ``module`` runs another server module taking ``--host``/``--port``, e.g. SGLang's router; it is
@@ -98,9 +131,16 @@ class ServerProcess:
         return self.spawn().wait_ready(timeout_s)
 
     def spawn(self) -> ServerProcess:
-        """Start the process (its own process group) without waiting for it to be ready."""
+        """Start the process (its own process group) without waiting for it to be ready. With
+        ``SGLANG_OASIS_SPAWN_WAIT_FOR_GIB`` set, first wait (up to 20 minutes) until that much memory is
+        available; the wait is written to the server's log."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        gib = os.environ.get(SPAWN_WAIT_ENV)
+        waited = wait_for_memory(float(gib), 1200.0) if gib else 0.0
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
+        if waited:
+            log.write(f"[server_process] waited {waited:.0f} s for {gib} GiB of available memory\n".encode())
+            log.flush()
         self.process = subprocess.Popen(
             self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True
         )

@@ -1,5 +1,5 @@
 """``scripts/run_lanes.py``, the whole suite as two pytest processes at once: every test module runs in
-exactly one lane, and a lane's failure fails the run."""
+exactly one lane, a lane's failure fails the run, and the yielding lane's servers wait for memory."""
 
 from __future__ import annotations
 
@@ -39,3 +39,15 @@ def test_a_lane_reports_its_pytest_exit_status_and_summary(tmp_path: Path) -> No
     run_lanes.run_lane("bad", [str(tmp_path / "test_fails.py")], 4, out, results)
     assert results["good"][0] == 0 and "1 passed" in results["good"][2]
     assert results["bad"][0] == 1 and "1 failed" in results["bad"][2]
+
+
+def test_the_yielding_lane_waits_for_memory_then_starts_anyway() -> None:
+    from sglang_oasis.server_process import wait_for_memory
+
+    readings = iter([2.0, 3.5, 9.5, 12.0])
+    slept: list[float] = []
+    assert wait_for_memory(9.0, 60.0, lambda: next(readings), slept.append) == 4.0  # two waits, then 9.5
+    assert slept == [2.0, 2.0]
+    slept.clear()
+    assert wait_for_memory(9.0, 6.0, lambda: 1.0, slept.append) == 6.0  # never enough: it gives up
+    assert wait_for_memory(9.0, 60.0, lambda: None, slept.append) == 0.0  # unreadable: no wait
