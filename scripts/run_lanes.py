@@ -3,8 +3,8 @@
 A test with a server mostly waits on that server, which computes on one thread (``OMP_NUM_THREADS=1``),
 so in one pytest process the second core mostly idles. The ``servers`` lane runs the modules that share
 session servers (the tiny models' dense and sparse servers), the light ones first and the ones with
-many servers at once last; the ``unit`` lane runs the unit tests, then the modules with servers of
-their own (``UNIT_LANE``).
+many servers at once last; the ``unit`` lane runs the unit tests, then the modules with their own few
+servers (``UNIT_LANE``), while the other lane is still on its light modules.
 
 Memory, not CPU, bounds the lanes: a server here holds about 3 GiB, and 24 GiB do not hold the heavy
 modules' servers of both lanes at once (tried: the machine ran out and a start timed out). So the
@@ -36,20 +36,19 @@ from sglang_oasis.server_process import SPAWN_WAIT_ENV, mem_available_gib
 
 ROOT = Path(__file__).resolve().parent.parent
 INTEGRATION = ROOT / "test" / "integration"
-# Modules with servers of their own (test_pd: and SmolLM2's dense one), after the unit tests (~5 minutes);
-# measured, the two lanes then take about as long (docs/design.md#tests).
+# Modules with their own servers (none of the session ones), after the unit tests (~4 minutes).
 UNIT_LANE = (
     "test_remote_fetch.py",
     "test_prefetch_pipeline.py",
     "test_accuracy_bench.py",
     "test_rpf_bench.py",
     "test_default_server.py",
-    "test_passkey.py",
-    "test_pd.py",
 )
 # The servers lane's modules with the most servers at once, last (in this order); the rest before them.
 SERVERS_LANE_LAST = (
+    "test_passkey.py",
     "test_pd_eagle3.py",
+    "test_pd.py",
     "test_sparse_equivalence.py",
 )
 UNIT_LANE_WAITS_FOR_GIB = 9.0
