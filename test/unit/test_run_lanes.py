@@ -3,24 +3,19 @@ exactly one lane, a lane's failure fails the run, and the yielding lane's server
 
 from __future__ import annotations
 
-import importlib.util
+import sys
 import threading
 from pathlib import Path
-from types import ModuleType
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
+
+import run_lanes
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def _run_lanes() -> ModuleType:
-    spec = importlib.util.spec_from_file_location("run_lanes", ROOT / "scripts" / "run_lanes.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_every_test_module_runs_in_exactly_one_lane() -> None:
-    plan = _run_lanes().lanes()
+    plan = run_lanes.lanes()
     paths = [path for lane in plan.values() for path in lane]
     assert len(paths) == len(set(paths))
     integration = {f"test/integration/{p.name}" for p in (ROOT / "test" / "integration").glob("test_*.py")}
@@ -30,7 +25,6 @@ def test_every_test_module_runs_in_exactly_one_lane() -> None:
 
 
 def test_a_lane_reports_its_pytest_exit_status_and_summary(tmp_path: Path) -> None:
-    run_lanes = _run_lanes()
     (tmp_path / "test_passes.py").write_text("def test_one():\n    assert True\n")
     (tmp_path / "test_fails.py").write_text("def test_one():\n    assert False\n")
     results: dict[str, tuple] = {}
