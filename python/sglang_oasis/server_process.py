@@ -21,6 +21,8 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from sglang_oasis.memory.host_tier import available_host_memory
+
 
 class GenerateError(RuntimeError):
     """A ``/generate`` request answered with an error status."""
@@ -73,15 +75,9 @@ class ServerStartError(RuntimeError):
 SPAWN_WAIT_ENV = "SGLANG_OASIS_SPAWN_WAIT_FOR_GIB"  # set by scripts/run_lanes.py for its yielding lane
 
 
-def mem_available_gib() -> float | None:
-    """``MemAvailable`` from ``/proc/meminfo``, in GiB (None where there is none)."""
-    try:
-        for line in Path("/proc/meminfo").read_text().splitlines():
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) / 2**20
-    except (OSError, ValueError, IndexError):
-        pass
-    return None
+def mem_available_gib() -> float:
+    """Host memory available to new allocations now, in GiB (``available_host_memory``)."""
+    return available_host_memory() / 2**30
 
 
 def wait_for_memory(
@@ -169,8 +165,7 @@ class ServerProcess:
 
         spy = shutil.which("py-spy") or str(Path(sys.executable).with_name("py-spy"))
         out = []
-        with contextlib.suppress(OSError):
-            out.append(Path("/proc/meminfo").read_text().splitlines()[2])  # MemAvailable
+        out.append(f"available memory: {mem_available_gib():.2f} GiB")
         assert self.process is not None
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
