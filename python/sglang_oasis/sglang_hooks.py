@@ -90,6 +90,13 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
    it computes an extend's attention over every row of the sequence, cached prefix included, and keeps
    the new ones; the override computes only from the block of rows before them, bitwise the same.
    ``test_sglang_hooks.py`` checks the method's parameters and that SGLang's ``forward_extend`` calls it.
+12. ``SamplingParams.verify`` (sparse mode): a request's ``oasis_*`` options are read in the scheduler
+   (hook 9), where a bad one could only fail the request with a 500 (and, before, a ``custom_params``
+   that was not a dict raised there and took the server down). SGLang checks a request's sampling
+   parameters in the tokenizer manager and answers a ``ValueError`` from ``verify`` with HTTP 400 before
+   anything is queued; it has no validator registry for ``custom_params``. The hook runs SGLang's
+   checks, then ``request_options.check`` (a ``custom_params`` that is not a JSON object, unknown
+   ``oasis_*`` keys, bad types and ranges, PD), raising its ``ValueError`` naming the key.
 """
 
 from __future__ import annotations
@@ -99,7 +106,7 @@ import logging
 from collections.abc import Callable
 from typing import Any
 
-from sglang_oasis.attention.request_options import note_params
+from sglang_oasis.attention.request_options import check, note_params
 from sglang_oasis.config import OasisConfig
 
 DRAFT_EXTEND_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend"
@@ -120,6 +127,7 @@ BACKUP_TARGET = "sglang.srt.mem_cache.common.backup_kv_cache"
 RELEASE_TARGET = "sglang.srt.managers.schedule_batch.release_req"
 FORWARD_BATCH_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 STREAMER_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class"
+VERIFY_PARAMS_TARGET = "sglang.srt.sampling.sampling_params.SamplingParams.verify"
 FIGURES_KEY = "oasis"  # meta_info key of a request's own figures (hook 10)
 BEFORE_BACKUP_LISTENER = "oasis_before_backup"  # attribute of a req-to-token pool: row -> KV whole locally?
 RETRACT_LISTENER = "oasis_on_retract"  # attribute of a req-to-token pool: (row, rid, tokens, backed_up)
@@ -499,6 +507,26 @@ def report_request_figures(original: Callable[..., Any], scheduler: Any, *args: 
     return type("OasisOutputStreamer", (base,), namespace)
 
 
+def check_request_options(
+    config: OasisConfig, original: Callable[..., Any], params: Any, *args: Any, **kwargs: Any
+) -> Any:
+    """``SamplingParams.verify`` (hook 12): SGLang's checks, then the request's ``oasis_*`` options; a
+    ``ValueError`` (HTTP 400) names what is wrong."""
+    result = original(params, *args, **kwargs)
+    check(getattr(params, "custom_params", None), config, _disaggregated())
+    return result
+
+
+def _disaggregated() -> bool:
+    """Whether this server is either node of a PD pair (SGLang's runtime context, in any process)."""
+    try:
+        from sglang.srt.runtime_context import get_disagg
+
+        return str(get_disagg().disaggregation_mode) in ("prefill", "decode")
+    except Exception:  # no context published in this process: the scheduler checks again
+        return False
+
+
 def register(config: OasisConfig) -> None:
     """Register the hooks this configuration needs (SGLang applies them after all plugins load)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -526,6 +554,9 @@ def register(config: OasisConfig) -> None:
     HookRegistry.register(RELEASE_TARGET, keep_before_release, HookType.AROUND)
     HookRegistry.register(FORWARD_BATCH_TARGET, carry_request_params, HookType.AROUND)
     HookRegistry.register(STREAMER_TARGET, report_request_figures, HookType.AROUND)
+    HookRegistry.register(
+        VERIFY_PARAMS_TARGET, functools.partial(check_request_options, config), HookType.AROUND
+    )
 
 
 def patch_cpu_disaggregation() -> None:

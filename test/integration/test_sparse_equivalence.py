@@ -226,3 +226,51 @@ def test_request_larger_than_the_host_tier_fails_alone(tiny_qwen3_sparse_server:
     assert response.status_code == 400
     assert "exceeds the maximum allowed length" in response.text
     assert len(greedy(tiny_qwen3_sparse_server, prompts(seed=7)[2])) == NEW_TOKENS  # still serving
+
+
+# Malformed per-request options, each with what the 400 must name: wrong shapes of custom_params, wrong
+# types, nesting, out-of-range values, unknown oasis_* keys, and a target on a server with no room to grow.
+BAD_OPTIONS: list[tuple[object, str]] = [
+    (["oasis_top_k", 3], "custom_params: must be a JSON object"),
+    ("oasis_top_k=3", "custom_params: must be a JSON object"),
+    (3, "custom_params: must be a JSON object"),
+    ({"oasis_top_k": "abc"}, "oasis_top_k='abc'"),
+    ({"oasis_top_k": 3.5}, "oasis_top_k=3.5"),
+    ({"oasis_top_k": True}, "oasis_top_k=True"),
+    ({"oasis_top_k": 0}, "oasis_top_k=0"),
+    ({"oasis_top_k": -4}, "oasis_top_k=-4"),
+    ({"oasis_top_k": 10**12}, "oasis_top_k=1000000000000"),
+    ({"oasis_top_k": [3]}, "oasis_top_k=[3]"),
+    ({"oasis_top_k": {"value": 3}}, "oasis_top_k={'value': 3}"),
+    ({"oasis_top_k": None}, "oasis_top_k=None"),
+    ({"oasis_recall_target": "0.5"}, "oasis_recall_target='0.5'"),
+    ({"oasis_recall_target": 1}, "oasis_recall_target=1"),
+    ({"oasis_recall_target": -0.5}, "oasis_recall_target=-0.5"),
+    (
+        {"oasis_recall_target": 0.9, "oasis_top_k": 64},
+        "oasis_recall_target=0.9: the working sets cannot grow",
+    ),
+    ({"oasis_top_k": 8, "oasis_topk": 8}, "unknown oasis_topk"),
+    ({"oasis_": 1}, "unknown oasis_"),
+    ({"oasis_top_k": 8, "nested": {"oasis_top_k": "x"}, "oasis_x": {"y": [1]}}, "unknown oasis_x"),
+]
+
+
+def test_malformed_request_options_fail_alone_with_400(tiny_qwen3_sparse_server: ServerProcess) -> None:
+    """Each malformed ``custom_params`` answers HTTP 400 naming what is wrong, through ``/generate`` and
+    the OpenAI API (hook 12, before the request is queued); the server stays up and serves after each, and
+    a valid request with options (and keys that are not ``oasis_*``) is served as before."""
+    server = tiny_qwen3_sparse_server
+    ids = prompts(seed=5)[3]  # 100 tokens
+    expected = greedy(server, ids)
+    for options, named in BAD_OPTIONS:
+        status, text = with_options(server, ids, options)  # type: ignore[arg-type]
+        assert status == 400 and named in text, (options, status, text)
+        assert server.alive() and requests.get(server.url + "/health", timeout=30).status_code == 200
+    for options, named in BAD_OPTIONS[3:6]:  # the OpenAI API: custom_params at the top level
+        body = {"model": "default", "prompt": "Hello", "max_tokens": 2, "custom_params": options}
+        reply = requests.post(server.url + "/v1/completions", json=body, timeout=120)
+        assert reply.status_code == 400 and named in reply.text, (options, reply.status_code, reply.text)
+    status, text = with_options(server, ids, {"oasis_top_k": 64, "client_tag": [1, {"x": 2}]})
+    assert status == 200 and json.loads(text)["output_ids"] == expected, text
+    assert greedy(server, ids) == expected

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from sglang_oasis.attention.request_options import read_options
+from sglang_oasis.attention.request_options import check, read_options
 from sglang_oasis.config import OasisConfig
 
 CONFIG = OasisConfig(top_k=4, recall_max_top_k=32)
@@ -15,10 +15,10 @@ def test_rows_without_options_take_the_servers_and_a_batch_without_any_costs_not
     assert read_options(None, CONFIG, False) == (None, None, {})
     assert read_options([None, {"other": 1}], CONFIG, False) == (None, None, {})
     options = read_options(
-        [None, {"oasis_top_k": 32, "oasis_recall_target": 0.9}, {"oasis_top_k": 1}], CONFIG, False
+        [None, {"oasis_top_k": 16, "oasis_recall_target": 0.9}, {"oasis_top_k": 1}], CONFIG, False
     )
     assert options.top_k is not None and options.target is not None
-    assert options.top_k.tolist() == [4, 32, 1]
+    assert options.top_k.tolist() == [4, 16, 1]
     assert options.target.tolist() == pytest.approx([0.0, 0.9, 0.0])
     assert options.errors == {}
     # The server's target is the default of a row that sets only its K.
@@ -37,13 +37,36 @@ def test_rows_without_options_take_the_servers_and_a_batch_without_any_costs_not
         ({"oasis_recall_target": 1.0}, "oasis_recall_target=1.0: must be a number in [0, 1)"),
         ({"oasis_recall_target": "0.9"}, "oasis_recall_target='0.9': must be a number"),
         ({"oasis_topk": 8}, "unknown oasis_topk"),
+        ({"oasis_top_k": {"k": 8}}, "oasis_top_k={'k': 8}: must be an integer"),
+        ({"oasis_top_k": [8]}, "oasis_top_k=[8]: must be an integer"),
+        ({"oasis_recall_target": float("nan")}, "oasis_recall_target=nan: must be a number"),
+        (
+            {"oasis_top_k": 32, "oasis_recall_target": 0.9},
+            "oasis_recall_target=0.9: the working sets cannot grow",
+        ),
+        (["oasis_top_k", 3], "custom_params: must be a JSON object (e.g. {'oasis_top_k': 32}), got list"),
+        ("oasis_top_k=3", "custom_params: must be a JSON object"),
+        (7, "custom_params: must be a JSON object (e.g. {'oasis_top_k': 32}), got int 7"),
     ],
 )
-def test_a_bad_option_fails_its_row_alone_naming_it(params: dict, message: str) -> None:
+def test_a_bad_option_fails_its_row_alone_naming_it(params: object, message: str) -> None:
     options = read_options([{"oasis_top_k": 8}, params], CONFIG, False)
     assert list(options.errors) == [1] and message in options.errors[1], options.errors
     assert options.errors[1].startswith("oasis: bad custom_params: ")
     assert options.top_k is not None and options.top_k.tolist() == [8, 4]  # the bad row: the server's
+    with pytest.raises(ValueError, match=r"^oasis: bad custom_params: ") as raised:  # hook 12's check
+        check(params, CONFIG, False)
+    assert message in str(raised.value)
+
+
+def test_a_target_that_can_grow_is_taken_and_a_server_without_room_refuses_any() -> None:
+    assert check({"oasis_top_k": 31, "oasis_recall_target": 0.9}, CONFIG, False) == (31, 0.9)
+    assert check({"oasis_top_k": 32}, CONFIG, False) == (32, 0.0)  # no target: K up to the reserve
+    assert check({"other": [1]}, CONFIG, False) is None and check(None, CONFIG, False) is None
+    no_room = OasisConfig(top_k=4)  # reserves exactly --oasis-top-k
+    with pytest.raises(ValueError, match="oasis_top_k 4 is already this server's --oasis-recall-max-top-k"):
+        check({"oasis_recall_target": 0.5}, no_room, False)
+    assert check({"oasis_recall_target": 0}, no_room, False) == (4, 0.0)
 
 
 def test_a_target_needs_recall_samples_and_pd_refuses_every_option() -> None:

@@ -11,10 +11,18 @@ OpenAI API: a top-level field, ``extra_body`` in the openai client)::
   request's recall target instead of ``--oasis-recall-target`` (0: none). Its working sets grow from its
   top-K up to ``--oasis-recall-max-top-k``.
 
-Unknown ``oasis_*`` keys and values out of range fail the request alone, naming the key; so does any of
-them under PD disaggregation (the prefill node's first selection would have to match the decode node's).
-Dense mode ignores them. SGLang hands the attention backend no request parameters: hook 9
-(``sglang_hooks.py``) notes each request's ``custom_params`` by rid as SGLang builds a forward batch.
+Unknown ``oasis_*`` keys, values of the wrong type or out of range, a ``custom_params`` that is not a JSON
+object, a target whose working sets could not grow (the request's K already at
+``--oasis-recall-max-top-k``) and any ``oasis_*`` key under PD disaggregation (the prefill node's first
+selection would have to match the decode node's) fail the request alone with HTTP 400 naming the key:
+hook 12 (``sglang_hooks.py``) checks them where SGLang verifies a request's sampling parameters, before
+it is queued. The scheduler checks them again (``read_options``) and fails a bad row alone there too.
+Dense mode ignores them. SGLang hands the attention backend no request parameters: hook 9 notes each
+request's ``custom_params`` by rid as SGLang builds a forward batch.
+
+A target's recall samples are bounded per request, not per pass: a request is sampled at its first and
+every ``--oasis-recall-sample-every``-th of its own decode steps (``recall_probe.py``), whatever other
+requests ask; a per-pass cap would make its working sets (and answer) depend on the batch it ran in.
 """
 
 from __future__ import annotations
@@ -48,24 +56,54 @@ def batch_params(rids: Sequence[str] | None) -> list[Any] | None:
     return None if rids is None else [_noted.get(str(rid)) for rid in rids]
 
 
-def read_options(
-    params: Sequence[Mapping[str, Any] | None] | None, config: OasisConfig, disaggregated: bool
-) -> RequestOptions:
-    """Each row's top-K and recall target from its ``custom_params`` (the server's where it sets none)."""
-    if not params or not any(p and any(str(key).startswith("oasis_") for key in p) for p in params):
+def read_options(params: Sequence[Any] | None, config: OasisConfig, disaggregated: bool) -> RequestOptions:
+    """Each row's top-K and recall target from its ``custom_params`` (the server's where it sets none); a
+    row whose ``custom_params`` ``check`` refuses gets the server's and an error."""
+    if not params or not any(p is not None and _oasis_options(p) != {} for p in params):
         return RequestOptions(None, None, {})
     top_k = torch.full((len(params),), config.top_k, dtype=torch.int64)
     target = torch.full((len(params),), float(config.recall_target))
     errors: dict[int, str] = {}
     for row, given in enumerate(params):
-        options = {key: value for key, value in (given or {}).items() if str(key).startswith("oasis_")}
-        if not options:
-            continue
         try:
-            top_k[row], target[row] = _checked(options, config, disaggregated)
+            checked = check(given, config, disaggregated)
         except ValueError as error:
-            errors[row] = f"oasis: bad custom_params: {error}"
+            errors[row] = str(error)
+            continue
+        if checked is not None:
+            top_k[row], target[row] = checked
     return RequestOptions(top_k, target, errors)
+
+
+def check(custom_params: Any, config: OasisConfig, disaggregated: bool) -> tuple[int, float] | None:
+    """The top-K and recall target a request's ``custom_params`` sets (None: it sets neither). Raises
+    ``ValueError`` ("oasis: bad custom_params: ...", naming the key) for anything this server refuses."""
+    options = _oasis_options(custom_params)
+    if options is None:
+        raise ValueError(
+            f"oasis: bad custom_params: must be a JSON object (e.g. {{{TOP_K!r}: 32}}), got "
+            f"{type(custom_params).__name__} {_short(custom_params)}"
+        )
+    if not options:
+        return None
+    try:
+        return _checked(options, config, disaggregated)
+    except ValueError as error:
+        raise ValueError(f"oasis: bad custom_params: {error}") from None
+
+
+def _oasis_options(custom_params: Any) -> dict[str, Any] | None:
+    """The ``oasis_*`` entries of ``custom_params`` ({} for None); None if it is not a mapping."""
+    if custom_params is None:
+        return {}
+    if not isinstance(custom_params, Mapping):
+        return None
+    return {str(key): value for key, value in custom_params.items() if str(key).startswith("oasis_")}
+
+
+def _short(value: Any) -> str:
+    text = repr(value)
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def _checked(options: dict[str, Any], config: OasisConfig, disaggregated: bool) -> tuple[int, float]:
@@ -77,14 +115,19 @@ def _checked(options: dict[str, Any], config: OasisConfig, disaggregated: bool) 
     top_k = options.get(TOP_K, config.top_k)
     if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= config.max_top_k:
         raise ValueError(
-            f"{TOP_K}={top_k!r}: must be an integer from 1 to {config.max_top_k} (this server's "
+            f"{TOP_K}={_short(top_k)}: must be an integer from 1 to {config.max_top_k} (this server's "
             "--oasis-recall-max-top-k)"
         )
     target = options.get(RECALL_TARGET, config.recall_target)
     if isinstance(target, bool) or not isinstance(target, int | float) or not 0 <= target < 1:
-        raise ValueError(f"{RECALL_TARGET}={target!r}: must be a number in [0, 1) (0: none)")
+        raise ValueError(f"{RECALL_TARGET}={_short(target)}: must be a number in [0, 1) (0: none)")
     if target and not config.recall_sample_every:
         raise ValueError(
             f"{RECALL_TARGET}: needs recall samples; this server runs --oasis-recall-sample-every 0"
+        )
+    if options.get(RECALL_TARGET) and top_k >= config.max_top_k:
+        raise ValueError(
+            f"{RECALL_TARGET}={target!r}: the working sets cannot grow: {TOP_K} {top_k} is already this "
+            f"server's --oasis-recall-max-top-k ({config.max_top_k})"
         )
     return top_k, float(target)
