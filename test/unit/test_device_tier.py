@@ -52,8 +52,57 @@ def test_every_tensor_of_a_tier_is_counted(name: str) -> None:
     plan = layout(10**9, shape, max_request_slots=2)
     tier = DeviceTier(shape, plan, dtype, "cpu")
     assert tier.nbytes == plan.total_bytes
-    assert sum(t.numel() * t.element_size() for t in tier.tensors().values()) == tier.nbytes
     assert tier.working_sets.k.shape[0] == 2 and tier.pinned.shape[0] == 2
+
+
+def _reachable_tensors(root: object) -> dict[str, torch.Tensor]:
+    """Every tensor reachable from ``root``'s attributes through objects of this package (and the lists,
+    tuples and dicts they hold), by attribute path."""
+    found: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+
+    def walk(value: object, path: str) -> None:
+        if id(value) in seen:
+            return
+        seen.add(id(value))
+        if isinstance(value, torch.Tensor):
+            found[path] = value
+        elif isinstance(value, list | tuple):
+            for index, item in enumerate(value):
+                walk(item, f"{path}[{index}]")
+        elif isinstance(value, dict):
+            for key, item in value.items():
+                walk(item, f"{path}[{key!r}]")
+        elif type(value).__module__.startswith("sglang_oasis"):
+            for name, item in vars(value).items():
+                walk(item, f"{path}.{name}")
+
+    walk(root, "tier")
+    return found
+
+
+@pytest.mark.parametrize("name", SHAPES)
+def test_every_tensor_reachable_from_the_tier_is_one_it_counts(name: str) -> None:
+    """Found by reflection, not by the list that defines ``nbytes``: a tensor added to the working sets,
+    the active blocks or the summaries and left out of ``tensors()`` fails here."""
+    shape = SHAPES[name]._replace(num_layers=1, host_pages=6)
+    dtype = {2: torch.bfloat16, 4: torch.float32}[shape.element_bytes]
+    tier = DeviceTier(shape, layout(10**9, shape, max_request_slots=2), dtype, "cpu")
+    counted = {t.untyped_storage().data_ptr() for t in tier.tensors().values()}
+    reachable = _reachable_tensors(tier)
+    assert {"tier.working_sets.k", "tier.active.start", "tier.summaries.kmin"} <= set(reachable)
+    uncounted = sorted(path for path, t in reachable.items() if t.untyped_storage().data_ptr() not in counted)
+    assert not uncounted, f"device-tier tensors missing from DeviceTier.tensors(): {uncounted}"
+
+
+def test_the_reflection_finds_a_tensor_left_out_of_the_count() -> None:
+    tier = _tier(2)
+    tier.active.extra = torch.zeros(3)  # type: ignore[attr-defined]
+    counted = {t.untyped_storage().data_ptr() for t in tier.tensors().values()}
+    missing = [
+        p for p, t in _reachable_tensors(tier).items() if t.untyped_storage().data_ptr() not in counted
+    ]
+    assert missing == ["tier.active.extra"]
 
 
 def test_a_budget_that_holds_no_request_names_the_option() -> None:
