@@ -103,10 +103,11 @@ from __future__ import annotations
 
 import functools
 import logging
+import uuid
 from collections.abc import Callable
 from typing import Any
 
-from sglang_oasis.attention.request_options import check, note_params
+from sglang_oasis.attention.request_options import NotedRequest, check, note_requests
 from sglang_oasis.config import OasisConfig
 
 DRAFT_EXTEND_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend"
@@ -130,7 +131,8 @@ STREAMER_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_c
 VERIFY_PARAMS_TARGET = "sglang.srt.sampling.sampling_params.SamplingParams.verify"
 FIGURES_KEY = "oasis"  # meta_info key of a request's own figures (hook 10)
 BEFORE_BACKUP_LISTENER = "oasis_before_backup"  # attribute of a req-to-token pool: row -> KV whole locally?
-RETRACT_LISTENER = "oasis_on_retract"  # attribute of a req-to-token pool: (row, rid, tokens, backed_up)
+RETRACT_LISTENER = "oasis_on_retract"  # attribute of a req-to-token pool: (row, key, tokens, backed_up)
+RETRACTION_KEY = "oasis_retraction_key"  # attribute of a retracted Req: what its kept state is found by
 BACKEND_NAME = "oasis"
 REJECTED_DRAFT = -1  # no token id: never equal to the target's prediction
 
@@ -461,14 +463,18 @@ def keep_before_release(original: Callable[..., Any], *args: Any, **kwargs: Any)
 
 
 def _keep_retracted(req_to_token_pool: Any, req: Any, backed_up: bool) -> None:
-    """Tell the pool's retraction listener (the oasis backend) that ``req`` is retracted: its row, rid,
-    the tokens its resume will hold (prompt and output), and whether its KV was backed up."""
+    """Tell the pool's retraction listener (the oasis backend) that ``req`` is retracted: its row, a key
+    stamped on the request object (hook 9 hands it to the backend when the request comes back; a new
+    request reusing the rid has none), the tokens its resume will hold (prompt and output), and whether its
+    KV was backed up."""
     keep = getattr(req_to_token_pool, RETRACT_LISTENER, None)
     row = getattr(getattr(req, "kv", None), "req_pool_idx", None)
     if keep is None or row is None:
         return
+    key = f"{req.rid}#{uuid.uuid4().hex[:16]}"  # this request object's, not its (client-chosen) rid
+    setattr(req, RETRACTION_KEY, key)
     try:
-        keep(int(row), str(req.rid), len(req.origin_input_ids) + len(req.output_ids), backed_up)
+        keep(int(row), key, len(req.origin_input_ids) + len(req.output_ids), backed_up)
     except Exception:  # it resumes with a new admission then, as without the hook
         logger.exception("oasis: keeping retracted request %s's selection state failed", req.rid)
 
@@ -477,10 +483,13 @@ def carry_request_params(
     original: Callable[..., Any], cls: Any, batch: Any, *args: Any, **kwargs: Any
 ) -> Any:
     """``ForwardBatch.init_new`` (hook 9): note each request's ``custom_params`` by rid for the attention
-    backend (``request_options.note_params``) before the forward batch it is about to run is built."""
+    backend (``request_options.note_requests``), and the key its retraction was kept by, if any, before the forward batch it is about to run is built."""
     reqs = getattr(batch, "reqs", None)
     if reqs is not None:
-        note_params({str(r.rid): getattr(r.sampling_params, "custom_params", None) for r in reqs})
+        note_requests({
+            str(r.rid): NotedRequest(getattr(r.sampling_params, "custom_params", None), getattr(r, RETRACTION_KEY, None))
+            for r in reqs
+        })  # fmt: skip
     return original(cls, batch, *args, **kwargs)
 
 

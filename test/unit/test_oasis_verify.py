@@ -16,7 +16,9 @@ import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sgl_kernel_oasis import build_block_summaries
+from sglang_oasis import sglang_hooks as hooks
 from sglang_oasis.attention.oasis_backend import OasisAttnBackend
+from sglang_oasis.attention.request_options import retraction_keys
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.sglang_hooks import RETRACT_LISTENER
 
@@ -405,6 +407,71 @@ def test_a_pd_request_retracted_before_its_first_step_resumes_from_its_hand_off(
     assert resumed[1] == alone[1]
 
 
+class _Request:
+    """One request's random keys, values and queries at every position, driven through a backend's extend
+    and decode passes on layer 0 (rows 0 and 1 of ``_retraction_backend``); ``rid`` and ``key`` are
+    what SGLang's forward batch and hook 9 would hand the backend."""
+
+    def __init__(self, total: int, seed: int, rid: str = "rid-0") -> None:
+        self.gen = torch.Generator().manual_seed(seed)
+        self.keys = torch.randn(total, DIM, generator=self.gen) * 3
+        self.values = torch.randn(total, DIM, generator=self.gen)
+        self.queries = torch.randn(total, DIM, generator=self.gen) * 4
+        self.layer = _layer()
+        self.rid, self.key = rid, rid
+
+    def extend(
+        self,
+        backend: OasisAttnBackend,
+        row: int,
+        length: int,
+        recomputed: int = 0,
+        start: int = 0,
+        last: int = 1,
+    ) -> torch.Tensor:
+        """Positions ``[start, length)`` after a prefix of ``start`` (an earlier chunk's). ``recomputed``:
+        positions from there on get other K and V than the decode steps had, but the ``last`` one (the
+        redone step: computed here as the decode step would compute it; 0 for an earlier chunk)."""
+        locs = backend.req_to_token_pool.req_to_token[row, start:length].long()
+        k, v = self.keys[:length].clone(), self.values[:length].clone()
+        if recomputed:
+            k[recomputed : length - last] += torch.randn(length - last - recomputed, DIM, generator=self.gen)
+            v[recomputed : length - last] += torch.randn(length - last - recomputed, DIM, generator=self.gen)
+        new = length - start
+        backend.begin_batch(ForwardMode.EXTEND, [row], [length], [start], [self.rid], None, [self.key])
+        batch = SimpleNamespace(
+            forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor([row]), seq_lens=torch.tensor([length]),
+            out_cache_loc=locs, extend_prefix_lens=torch.tensor([start]), extend_seq_lens=torch.tensor([new]),
+            extend_prefix_lens_cpu=[start], extend_seq_lens_cpu=[new], encoder_lens=None,
+        )  # fmt: skip
+        out = backend.forward_extend(self.queries[start:length], k[start:], v[start:], self.layer, batch)
+        backend.selector.finish_pending()
+        return out[-1]
+
+    def decode(self, backend: OasisAttnBackend, row: int, position: int) -> torch.Tensor:
+        loc = backend.req_to_token_pool.req_to_token[row, position : position + 1].long()
+        backend.begin_batch(ForwardMode.DECODE, [row], [position + 1], None, [self.rid], None, [self.key])
+        batch = _decode_batch([row], [position + 1], loc)
+        q, k, v = self.queries[position][None], self.keys[position][None], self.values[position][None]
+        out = backend.forward_decode(q, k, v, self.layer, batch)
+        backend.selector.finish_pending()
+        return out[0]
+
+
+def _retraction_backend() -> OasisAttnBackend:
+    backend = _backend(TinyKVPool(96), top_k=2, fetch_ratio=0.5)  # K = 2, one load per step
+    table = backend.req_to_token_pool.req_to_token
+    table[0, :48] = torch.arange(48, dtype=torch.int32)
+    table[1, :48] = torch.arange(48, 96, dtype=torch.int32)  # a new row's pages
+    return backend
+
+
+def _state(backend: OasisAttnBackend, row: int) -> tuple[list[int], int]:
+    slot = backend.tier.slot_of(row)
+    sets = backend.working_sets
+    return sorted(sets.slot_block[slot, 0, 0].tolist()), int(sets.covered[slot, 0])
+
+
 @pytest.mark.parametrize(("redo", "chunked"), [(False, False), (True, False), (False, True)])
 def test_a_retracted_request_re_prefilled_goes_on_as_it_would_have(redo: bool, chunked: bool) -> None:
     """Without PD, SGLang frees a retracted request's KV and later re-prefills its prompt and output in a
@@ -417,64 +484,16 @@ def test_a_retracted_request_re_prefilled_goes_on_as_it_would_have(redo: bool, c
     first chunk, an ordinary admission, writes some of them). Before, the last row attended densely and
     the working sets were chosen afresh; then the recomputed K and V stood (then an earlier chunk's)."""
     prompt, steps_before, steps_after = 6 * BLOCK + 1, 3, 4
-    gen = torch.Generator().manual_seed(11)
     total = prompt + steps_before + 1 + steps_after
-    keys, values = torch.randn(total, DIM, generator=gen) * 3, torch.randn(total, DIM, generator=gen)
-    queries = torch.randn(total, DIM, generator=gen) * 4
-    layer = _layer()
-
-    def backend_for() -> OasisAttnBackend:
-        backend = _backend(TinyKVPool(96), top_k=2, fetch_ratio=0.5)  # K = 2, one load per step
-        table = backend.req_to_token_pool.req_to_token
-        table[0, :48] = torch.arange(48, dtype=torch.int32)
-        table[1, :48] = torch.arange(48, 96, dtype=torch.int32)  # a new row's pages
-        return backend
-
-    def extend(
-        backend: OasisAttnBackend, row: int, length: int, recomputed: int = 0, start: int = 0, last: int = 1
-    ) -> torch.Tensor:
-        """Positions ``[start, length)`` after a prefix of ``start`` (an earlier chunk's). ``recomputed``:
-        positions from there on get other K and V than the decode steps had, but the ``last`` one (the
-        redone step: computed here as the decode step would compute it; 0 for an earlier chunk)."""
-        locs = backend.req_to_token_pool.req_to_token[row, start:length].long()
-        k, v = keys[:length].clone(), values[:length].clone()
-        if recomputed:
-            k[recomputed : length - last] += torch.randn(length - last - recomputed, DIM, generator=gen)
-            v[recomputed : length - last] += torch.randn(length - last - recomputed, DIM, generator=gen)
-        new = length - start
-        backend.begin_batch(ForwardMode.EXTEND, [row], [length], [start], ["rid-0"])
-        batch = SimpleNamespace(
-            forward_mode=ForwardMode.EXTEND, req_pool_indices=torch.tensor([row]), seq_lens=torch.tensor([length]),
-            out_cache_loc=locs, extend_prefix_lens=torch.tensor([start]), extend_seq_lens=torch.tensor([new]),
-            extend_prefix_lens_cpu=[start], extend_seq_lens_cpu=[new], encoder_lens=None,
-        )  # fmt: skip
-        out = backend.forward_extend(queries[start:length], k[start:], v[start:], layer, batch)
-        backend.selector.finish_pending()
-        return out[-1]
-
-    def decode(backend: OasisAttnBackend, row: int, position: int) -> torch.Tensor:
-        loc = backend.req_to_token_pool.req_to_token[row, position : position + 1].long()
-        backend.begin_batch(ForwardMode.DECODE, [row], [position + 1], None, ["rid-0"])
-        batch = _decode_batch([row], [position + 1], loc)
-        out = backend.forward_decode(
-            queries[position][None], keys[position][None], values[position][None], layer, batch
-        )
-        backend.selector.finish_pending()
-        return out[0]
-
-    def state(backend: OasisAttnBackend, row: int) -> tuple[list[int], int]:
-        slot = backend.tier.slot_of(row)
-        sets = backend.working_sets
-        return sorted(sets.slot_block[slot, 0, 0].tolist()), int(sets.covered[slot, 0])
-
-    never, retracted = backend_for(), backend_for()
-    extend(never, 0, prompt)
+    request = _Request(total, seed=11)
+    never, retracted = _retraction_backend(), _retraction_backend()
+    request.extend(never, 0, prompt)
     alone = {}
     for position in range(prompt, total):
-        alone[position] = decode(never, 0, position), state(never, 0)
-    extend(retracted, 0, prompt)
+        alone[position] = request.decode(never, 0, position), _state(never, 0)
+    request.extend(retracted, 0, prompt)
     for position in range(prompt, prompt + steps_before):
-        decode(retracted, 0, position)
+        request.decode(retracted, 0, position)
     # Retracted now: its output holds one token more than its KV (the next step would compute it), or
     # with `redo` as many (the last forward's token dropped: its step is redone).
     tokens = prompt + steps_before + (0 if redo else 1)
@@ -484,18 +503,59 @@ def test_a_retracted_request_re_prefilled_goes_on_as_it_would_have(redo: bool, c
     assert retracted.stats.snapshot()["retracted_requests"] == 1
     # The extend's own row for the redone step (tokens - 1) is computed afresh, as the step would be.
     if chunked:  # the first chunk ends after the first output position (its K and V recomputed too)
-        extend(retracted, 1, prompt + 2, recomputed=prompt, last=0)
+        request.extend(retracted, 1, prompt + 2, recomputed=prompt, last=0)
         assert retracted.stats.snapshot()["resumed_requests"] == 0  # not yet: an admission
-    redone = extend(retracted, 1, tokens, recomputed=prompt, start=prompt + 2 if chunked else 0)
+    redone = request.extend(retracted, 1, tokens, recomputed=prompt, start=prompt + 2 if chunked else 0)
     assert retracted.stats.snapshot()["resumed_kv_tokens"] == tokens - 1 - prompt
     torch.testing.assert_close(redone, alone[tokens - 1][0], rtol=0, atol=0)
-    assert state(retracted, 1) == alone[tokens - 1][1], "the re-prefill's selection left the path"
+    assert _state(retracted, 1) == alone[tokens - 1][1], "the re-prefill's selection left the path"
     for position in range(tokens, total):
-        torch.testing.assert_close(decode(retracted, 1, position), alone[position][0], rtol=0, atol=0)
-        assert state(retracted, 1) == alone[position][1], (
+        torch.testing.assert_close(request.decode(retracted, 1, position), alone[position][0], rtol=0, atol=0)
+        assert _state(retracted, 1) == alone[position][1], (
             f"position {position}: the working sets left the path"
         )
     assert retracted.stats.snapshot()["resumed_requests"] == 1
+
+
+def test_a_new_request_with_a_retracted_requests_rid_answers_as_alone() -> None:
+    """A retracted request SGLang never resumes (aborted while it waited) leaves its kept state behind; a
+    new request with the same (client-chosen) rid and the length the old one would have been re-prefilled
+    to must not get it. Hooks 8 and 9 as SGLang calls them: the kept state is found by a key stamped on
+    the retracted request object, which the new request does not carry. Before, it was found by rid: the
+    new request resumed the old one's working sets and decode K and V. The stamped request still resumes."""
+    prompt, steps = 6 * BLOCK + 1, 3
+    tokens, total = prompt + steps + 1, prompt + steps + 6
+    old, new = _Request(total, seed=12, rid="same"), _Request(total, seed=13, rid="same")
+    backend, fresh = _retraction_backend(), _retraction_backend()
+    old.extend(backend, 0, prompt)
+    for position in range(prompt, prompt + steps):
+        old.decode(backend, 0, position)
+    retracted = SimpleNamespace(
+        rid="same", kv=SimpleNamespace(req_pool_idx=0), origin_input_ids=[0] * prompt, output_ids=[0] * (steps + 1),
+        sampling_params=SimpleNamespace(custom_params=None), finished=lambda: False,
+    )  # fmt: skip
+    hooks._keep_retracted(backend.req_to_token_pool, retracted, backed_up=False)  # hook 8 at the release
+    backend.req_to_token_pool.req_generation[0] += 1  # SGLang freed the row; the request is aborted
+    assert backend.stats.snapshot()["retracted_requests"] == 1
+
+    def noted(req: SimpleNamespace) -> str | None:
+        """The key hook 9 hands the backend for ``req``, as SGLang builds its forward batch."""
+        hooks.carry_request_params(lambda cls, batch: None, None, SimpleNamespace(reqs=[req]))
+        return retraction_keys([req.rid])[0]  # type: ignore[index]
+
+    arriving = SimpleNamespace(rid="same", sampling_params=SimpleNamespace(custom_params=None))
+    new.key = noted(arriving)  # type: ignore[assignment]
+    assert new.key is None and noted(retracted) is not None
+    outputs = [new.extend(backend, 1, tokens)]
+    expected = [new.extend(fresh, 0, tokens)]
+    for position in range(tokens, total):
+        outputs.append(new.decode(backend, 1, position))
+        expected.append(new.decode(fresh, 0, position))
+    torch.testing.assert_close(torch.stack(outputs), torch.stack(expected), rtol=0, atol=0)
+    assert (
+        backend.stats.snapshot()["resumed_requests"] == 0
+        and backend.stats.snapshot()["resumed_kv_tokens"] == 0
+    )
 
 
 def test_an_extend_mixing_a_re_prefilled_request_with_new_ones_selects_each_part() -> None:

@@ -34,7 +34,7 @@ from sglang_oasis.attention.gauges import Gauges
 from sglang_oasis.attention.kv_intake import KVIntake
 from sglang_oasis.attention.pd_node import PDNode
 from sglang_oasis.attention.recall_probe import RecallProbe
-from sglang_oasis.attention.request_options import RequestOptions, batch_params, read_options
+from sglang_oasis.attention.request_options import RequestOptions, batch_params, read_options, retraction_keys
 from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.attention.retraction import Retractions
 from sglang_oasis.attention.selector import FaultInjection, Selector
@@ -125,15 +125,18 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
             extend_prefix_lens(forward_batch) if mode.is_extend() and not mode.is_target_verify() else None
         )
         rids = getattr(forward_batch, "rids", None)
-        self.begin_batch(mode, reqs, seq_lens, prefix_lens, rids, batch_params(rids))
+        self.begin_batch(mode, reqs, seq_lens, prefix_lens, rids, batch_params(rids), retraction_keys(rids))
 
     def begin_batch(
         self, mode: Any, reqs: list[int], seq_lens: list[int], prefix_lens: list[int] | None,
         rids: list[str] | None = None, params: list[dict[str, Any] | None] | None = None,
+        keys: list[str | None] | None = None,
     ) -> None:  # fmt: skip
         """A forward pass of ``mode`` over request rows ``reqs`` (``rids``, ``custom_params``): admit the new
-        ones (an extend's, with their cached ``prefix_lens``; a decode's PD arrivals) and set the batch
-        the layers see (each row's own top-K and recall target: ``request_options.py``)."""
+        ones (an extend's, with their cached ``prefix_lens``; a decode's PD arrivals; retracted ones by
+        their retraction ``keys``, None: the rids) and set the batch the layers see (each row's own top-K
+        and recall target: ``request_options.py``)."""
+        keys = list(rids) if keys is None and rids is not None else keys
         generations = [int(g) for g in self.req_to_token_pool.req_generation[reqs].tolist()]
         options = read_options(params, self.config, self.pd.disaggregated)
         self.stats.requests.begin(reqs, generations, rids, mode.is_decode() or mode.is_target_verify())
@@ -144,13 +147,13 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
             self._admit(reqs, generations, prefix_lens or [0] * len(reqs))
             self.selector.prompt_len.update(zip(reqs, seq_lens, strict=True))
             self.recall.restart(reqs)
-            if rids:  # retracted requests re-prefilled: they go on where they were (retraction.py)
-                admission = ~self.retractions.resume_extend(reqs, generations, seq_lens, rids, self.step)
+            if keys:  # retracted requests re-prefilled: they go on where they were (retraction.py)
+                admission = ~self.retractions.resume_extend(reqs, generations, seq_lens, keys, self.step)
         elif mode.is_decode() or mode.is_target_verify():
             self.step += 1
             self.stats.add("decode_steps")
-            if rids:
-                self.retractions.resume(reqs, generations, seq_lens, rids, mode.is_target_verify(), self.step)
+            if keys:
+                self.retractions.resume(reqs, generations, seq_lens, keys, mode.is_target_verify(), self.step)
             admission = self.pd.admit(reqs, generations, seq_lens, mode.is_target_verify(), self.step)
         self.set_batch(reqs, admission, generations, options)
         if mode.is_decode() or mode.is_target_verify():

@@ -36,11 +36,20 @@ from sglang_oasis.config import OasisConfig
 
 TOP_K = "oasis_top_k"
 RECALL_TARGET = "oasis_recall_target"
-_noted: dict[str, Any] = {}  # rid -> custom_params of the requests of the forward batch built last (hook 9)
 
 
-def note_params(by_rid: dict[str, Any]) -> None:
-    """Hook 9: the ``custom_params`` of the requests of the forward batch SGLang is building."""
+class NotedRequest(NamedTuple):
+    """What hook 9 notes of a request of the forward batch SGLang is building."""
+
+    custom_params: Any
+    retraction_key: str | None  # set by hooks 7 and 8 on the request object it retracted (None: never)
+
+
+_noted: dict[str, NotedRequest] = {}  # rid -> the requests of the forward batch built last (hook 9)
+
+
+def note_requests(by_rid: dict[str, NotedRequest]) -> None:
+    """Hook 9: the requests of the forward batch SGLang is building."""
     global _noted
     _noted = by_rid
 
@@ -53,7 +62,18 @@ class RequestOptions(NamedTuple):
 
 def batch_params(rids: Sequence[str] | None) -> list[Any] | None:
     """The ``custom_params`` of a forward batch's requests, by their ``rids`` (None: unknown)."""
-    return None if rids is None else [_noted.get(str(rid)) for rid in rids]
+    return None if rids is None else [_noted_of(rid).custom_params for rid in rids]
+
+
+def retraction_keys(rids: Sequence[str] | None) -> list[str | None] | None:
+    """The retraction key of each of a forward batch's requests (None: never retracted). A request's kept
+    selection state is found by it, not by its rid: a client may send a new request with the rid of one
+    that was retracted and never resumed (aborted while it waited)."""
+    return None if rids is None else [_noted_of(rid).retraction_key for rid in rids]
+
+
+def _noted_of(rid: str) -> NotedRequest:
+    return _noted.get(str(rid)) or NotedRequest(None, None)
 
 
 def read_options(params: Sequence[Any] | None, config: OasisConfig, disaggregated: bool) -> RequestOptions:

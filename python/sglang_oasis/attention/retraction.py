@@ -10,7 +10,8 @@ SGLang retracts running requests under memory pressure and resumes them later in
 Started afresh there (a PD dense first step, or the extend's dense last row and a new admission), its
 continuation would leave the path it was on, and so differ from the same request served without a
 retraction. So when SGLang retracts it (hooks 7 and 8 in ``sglang_hooks.py``), its working-set tables
-are kept under its rid, and the new row gets them back:
+are kept under a key stamped on SGLang's request object (not its rid: a client may send a new request
+with the rid of one retracted and never resumed), and the new row gets them back:
 
 - which block each (layer, KV head) slot holds, and when each was last selected (shifted by the decode
   steps the request sat out, so their LRU order against its next selections is the same);
@@ -111,10 +112,11 @@ class Retractions:
         self._before_step[slots] = batch.step
         self._before_admission[slots] = batch.admitting
 
-    def keep(self, req: int, rid: str, tokens: int, backed_up: bool) -> None:
-        """SGLang retracts request row ``req`` (``rid``, ``tokens`` of prompt and output; ``backed_up``:
-        its KV, hook 7): keep its selection state (the oldest kept goes beyond the limit). A PD decode
-        node keeps backed-up requests only (the others come back from the prefill node, sent again)."""
+    def keep(self, req: int, key: str, tokens: int, backed_up: bool) -> None:
+        """SGLang retracts request row ``req`` (``key``: its retraction key, hooks 7 and 8; ``tokens`` of
+        prompt and output; ``backed_up``: its KV, hook 7): keep its selection state (the oldest kept goes
+        beyond the limit). A PD decode node keeps backed-up requests only (the others come back from the
+        prefill node, sent again)."""
         if self.pd.decode_node and not backed_up:
             return
         generation = int(self.req_pool.req_generation[req])
@@ -122,8 +124,8 @@ class Retractions:
             # Retracted before its first step here: it holds no slot yet, but may hold a hand-off.
             arrival = self.pd.remote.take_arrival(req, generation) if self.pd.remote else None
             if arrival is not None:
-                self._remember(rid, arrival)
-            logger.info("oasis: retracted request %s before its first step here (hand-off kept: %s)", rid,
+                self._remember(key, arrival)
+            logger.info("oasis: retracted request %s before its first step here (hand-off kept: %s)", key,
                         arrival is not None)  # fmt: skip
             return
         self.selector.finish_pending()  # its working sets as the next step would find them
@@ -143,18 +145,18 @@ class Retractions:
         kv = None
         if not backed_up and prompt_len is not None:
             kept = sum(s.kv.nbytes for s in self._saved.values() if isinstance(s, SavedSelection) and s.kv)
-            kv = SavedKV.of(self.kv_pool, self.req_pool.req_to_token[req], prompt_len, tokens - 1, kept, rid)
-        self._remember(rid, SavedSelection(
+            kv = SavedKV.of(self.kv_pool, self.req_pool.req_to_token[req], prompt_len, tokens - 1, kept, key)
+        self._remember(key, SavedSelection(
             step, tokens, tables["slot_block"], tables["last_selected"], tables["covered"], tables["top_k"],
             self.tier.pinned[slot].clone(), prompt_len, (steps, above), kv,
         ))  # fmt: skip
         logger.info(
-            "oasis: retracted request %s at step %d, %d tokens: selection state kept", rid, step, tokens
+            "oasis: retracted request %s at step %d, %d tokens: selection state kept", key, step, tokens
         )
 
-    def _remember(self, rid: str, saved: SavedSelection | Arrival) -> None:
-        self._saved[rid] = saved
-        self._saved.move_to_end(rid)
+    def _remember(self, key: str, saved: SavedSelection | Arrival) -> None:
+        self._saved[key] = saved
+        self._saved.move_to_end(key)
         while len(self._saved) > self.limit:
             self._saved.popitem(last=False)
         self.stats.add("retracted_requests")
@@ -162,7 +164,7 @@ class Retractions:
     # --- PD decode: the KV was backed up and restored ------------------------------------------------
 
     def resume(
-        self, reqs: list[int], generations: list[int], seq_lens: list[int], rids: list[str], verify: bool,
+        self, reqs: list[int], generations: list[int], seq_lens: list[int], keys: list[str | None], verify: bool,
         step: int,
     ) -> None:  # fmt: skip
         """Retracted requests back in a decode batch at ``step`` (in new rows, ``seq_lens`` counting the
@@ -171,17 +173,17 @@ class Retractions:
         retraction (no dense step, no new admission)."""
         if not self._saved:
             return
-        for row, (req, generation, rid) in enumerate(zip(reqs, generations, rids, strict=True)):
-            if self.slots.holds(req, generation) or rid not in self._saved:
+        for row, (req, generation, key) in enumerate(zip(reqs, generations, keys, strict=True)):
+            if key is None or self.slots.holds(req, generation) or key not in self._saved:
                 continue
-            saved = self._saved.pop(rid)
+            saved = self._saved.pop(key)
             committed = seq_lens[row] - (0 if verify else 1)
             if isinstance(saved, Arrival) and saved.num_tokens != committed:
                 continue  # not the request it was (cannot happen unless SGLang changed): a dense first step
             self.selector.finish_pending()  # slots may change hands below
             slot = self.slots.claim(req, generation)
             self.stats.add("resumed_requests")
-            logger.info("oasis: request %s resumed at step %d with %d tokens from its kept %s", rid, step,
+            logger.info("oasis: request %s resumed at step %d with %d tokens from its kept %s", key, step,
                         committed, "hand-off" if isinstance(saved, Arrival) else "selection state")  # fmt: skip
             if isinstance(saved, Arrival):  # its hand-off, as its first step here would have taken it
                 self.selector.prompt_len[req] = committed
@@ -196,30 +198,30 @@ class Retractions:
     # --- re-prefill: the KV is recomputed by an extend ----------------------------------------------
 
     def resume_extend(
-        self, reqs: list[int], generations: list[int], seq_lens: list[int], rids: list[str], step: int
+        self, reqs: list[int], generations: list[int], seq_lens: list[int], keys: list[str | None], step: int
     ) -> torch.Tensor:
         """An extend's retracted requests re-prefilled whole (the extend reaching the length they were
         retracted at: their last chunk; each holds a slot, ``_admit`` gave it one): their kept state
         back in that slot. ``[bs]`` bool, those rows: they are not admissions (``attend_resumed``)."""
         resumed = torch.zeros(len(reqs), dtype=torch.bool)
         self._restoring.clear()
-        for row, (req, generation, rid, length) in enumerate(
-            zip(reqs, generations, rids, seq_lens, strict=True)
+        for row, (req, generation, key, length) in enumerate(
+            zip(reqs, generations, keys, seq_lens, strict=True)
         ):
-            saved = self._saved.get(rid)
-            if not isinstance(saved, SavedSelection) or saved.tokens < length:
+            saved = None if key is None else self._saved.get(key)
+            if key is None or not isinstance(saved, SavedSelection) or saved.tokens < length:
                 continue
             if saved.tokens > length:  # an earlier chunk: an admission overwritten at the last one, but
                 if saved.kv is not None:  # the decode steps' K and V it reaches are put back already
                     self._restoring[(req, generation)] = saved.kv
                 continue
-            del self._saved[rid]
+            del self._saved[key]
             self.selector.finish_pending()  # the slot's earlier chunk may still be selecting
             self._restore(saved, req, generation, self.tier.slot(req), step)
             if saved.kv is not None:
                 self._restoring[(req, generation)] = saved.kv
             self.stats.add("resumed_requests")
-            logger.info("oasis: request %s re-prefilled at step %d with %d tokens: kept selection state", rid,
+            logger.info("oasis: request %s re-prefilled at step %d with %d tokens: kept selection state", key,
                         step, length)  # fmt: skip
             resumed[row] = True
         return resumed
