@@ -190,7 +190,7 @@ class TinyKVPool(SimpleNamespace):
     """The slice of SGLang's KV pool the backend reads at construction."""
 
 
-def _backend(rows: int, max_running: int | None, **config: int) -> OasisAttnBackend:
+def _backend(rows: int, max_running: int | None, sglang_running: int = 0, **config: int) -> OasisAttnBackend:
     pool = TinyKVPool(size=64, page_size=4, layer_num=2, head_num=1, head_dim=2, dtype=torch.float32)
     runner = SimpleNamespace(
         device="cpu",
@@ -201,8 +201,22 @@ def _backend(rows: int, max_running: int | None, **config: int) -> OasisAttnBack
         ),
         token_to_kv_pool=pool,
         server_args=SimpleNamespace(port=1, enable_metrics=False, max_running_requests=max_running),
+        max_running_requests=sglang_running or rows,  # what SGLang's scheduler will read
     )
-    return OasisAttnBackend(runner, OasisConfig(block_size=4, top_k=2, **config))
+    backend = OasisAttnBackend(runner, OasisConfig(block_size=4, top_k=2, **config))
+    backend.runner = runner  # type: ignore[attr-defined]
+    return backend
+
+
+def test_a_server_started_without_a_running_cap_runs_no_more_requests_than_the_tier_holds() -> None:
+    """Started without ``--max-running-requests`` (not through the launcher), SGLang would run as many
+    requests as it has rows and the tier's ``claim`` would fail inside a forward pass, which SGLang treats
+    as fatal: the backend caps what SGLang's scheduler reads, so the others wait in its queue."""
+    backend = _backend(rows=40, max_running=None, device_kv_tokens=64)
+    fitting = backend.tier.num_request_slots
+    assert 0 < fitting < 40 and backend.runner.max_running_requests == fitting  # type: ignore[attr-defined]
+    kept = _backend(rows=40, max_running=None, sglang_running=2, device_kv_tokens=64).runner  # type: ignore[attr-defined]
+    assert kept.max_running_requests == 2  # a smaller cap stays
 
 
 def test_the_backend_holds_working_sets_for_the_running_cap_not_for_sglang_rows() -> None:
