@@ -51,6 +51,8 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
      cache's ``checkpoint`` (which inserts a finished request) is wrapped on that instance so a
      request's still-remote blocks are read before its KV becomes a shared prefix; if that fails the
      request is not inserted.
+   A request over ``--oasis-remote-fetch-max-staged-mib`` goes whole (SGLang's own transfer); its
+   hand-off then carries only its first selection, which the decode node loads from the KV that arrived.
    A decode server without remote fetching (dense mode or ``--oasis-remote-fetch false``, or fetching
    off because of ``--tp-size`` > 1 or another transfer backend) refuses at the same commit, by name,
    requests whose prefill node staged them (their KV never arrives whole).
@@ -230,19 +232,27 @@ def mark_staged_send(
     stager = _pd_part(scheduler, "stager")
     sender: Any = getattr(req, "disagg_kv_sender", None)
     if stager is not None and stager.ready.is_set() and _is_mooncake_sender(sender):
-        if getattr(sender, "_oasis_whole", False):  # decided at its first send: it goes whole
-            return original(scheduler, req, last_chunk=last_chunk, end_idx=end_idx)
-        if getattr(sender, "_oasis_stager", None) is None and not stager.has_room(len(req.origin_input_ids)):
-            sender._oasis_whole = True  # staging it would pass the cap: backpressure, SGLang sends it all
-            stager.backend.stats.add("staging_whole_sends")
-            logger.warning(
-                "oasis: staging is full (--oasis-remote-fetch-max-staged-mib); request %s goes whole", req.rid
-            )
-            return original(scheduler, req, last_chunk=last_chunk, end_idx=end_idx)
-        sender._oasis_stager = stager
+        whole = getattr(sender, "_oasis_whole", False)  # decided at its first send
+        if not whole and getattr(sender, "_oasis_stager", None) is None:
+            whole = sender._oasis_whole = not stager.has_room(len(req.origin_input_ids))
+            if whole:  # staging it would pass the cap: backpressure, SGLang sends it all
+                stager.backend.stats.add("staging_whole_sends")
+                logger.warning(
+                    "oasis: staging is full (--oasis-remote-fetch-max-staged-mib); request %s goes whole",
+                    req.rid,
+                )
+        if not whole:
+            sender._oasis_stager = stager
         if last_chunk:
             tokens = end_idx if end_idx is not None else min(req.extend_end, len(req.origin_input_ids))
-            sender._oasis_stage = (int(req.kv.req_pool_idx), int(tokens), int(req.disagg_decode_prefix_len))
+            stage = (int(req.kv.req_pool_idx), int(tokens), int(req.disagg_decode_prefix_len))
+            if not whole:
+                sender._oasis_stage = stage
+            else:  # the decode node asks for its hand-off all the same: its first selection
+                try:
+                    stager.hand_over_whole(int(sender.bootstrap_room), *stage)
+                except Exception:  # the decode node then fails the request, naming the missing hand-off
+                    logger.exception("oasis: handing over request %s's first selection failed", req.rid)
     return original(scheduler, req, last_chunk=last_chunk, end_idx=end_idx)
 
 

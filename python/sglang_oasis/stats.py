@@ -58,6 +58,8 @@ COUNTERS = {
     "remote_requests": "PD decode node: requests admitted by remote partial fetching",
     "staging_whole_sends": "PD prefill node: requests sent whole because staging them would pass "
     "--oasis-remote-fetch-max-staged-mib",
+    "remote_whole_requests": "PD decode node: requests whose prefill node sent them whole (over its "
+    "--oasis-remote-fetch-max-staged-mib) with their first selection, loaded from the KV that arrived",
     "remote_admission_bytes": "PD decode node: KV bytes read from prefill nodes at admission (the union "
     "over KV heads of each request's first selection)",
     "remote_admission_blocks": "PD decode node: (block, layer) pairs read at admission (K and V of every "

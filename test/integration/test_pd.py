@@ -30,6 +30,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
 from soak import Excuses, compare, drain, run_mix, solo_outputs, workload
 
 PROMPTS = {"short": 300, "long": 1100}  # tokens
+# Staging cap: the prompts above and the prefill-kill test's 4000-token one (with the short one beside it)
+# are staged; an OVER_CAP-token prompt (5000 x 9216 B of KV x 17/16 with its summaries: 46.7 MiB) goes whole.
+STAGING_CAP_MIB, OVER_CAP = 44, 5000
 FAULT_PROMPT = 1500  # tokens: the servers fail decode-time KV transfers of prompts this long (injected)
 TOP_K, BLOCK = 32, 16
 LAYERS, KV_HEADS, HEAD_DIM, ITEMSIZE = 6, 3, 64, 4  # SmolLM2's first 6 layers, float32
@@ -61,6 +64,8 @@ def pd(smollm2_6l_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
             "--model-path",
             str(smollm2_6l_dir),
             *SPARSE_ARGS,
+            "--oasis-remote-fetch-max-staged-mib",
+            str(STAGING_CAP_MIB),
             "--router-args=--disable-retries --disable-circuit-breaker",
             "--prefill-args=--enable-metrics",  # sglang:kv_transfer_total_mb: bytes sent per request
             "--decode-args=--disaggregation-decode-enable-radix-cache",
@@ -160,6 +165,30 @@ def test_a_prefix_the_decode_radix_cache_holds_is_never_read_again(
     # 840 tokens read the first time (all of it: it entered the radix cache); then only the 40 new ones
     assert first >= 2 * LAYERS * (840 // BLOCK) * BLOCK_BYTES, first
     assert 0 < second < first / 8, (first, second)
+
+
+def test_a_prompt_over_the_staging_cap_goes_whole_and_answers_as_without_pd(
+    pd: PDLaunch, sparse_reference: ServerProcess
+) -> None:
+    """Over ``--oasis-remote-fetch-max-staged-mib`` the prefill node sends a request whole (SGLang's own
+    transfer) and hands over only its first selection: the decode node loads it from the KV that arrived
+    and the answer is the same server's without PD (K = 32 of 312 blocks). Before, the decode node asked
+    for a hand-off that did not exist and the request failed with a 500."""
+    ids = prompt(OVER_CAP, 31)
+    before_prefill, before = pd.prefill.oasis_stats(), pd.decode.oasis_stats()
+    sent_before = pd.transferred_mb()
+    got = pd.router.generate(ids, 16)["output_ids"]
+    assert got == sparse_reference.generate(ids, 16)["output_ids"]
+    after_prefill, after = pd.prefill.oasis_stats(), pd.decode.oasis_stats()
+    assert delta(after_prefill, before_prefill, "staging_whole_sends") == 1
+    assert delta(after_prefill, before_prefill, "staged_requests") == 0
+    assert delta(after, before, "remote_whole_requests") == 1
+    assert (
+        delta(after, before, "remote_admission_bytes") == 0 and delta(after, before, "remote_miss_bytes") == 0
+    )
+    sent, count = pd.transferred_mb()  # SGLang carried the whole KV: 5000 tokens x 9216 bytes
+    assert count - sent_before[1] == 1 and (sent - sent_before[0]) * 2**20 >= OVER_CAP * 9216
+    assert after_prefill["staged_bytes"] == 0
 
 
 def test_openai_chat_through_the_router(pd: PDLaunch, smollm2_dense_server: ServerProcess) -> None:

@@ -37,3 +37,12 @@ def test_handoff_of_a_prompt_without_full_blocks() -> None:
     layout = StagedKVLayout("h:1", 0, 0, 2, 9, 16, 1, 8, 4)
     back = Handoff.from_json(Handoff(layout, torch.zeros((2, 1, 0), dtype=torch.bool), 0).to_json())
     assert back.selection.shape == (2, 1, 0)
+
+
+def test_handoff_of_a_request_sent_whole_carries_its_first_selection_only() -> None:
+    selection = torch.rand((6, 3, 312), generator=torch.Generator().manual_seed(1)) < 0.1
+    back = Handoff.from_json(Handoff(None, selection, 32, pinned=selection, whole_tokens=5000).to_json())
+    assert back.layout is None and back.num_tokens == 5000 and back.decode_prefix_len == 32
+    assert torch.equal(back.selection, selection) and back.pinned is not None
+    layout = StagedKVLayout("h:1", 0, 0, 2, 9, 16, 1, 8, 4)
+    assert Handoff(layout, torch.zeros((2, 1, 0), dtype=torch.bool), 0).num_tokens == 9

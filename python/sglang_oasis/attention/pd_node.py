@@ -157,8 +157,9 @@ class PDNode:
         return dense_step
 
     def start_from_handoff(self, req: int, slot: int, arrival: Arrival, step: int) -> None:
-        """Working sets = the prefill node's first selection (its blocks were read at admission)."""
-        self.summarised[req] = arrival.num_tokens
+        """Working sets = the prefill node's first selection (its blocks were read at admission, or
+        arrived with the whole KV; then its summaries are caught up from the pool at this step)."""
+        self.summarised[req] = arrival.num_tokens if arrival.summaries_read else 0
         full = arrival.selection.shape[2]
         slots = torch.tensor([slot], dtype=torch.int64)
         block = self.block_size

@@ -109,16 +109,22 @@ def pool_buffers(pool: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
 class Handoff:
     """What the prefill node hands the decode node for one request."""
 
-    layout: StagedKVLayout
+    layout: StagedKVLayout | None  # None: sent whole by SGLang (over the staging cap), nothing staged
     selection: torch.Tensor  # bool [layers, kv_heads, full blocks]: the first working sets
     decode_prefix_len: int  # tokens the decode node holds through its radix cache (never read)
     draft: StagedKVLayout | None = None  # the EAGLE-3 draft model's KV (no summaries needed)
     pinned: torch.Tensor | None = None  # bool, like selection: the prefill window's kept blocks
+    whole_tokens: int = 0  # a request sent whole: its prompt's tokens (else layout.num_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        return self.whole_tokens if self.layout is None else self.layout.num_tokens
 
     def to_json(self) -> bytes:
         return json.dumps(
             {
-                "layout": self.layout.to_dict(),
+                "layout": None if self.layout is None else self.layout.to_dict(),
+                "whole_tokens": self.whole_tokens,
                 "selection_shape": list(self.selection.shape),
                 "selection": _pack_bits(self.selection),
                 "pinned": None if self.pinned is None else _pack_bits(self.pinned),
@@ -131,13 +137,14 @@ class Handoff:
     def from_json(cls, body: bytes) -> Handoff:
         data = json.loads(body)
         shape = tuple(data["selection_shape"])
-        draft, pinned = data.get("draft"), data.get("pinned")
+        layout, draft, pinned = data["layout"], data.get("draft"), data.get("pinned")
         return cls(
-            StagedKVLayout.from_dict(data["layout"]),
+            None if layout is None else StagedKVLayout.from_dict(layout),
             _unpack_bits(data["selection"], shape),
             int(data["decode_prefix_len"]),
             None if draft is None else StagedKVLayout.from_dict(draft),
             None if pinned is None else _unpack_bits(pinned, shape),
+            int(data.get("whole_tokens", 0)),
         )
 
 
@@ -293,6 +300,18 @@ class PrefillStager:
             self.release(room)
             raise
 
+    def hand_over_whole(self, room: int, slot: int, num_tokens: int, decode_prefix_len: int) -> None:
+        """A request SGLang sends whole (staging it would pass the cap): keep a hand-off with its first
+        selection only, so the decode node starts from the working sets the prefill chose (as a staged
+        request or a server without PD would), reading its blocks from the KV that arrived."""
+        backend = self.backend
+        backend.finish_pending()  # the last extend's selection job may still be running
+        selection = backend.admission_selection(slot, num_tokens)
+        pinned = backend.admission_pins(slot, num_tokens)
+        body = Handoff(None, selection, decode_prefix_len, None, pinned, num_tokens).to_json()
+        with self._lock:
+            self._handoffs[room] = (body, time.monotonic())
+
     def _stage(self, room: int, slot: int, num_tokens: int, decode_prefix_len: int) -> None:
         backend = self.backend
         backend.finish_pending()  # the last extend's selection job may still be running
@@ -384,6 +403,7 @@ class Arrival:
     selection: torch.Tensor  # [layers, kv_heads, full blocks]
     num_tokens: int
     pinned: torch.Tensor | None = None  # like selection: the blocks the prefill window keeps selected
+    summaries_read: bool = True  # False: its KV arrived whole; the summaries are caught up here
 
 
 class DecodeFetcher:
@@ -446,6 +466,14 @@ class DecodeFetcher:
             return False
         url, handoff = found
         layout = handoff.layout
+        if layout is None:  # sent whole (the prefill's staging cap): its first selection, read locally
+            with self._lock:
+                self._staged[slot] = (generation, url, room)  # the hand-off is released as a staged one
+                self.arrivals[slot] = Arrival(
+                    generation, handoff.selection, handoff.num_tokens, handoff.pinned, summaries_read=False
+                )
+            self.backend.stats.add("remote_whole_requests")
+            return False
         block = self.backend.block_size
         req_to_token = self.backend.req_to_token_pool.req_to_token
         local_pages = req_to_token[slot, 0 : layout.num_pages * block : block].to(torch.int64) // block
