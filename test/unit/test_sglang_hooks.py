@@ -1,298 +1,500 @@
-"""The SGLang hooks (``sglang_oasis.sglang_hooks``): each target still exists with the parameters the
-hook relies on (an SGLang upgrade that moves one fails here), and each hook does what it claims.
+"""The SGLang hooks (``sglang_oasis.sglang_hooks``), one test per numbered hook of its docstring (hook 7,
+six hooks in one, one test per target): each target still resolves with the parameters the hook relies on
+(an SGLang upgrade that moves or reshapes one fails here), and each hook does what it claims.
 
-Run in a subprocess on SGLang's CPU engine: the speculative modules import ``sgl_kernel`` at import time.
+In this process, on SGLang as the other unit tests import it (off its CPU engine): every check but one
+behaves the same there. Hook 2's verification needs SGLang's CPU engine, which SGLang reads once per
+process as it imports, so it runs in a child (``sglang_hooks_cpu_engine.py``). State a hook changes
+outside its arguments (a class attribute, an environment variable, a module's table) is restored after
+its test by ``monkeypatch``.
 """
 
 from __future__ import annotations
 
+import inspect
+import json
+import pkgutil
 import subprocess
 import sys
-import textwrap
+import threading
+from collections import defaultdict
+from collections.abc import Callable, Iterator
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from pathlib import Path
+from types import SimpleNamespace as NS
+from typing import Any, NamedTuple
 
+import numpy as np
+import pytest
+import torch
+
+from sglang_oasis import sglang_hooks as hooks
+from sglang_oasis.config import OasisConfig
 from sglang_oasis.server_process import child_env
 
-CHECK = textwrap.dedent(
-    """
-    import inspect, pkgutil
-    import torch
-    from sglang_oasis import sglang_hooks as hooks
+CPU_ENGINE_CHECK = Path(__file__).with_name("sglang_hooks_cpu_engine.py")
+VOCAB_SIZE = 32000
 
-    expected = {
-        hooks.DRAFT_EXTEND_TARGET: ["self"],
-        hooks.VERIFY_GREEDY_TARGET: ["predicts", "accept_index", "accept_token_num", "candidates",
-                                     "retrieve_index", "retrieve_next_token", "retrieve_next_sibling",
-                                     "target_predict"],
-        hooks.LAST_LOC_TARGET: ["req_to_token", "req_pool_indices_tensor", "prefix_lens_tensor"],
-        hooks.PROCESS_RESULT_TARGET: ["self", "batch", "result"],
-        "sglang.srt.managers.schedule_batch.FINISH_ABORT": ["message", "status_code", "err_type"],
-    }
-    for target, params in expected.items():
-        found = list(inspect.signature(pkgutil.resolve_name(target)).parameters)
-        assert found[: len(params)] == params, (target, found)
+
+def params_of(target: str) -> list[str]:
+    """The parameter names of what the dotted path ``target`` resolves to."""
+    return list(inspect.signature(pkgutil.resolve_name(target)).parameters)
+
+
+def assert_params(target: str, expected: list[str]) -> None:
+    """``target`` resolves, and its parameters start with ``expected``."""
+    found = params_of(target)
+    assert found[: len(expected)] == expected, (target, found)
+
+
+def source_of(target: Any) -> str:
+    return inspect.getsource(target)
+
+
+def test_hook_1_draft_extend_backend() -> None:
     from sglang.srt.speculative.draft_utils import DraftBackendFactory
-    assert "attention_backends" in inspect.getsource(DraftBackendFactory._create_backend)
 
-    # reject: the draft token equals the target's prediction, yet nothing is accepted.
-    from sglang.kernels.ops.speculative.spec_tree import verify_tree_greedy_func
-    def run(verify):
-        predicts = torch.full((2,), -5, dtype=torch.int64)
-        accept_index = torch.full((1, 2), -1, dtype=torch.int64)
-        accept_num = torch.zeros(1, dtype=torch.int64)
-        verify(predicts, accept_index, accept_num, torch.tensor([[7, 42]]), torch.tensor([[0, 1]]),
-               torch.tensor([[1, -1]]), torch.tensor([[-1, -1]]), torch.tensor([[42, 9]]))
-        return predicts.tolist(), accept_index.tolist(), accept_num.tolist()
-    assert run(verify_tree_greedy_func) == ([42, 9], [[0, 1]], [1]), run(verify_tree_greedy_func)
-    rejecting = lambda *a, **k: hooks.reject_drafts(verify_tree_greedy_func, *a, **k)
-    assert run(rejecting) == ([42, -5], [[0, -1]], [0]), run(rejecting)
+    assert_params(hooks.DRAFT_EXTEND_TARGET, ["self"])
+    # The hook reads the configured backends where SGLang's own factory does.
+    assert "attention_backends" in source_of(DraftBackendFactory._create_backend)
 
-    # last loc: SGLang's torch version on CPU tensors.
+
+def test_hook_2_reject_drafts() -> None:
+    """The draft token equals the target's prediction: SGLang accepts it; behind the hook nothing is
+    accepted and the target's token for the real row is emitted."""
+    assert_params(
+        hooks.VERIFY_GREEDY_TARGET,
+        ["predicts", "accept_index", "accept_token_num", "candidates", "retrieve_index",
+         "retrieve_next_token", "retrieve_next_sibling", "target_predict"],
+    )  # fmt: skip
+    env = child_env({"SGLANG_USE_CPU_ENGINE": "1"})
+    result = subprocess.run(
+        [sys.executable, str(CPU_ENGINE_CHECK)], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    outcomes = json.loads(result.stdout.splitlines()[-1])
+    # (predicts, accept_index, accept_token_num); compared whole, so one failure shows all three.
+    rejected = [[42, -5], [[0, -1]], [0]]
+    expected = {
+        "sglang": [[42, 9], [[0, 1]], [1]],
+        "reject_positional": rejected,
+        "reject_keywords": rejected,
+    }
+    assert outcomes == expected
+
+
+def test_hook_3_last_loc_on_cpu() -> None:
+    assert_params(hooks.LAST_LOC_TARGET, ["req_to_token", "req_pool_indices_tensor", "prefix_lens_tensor"])
     req_to_token = torch.arange(40, dtype=torch.int32).view(4, 10)
     got = hooks.last_loc_on_cpu(None, req_to_token, torch.tensor([2, 0]), torch.tensor([3, 0]))
     assert got.tolist() == [22, -1], got
-    # abort: what the hook touches on SGLang's scheduler and requests still exists.
-    from sglang.srt.managers.scheduler import Scheduler
+
+
+def test_hook_4_abort_failed_transfers() -> None:
     from sglang.srt.managers.schedule_batch import Req
-    assert callable(Scheduler.collect_inflight_reqs)
-    req_init = inspect.getsource(Req.__init__)
-    assert "self.to_finish" in req_init and "self.skip_radix_cache_insert" in req_init
-    assert "update_finish_state" in inspect.getsource(Req) and "self.to_finish" in inspect.getsource(
-        Req.update_finish_state)
-    from types import SimpleNamespace as NS
+    from sglang.srt.managers.scheduler import Scheduler
+
     from sglang_oasis.attention.transfer_failures import TransferFailures
+
+    assert_params(hooks.PROCESS_RESULT_TARGET, ["self", "batch", "result"])
+    assert_params("sglang.srt.managers.schedule_batch.FINISH_ABORT", ["message", "status_code", "err_type"])
+    # What the hook touches on SGLang's scheduler and requests still exists.
+    assert callable(Scheduler.collect_inflight_reqs)
+    req_init = source_of(Req.__init__)
+    assert "self.to_finish" in req_init and "self.skip_radix_cache_insert" in req_init
+    assert "update_finish_state" in source_of(Req) and "self.to_finish" in source_of(Req.update_finish_state)
+
     backend = NS(failures=TransferFailures())
     backend.failures.report(3, 7, "boom")
-    def request(slot):
-        return NS(kv=NS(req_pool_idx=slot), to_finish=None, skip_radix_cache_insert=False,
-                  finished=lambda: False)
+
+    def request(slot: int) -> NS:
+        return NS(
+            kv=NS(req_pool_idx=slot), to_finish=None, skip_radix_cache_insert=False, finished=lambda: False
+        )
+
     failing, other = request(3), request(4)
-    scheduler = NS(tp_worker=NS(model_runner=NS(attn_backend=backend)),
-                   req_to_token_pool=NS(req_generation=torch.tensor([0, 0, 0, 7, 2])),
-                   collect_inflight_reqs=lambda: [other])
+    scheduler = NS(
+        tp_worker=NS(model_runner=NS(attn_backend=backend)),
+        req_to_token_pool=NS(req_generation=torch.tensor([0, 0, 0, 7, 2])),
+        collect_inflight_reqs=lambda: [other],
+    )
     out = hooks.abort_failed_transfers(lambda s, b, r: "processed", scheduler, NS(reqs=[failing, other]), 1)
     assert out == "processed"
     assert failing.to_finish is not None and failing.to_finish.message == "boom", failing.to_finish
     assert int(failing.to_finish.status_code) == 500 and failing.skip_radix_cache_insert
     assert other.to_finish is None and not backend.failures
 
-    # Prefix cap: SGLang's own limit (input - 1, or the logprob start), then at most input - window.
-    import functools
-    assert list(inspect.signature(Req._compute_max_prefix_len).parameters) == ["self", "input_len"]
-    assert "self._compute_max_prefix_len(input_len)" in inspect.getsource(Req.init_next_round_input)
-    capped = functools.partial(hooks.cap_prefix_match, 32, Req._compute_max_prefix_len)
+
+def test_hook_5_cap_prefix_match() -> None:
+    """SGLang's own limit (input - 1, or the logprob start), then at most input - window."""
+    from sglang.srt.managers.schedule_batch import Req
+
+    assert params_of(hooks.PREFIX_LIMIT_TARGET) == ["self", "input_len"]
+    assert "self._compute_max_prefix_len(input_len)" in source_of(Req.init_next_round_input)
+
+    def capped(req: NS, input_len: int) -> int:
+        return int(hooks.cap_prefix_match(32, Req._compute_max_prefix_len, req, input_len))
+
     plain = NS(dllm_config=None, return_logprob=False, logprob_start_len=-1, is_dllm=lambda: False)
     assert Req._compute_max_prefix_len(plain, 100) == 99 and capped(plain, 100) == 68
     assert capped(plain, 20) == 0
     logprobs = NS(dllm_config=None, return_logprob=True, logprob_start_len=10, is_dllm=lambda: False)
     assert capped(logprobs, 100) == 10
 
-    # PD on the CPU engine: the sender attribute and the early-send switch are still what prefill reads.
-    import os
+
+def test_hook_6_cpu_disaggregation(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The sender attribute and the early-send switch are still what prefill reads; the patch turns both
+    off."""
     from sglang.srt.disaggregation import prefill
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
     from sglang.srt.environ import envs
-    source = inspect.getsource(prefill)
+
+    source = source_of(prefill)
     assert f'"{hooks.HOST_INDICES_ATTRIBUTE}"' in source and hooks.EARLY_SEND_ENV in source
     assert MooncakeKVSender.supports_host_tensor_indices is True
-    os.environ.pop(hooks.EARLY_SEND_ENV, None)
+    # Both restored after this test: the patch changes the class and this process's environment.
+    monkeypatch.setattr(MooncakeKVSender, hooks.HOST_INDICES_ATTRIBUTE, True)
+    monkeypatch.delenv(hooks.EARLY_SEND_ENV, raising=False)
     hooks.patch_cpu_disaggregation()
     assert MooncakeKVSender.supports_host_tensor_indices is False
     assert getattr(envs, hooks.EARLY_SEND_ENV).get() is False
 
-    # Hook 7 (remote partial fetching): targets, and what the hooks read of SGLang's objects.
-    remote_fetch = {
-        hooks.PREFILL_SEND_TARGET: ["self", "req", "last_chunk", "end_idx"],
-        hooks.SEND_INDICES_TARGET: ["self", "kv_indices", "state_indices"],
-        hooks.BOOTSTRAP_ROUTES_TARGET: ["self"],
-        hooks.DECODE_COMMIT_TARGET: ["self", "decode_req"],
-        hooks.DECODE_FREE_TARGET: ["self", "req"],
-        hooks.BACKUP_TARGET: ["req", "tree_cache", "req_to_token_pool", "token_to_kv_pool_allocator", "backend"],
-        hooks.RELEASE_TARGET: ["req", "remaing_req_count", "req_to_token_pool"],
-        "sglang.srt.disaggregation.utils.prepare_abort": ["req", "error_message", "status_code"],
-        "sglang.srt.mem_cache.common.release_kv_cache": ["req", "tree_cache"],
-    }
-    for target, params in remote_fetch.items():
-        found = list(inspect.signature(pkgutil.resolve_name(target)).parameters)
-        assert found[: len(params)] == params, (target, found)
-    from sglang.srt.disaggregation.common.conn import CommonKVManager, CommonKVSender
-    from sglang.srt.disaggregation.decode import DecodeTransferQueue
-    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
-    from sglang.srt.mem_cache.common import release_kv_cache
-    assert "self._prepare_send_indices(" in inspect.getsource(CommonKVSender.send)
-    assert "self.curr_idx == self.num_kv_indices" in inspect.getsource(CommonKVSender._prepare_send_indices)
-    assert callable(CommonKVManager.record_failure) and callable(CommonKVManager.update_status)
-    send_source = inspect.getsource(prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk)
+
+# Hook 7 (remote partial fetching under PD disaggregation): one test per target.
+
+
+def test_hook_7_prefill_send_kv_chunk() -> None:
+    from sglang.srt.disaggregation import prefill
+
+    assert_params(hooks.PREFILL_SEND_TARGET, ["self", "req", "last_chunk", "end_idx"])
+    # What the hook hands to the request's sender is read where SGLang's send reads it.
+    send_source = source_of(prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk)
     assert "req.extend_end" in send_source and "req.disagg_decode_prefix_len" in send_source
-    assert "self.tree_cache = tree_cache" in inspect.getsource(DecodeTransferQueue.__init__)
-    assert "tree_cache.checkpoint(req, up_to=" in inspect.getsource(release_kv_cache)
-    assert FAKE_BOOTSTRAP_HOST == "2.2.2.2"
-    assert "tree_cache.req_to_token_pool.free(req)" in inspect.getsource(release_kv_cache)
 
-    # release_freed_rows: SGLang frees the row, then the pool's listener hears which.
-    from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
-    freed: list[int] = []
-    pool = NS(free_slots=[], **{hooks.FREED_ROW_LISTENER: freed.append})
-    request = NS(kv=NS(req_pool_idx=7, holds_kv=True))
-    hooks.release_freed_rows(DecodeReqToTokenPool.free, pool, request)
-    assert pool.free_slots == [7] and request.kv.req_pool_idx is None and freed == [7]
 
-    # complete_before_backup: a retracted request's remote blocks are read before SGLang backs it up;
-    # if they cannot be, SGLang hears "cannot be backed up" (and aborts it) and nothing is backed up.
-    from sglang.srt.mem_cache.common import backup_kv_cache
-    assert "return False" in inspect.getsource(backup_kv_cache)  # False: SGLang aborts the request
-    calls: list[object] = []
-    def backup(req, tree_cache, req_to_token_pool, allocator, backend):
-        calls.append("backup")
-        return True
-    for whole, expected in ((True, ["complete 3", "backup"]), (False, ["complete 3"])):
-        calls.clear()
-        def complete(row, whole=whole):
-            calls.append(f"complete {row}")
-            return whole
-        pool = NS(**{hooks.BEFORE_BACKUP_LISTENER: complete})
-        answer = hooks.complete_before_backup(backup, NS(kv=NS(req_pool_idx=3), rid="r"), None, pool, None, "cpu_tensor")
-        assert answer is whole and calls == expected
-    # ... and once the backup is whole, the backend keeps the request's selection state (row, rid, tokens).
-    kept = []
-    pool = NS(**{hooks.BEFORE_BACKUP_LISTENER: lambda row: True, hooks.RETRACT_LISTENER: lambda *a: kept.append(a)})
-    request = NS(kv=NS(req_pool_idx=3), rid="r", origin_input_ids=[1, 2, 3], output_ids=[4])
-    assert hooks.complete_before_backup(backup, request, None, pool, None, "cpu_tensor") is True
-    assert kept == [(3, "r", 4, True)], kept
+def test_hook_7_send_last_page_only() -> None:
+    """Earlier chunks send nothing, the last stages and sends only the last page; an unstaged request is
+    untouched; a staging failure fails the request's transfer."""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import CommonKVManager, CommonKVSender
 
-    # Hook 8: release_req (keyword arguments only) keeps an unfinished request's state (not backed up).
-    from sglang.srt.managers import schedule_batch
-    params = inspect.signature(pkgutil.resolve_name(hooks.RELEASE_TARGET)).parameters
-    assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in ("req", "req_to_token_pool"))
-    assert "reset_for_retract" in inspect.getsource(schedule_batch.release_req)
-    kept.clear()
-    released = []
-    for finished in (False, True):
-        request = NS(kv=NS(req_pool_idx=5), rid=f"r{finished}", origin_input_ids=[1, 2], output_ids=[3, 4],
-                     finished=lambda finished=finished: finished)
-        hooks.keep_before_release(lambda **kw: released.append(kw["req"].rid), req=request, req_to_token_pool=pool)
-    assert kept == [(5, "rFalse", 4, False)] and released == ["rFalse", "rTrue"], (kept, released)
+    assert_params(hooks.SEND_INDICES_TARGET, ["self", "kv_indices", "state_indices"])
+    assert "self._prepare_send_indices(" in source_of(CommonKVSender.send)
+    assert "self.curr_idx == self.num_kv_indices" in source_of(CommonKVSender._prepare_send_indices)
+    assert callable(CommonKVManager.record_failure) and callable(CommonKVManager.update_status)
 
-    # send_last_page_only: earlier chunks send nothing, the last stages and sends only the last page.
-    import numpy as np
-    staged = []
-    stager = NS(stage=lambda *args: staged.append(args))
-    sender = NS(_oasis_stager=stager, _oasis_stage=(5, 40, 16), bootstrap_room=9)
-    def chunk(kv, sl, last):
-        return hooks.send_last_page_only(lambda s, k, *a: (k, sl, last, False), sender, np.asarray(kv, dtype=np.int32))
+    staged: list[tuple[Any, ...]] = []
+    sender = NS(
+        _oasis_stager=NS(stage=lambda *args: staged.append(args)), _oasis_stage=(5, 40, 16), bootstrap_room=9
+    )
+
+    def chunk(kv: list[int], index_slice: slice, last: bool) -> Any:
+        original = lambda s, k, *a: (k, index_slice, last, False)  # noqa: E731
+        return hooks.send_last_page_only(original, sender, np.asarray(kv, dtype=np.int32))
+
     kv, sl, last, skip = chunk([10, 11], slice(0, 2), False)
     assert len(kv) == 0 and sl == slice(2, 2) and not last and not skip and staged == []
     kv, sl, last, skip = chunk([], slice(2, 2), True)  # a last chunk without new pages
     assert kv.tolist() == [11] and sl == slice(1, 2) and last and not skip, (kv, sl)
     assert staged == [(9, 5, 40, 16)]
+
     plain = NS(bootstrap_room=3)  # not staged: untouched
     out = hooks.send_last_page_only(lambda s, k, *a: (k, slice(0, 2), True, False), plain, np.asarray([1, 2]))
     assert out[0].tolist() == [1, 2] and out[1] == slice(0, 2)
-    failures, statuses = {}, []
-    def broken(*args):
+
+    failures: dict[int, str] = {}
+    statuses: list[tuple[int, Any]] = []
+
+    def broken(*args: Any) -> None:
         raise RuntimeError("no memory")
-    failing = NS(_oasis_stager=NS(stage=broken), _oasis_stage=(1, 2, 0), bootstrap_room=4,
-                 kv_mgr=NS(record_failure=failures.__setitem__, update_status=lambda r, s: statuses.append((r, s))))
+
+    kv_mgr = NS(record_failure=failures.__setitem__, update_status=lambda r, s: statuses.append((r, s)))
+    failing = NS(_oasis_stager=NS(stage=broken), _oasis_stage=(1, 2, 0), bootstrap_room=4, kv_mgr=kv_mgr)
     out = hooks.send_last_page_only(lambda s, k, *a: (k, slice(0, 1), True, False), failing, np.asarray([7]))
-    from sglang.srt.disaggregation.base.conn import KVPoll
     assert out[3] is True and "no memory" in failures[4] and statuses == [(4, KVPoll.Failed)]
-    # the bootstrap server's extra route
+
+
+def test_hook_7_bootstrap_routes() -> None:
     from aiohttp import web
+
     from sglang_oasis.disaggregation.pd_partial import ENDPOINT_ROUTE
+
+    assert_params(hooks.BOOTSTRAP_ROUTES_TARGET, ["self"])
     server = NS(app=web.Application())
     hooks.remote_fetch_routes(lambda s: None, server)
     assert ENDPOINT_ROUTE in [route.resource.canonical for route in server.app.router.routes()]
-    # a decode server that does not fetch refuses requests from a staging prefill node, by name
-    import threading
-    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+
+class BootstrapServers(NamedTuple):
+    staging_port: int  # a prefill node that stages KV (answers the hand-off route)
+    plain_port: int  # one that does not (404)
+    asked: list[int]  # the port of every request either server received
+
+
+@pytest.fixture
+def bootstrap_servers(monkeypatch: pytest.MonkeyPatch) -> Iterator[BootstrapServers]:
+    """Two prefill nodes' bootstrap servers, with the decode side's table of their answers empty."""
+    from sglang_oasis.disaggregation import pd_partial
+
+    monkeypatch.setattr(pd_partial, "_stages_answers", {})
+    asked: list[int] = []
+    staging: list[int] = []
+
     class Bootstrap(BaseHTTPRequestHandler):
-        asked = []
-        def do_GET(self):
-            Bootstrap.asked.append(self.server.server_port)
-            staging = self.path.startswith(ENDPOINT_ROUTE) and self.server.server_port == staging_port
-            self.send_response(200 if staging else 404)
+        server: ThreadingHTTPServer
+
+        def do_GET(self) -> None:
+            port = self.server.server_port
+            asked.append(port)
+            stages = self.path.startswith(pd_partial.ENDPOINT_ROUTE) and port in staging
+            self.send_response(200 if stages else 404)
             self.end_headers()
-            self.wfile.write(b'{"url": "http://127.0.0.1:1"}' if staging else b"{}")
-        def log_message(self, *args):
+            self.wfile.write(b'{"url": "http://127.0.0.1:1"}' if stages else b"{}")
+
+        def log_message(self, *args: Any) -> None:
             pass
+
     servers = [ThreadingHTTPServer(("127.0.0.1", 0), Bootstrap) for _ in range(2)]
     for http in servers:
-        threading.Thread(target=http.serve_forever, daemon=True).start()
-    staging_port, plain_port = (http.server_port for http in servers)
-    def decode_request(port):
-        return NS(req=NS(bootstrap_host="127.0.0.1", bootstrap_port=port, finished=lambda: False,
-                         return_logprob=False, finished_reason=None, skip_radix_cache_insert=False))
-    refused, accepted = decode_request(staging_port), decode_request(plain_port)
+        threading.Thread(target=http.serve_forever, args=(0.05,), daemon=True).start()  # quick shutdown
+    staging.append(servers[0].server_port)
+    try:
+        yield BootstrapServers(servers[0].server_port, servers[1].server_port, asked)
+    finally:
+        for http in servers:
+            http.shutdown()
+            http.server_close()
+
+
+def decode_request(port: int) -> NS:
+    return NS(
+        req=NS(bootstrap_host="127.0.0.1", bootstrap_port=port, finished=lambda: False, return_logprob=False,
+               finished_reason=None, skip_radix_cache_insert=False)
+    )  # fmt: skip
+
+
+def test_hook_7_decode_commit(bootstrap_servers: BootstrapServers) -> None:
+    """A decode server that does not fetch refuses requests from a staging prefill node, by name, asking
+    each prefill node once; so does a sparse one whose fetching turned itself off."""
+    from sglang.srt.disaggregation.decode import DecodeTransferQueue
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    assert_params(hooks.DECODE_COMMIT_TARGET, ["self", "decode_req"])
+    assert_params("sglang.srt.disaggregation.utils.prepare_abort", ["req", "error_message", "status_code"])
+    assert_params("sglang.srt.mem_cache.common.release_kv_cache", ["req", "tree_cache"])
+    # The queue's tree cache, and its checkpoint on release, that the radix-cache wrapper relies on.
+    assert "self.tree_cache = tree_cache" in source_of(DecodeTransferQueue.__init__)
+    assert "tree_cache.checkpoint(req, up_to=" in source_of(release_kv_cache)
+    assert FAKE_BOOTSTRAP_HOST == "2.2.2.2"
+
+    servers = bootstrap_servers
+    refused, accepted = decode_request(servers.staging_port), decode_request(servers.plain_port)
     for decode_req in (refused, accepted):
         assert hooks.refuse_staged_requests(lambda q, d: "committed", NS(), decode_req) == "committed"
     reason = refused.req.finished_reason
     assert reason is not None and "--oasis-remote-fetch" in reason.message and int(reason.status_code) == 500
     assert accepted.req.finished_reason is None
     # asked once per prefill node, not once per request
-    again = decode_request(staging_port)
+    again = decode_request(servers.staging_port)
     hooks.refuse_staged_requests(lambda q, d: "committed", NS(), again)
-    assert again.req.finished_reason is not None and sorted(Bootstrap.asked) == sorted([staging_port, plain_port])
+    assert again.req.finished_reason is not None
+    assert sorted(servers.asked) == sorted([servers.staging_port, servers.plain_port])
+
     # A sparse decode server whose fetching turned itself off (no fetcher: --tp-size 2, ...) refuses too.
-    off, whole = decode_request(staging_port), decode_request(plain_port)
+    off, whole = decode_request(servers.staging_port), decode_request(servers.plain_port)
     queue = NS(scheduler=NS(tp_worker=NS(model_runner=NS(attn_backend=NS(remote=None)))))
     for decode_req in (off, whole):
         assert hooks.fetch_admission_blocks(lambda q, d: "committed", queue, decode_req) == "committed"
     assert off.req.finished_reason is not None and "--tp-size 1" in off.req.finished_reason.message
     assert whole.req.finished_reason is None
 
-    # Hook 9: each request's custom_params, noted by rid as a forward batch is built.
-    # ForwardBatch.init_new is a classmethod taking (batch, model_runner) whose batch has the requests
-    # (it reads their rids, which the batch the backend gets carries).
-    from types import SimpleNamespace
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
-    from sglang_oasis.attention.request_options import batch_params
-    assert isinstance(ForwardBatch.__dict__["init_new"], classmethod)
-    found = list(inspect.signature(pkgutil.resolve_name(hooks.FORWARD_BATCH_TARGET)).parameters)
-    assert found[:2] == ["batch", "model_runner"], found
-    assert "rids=[req.rid for req in batch.reqs]" in inspect.getsource(ForwardBatch.init_new)
-    reqs = [SimpleNamespace(rid=rid, sampling_params=SimpleNamespace(custom_params=p))
-            for rid, p in (("a", {"oasis_top_k": 8}), ("b", None))]
-    built = hooks.carry_request_params(lambda cls, batch, runner: "built", ForwardBatch, SimpleNamespace(reqs=reqs), None)
-    assert built == "built" and batch_params(["b", "a", "c"]) == [None, {"oasis_top_k": 8}, None]
 
-    # Hook 10: a finished request's own figures go out with its last output (meta_info["oasis"]).
+def test_hook_7_decode_free() -> None:
+    """SGLang frees the row, then the pool's listener hears which."""
+    from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
+    from sglang.srt.mem_cache.common import release_kv_cache
+
+    assert_params(hooks.DECODE_FREE_TARGET, ["self", "req"])
+    assert "tree_cache.req_to_token_pool.free(req)" in source_of(release_kv_cache)
+    freed: list[int] = []
+    pool = NS(free_slots=[], **{hooks.FREED_ROW_LISTENER: freed.append})
+    request = NS(kv=NS(req_pool_idx=7, holds_kv=True))
+    hooks.release_freed_rows(DecodeReqToTokenPool.free, pool, request)
+    assert pool.free_slots == [7] and request.kv.req_pool_idx is None and freed == [7]
+
+
+def test_hook_7_complete_before_backup() -> None:
+    """A retracted request's remote blocks are read before SGLang backs it up; if they cannot be, SGLang
+    hears "cannot be backed up" (and aborts it) and nothing is backed up. Once the backup is whole, the
+    backend keeps the request's selection state (row, key, tokens, backed up)."""
+    from sglang.srt.mem_cache.common import backup_kv_cache
+
+    assert_params(
+        hooks.BACKUP_TARGET,
+        ["req", "tree_cache", "req_to_token_pool", "token_to_kv_pool_allocator", "backend"],
+    )
+    assert "return False" in source_of(backup_kv_cache)  # False: SGLang aborts the request
+    calls: list[str] = []
+
+    def backup(req: Any, tree_cache: Any, req_to_token_pool: Any, allocator: Any, backend: Any) -> bool:
+        calls.append("backup")
+        return True
+
+    for whole, expected in ((True, ["complete 3", "backup"]), (False, ["complete 3"])):
+        calls.clear()
+
+        def complete(row: int, whole: bool = whole) -> bool:
+            calls.append(f"complete {row}")
+            return whole
+
+        pool = NS(**{hooks.BEFORE_BACKUP_LISTENER: complete})
+        request = NS(kv=NS(req_pool_idx=3), rid="r")
+        answer = hooks.complete_before_backup(backup, request, None, pool, None, "cpu_tensor")
+        assert answer is whole and calls == expected
+
+    kept: list[tuple[Any, ...]] = []
+    pool = NS(
+        **{hooks.BEFORE_BACKUP_LISTENER: lambda row: True, hooks.RETRACT_LISTENER: lambda *a: kept.append(a)}
+    )
+    request = NS(kv=NS(req_pool_idx=3), rid="r", origin_input_ids=[1, 2, 3], output_ids=[4])
+    assert hooks.complete_before_backup(backup, request, None, pool, None, "cpu_tensor") is True
+    key = getattr(request, hooks.RETRACTION_KEY)  # stamped on the request object: its rid, made unique
+    assert key.startswith("r#") and kept == [(3, key, 4, True)], kept
+
+
+def test_hook_8_keep_before_release() -> None:
+    """``release_req`` (keyword arguments only) keeps an unfinished request's state (not backed up)."""
+    from sglang.srt.managers import schedule_batch
+
+    assert_params(hooks.RELEASE_TARGET, ["req", "remaing_req_count", "req_to_token_pool"])
+    params = inspect.signature(pkgutil.resolve_name(hooks.RELEASE_TARGET)).parameters
+    assert all(params[name].kind is inspect.Parameter.KEYWORD_ONLY for name in ("req", "req_to_token_pool"))
+    assert "reset_for_retract" in source_of(schedule_batch.release_req)
+
+    kept: list[tuple[Any, ...]] = []
+    released: list[str] = []
+    pool = NS(**{hooks.RETRACT_LISTENER: lambda *a: kept.append(a)})
+    requests = [
+        NS(kv=NS(req_pool_idx=5), rid=f"r{finished}", origin_input_ids=[1, 2], output_ids=[3, 4],
+           finished=lambda finished=finished: finished)
+        for finished in (False, True)
+    ]  # fmt: skip
+    for request in requests:
+        hooks.keep_before_release(
+            lambda **kw: released.append(kw["req"].rid), req=request, req_to_token_pool=pool
+        )
+    unfinished, finished = requests
+    key = getattr(unfinished, hooks.RETRACTION_KEY)
+    assert key.startswith("rFalse#") and not hasattr(finished, hooks.RETRACTION_KEY)
+    assert kept == [(5, key, 4, False)] and released == ["rFalse", "rTrue"], (kept, released)
+
+
+def test_hook_9_carry_request_params(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each request's ``custom_params`` (and retraction key) noted by rid as a forward batch is built.
+    ``ForwardBatch.init_new`` is a classmethod taking (batch, model_runner) whose batch has the requests
+    (it reads their rids, which the batch the backend gets carries)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    from sglang_oasis.attention import request_options
+    from sglang_oasis.attention.request_options import batch_params, retraction_keys
+
+    assert isinstance(ForwardBatch.__dict__["init_new"], classmethod)
+    assert_params(hooks.FORWARD_BATCH_TARGET, ["batch", "model_runner"])
+    assert "rids=[req.rid for req in batch.reqs]" in source_of(ForwardBatch.init_new)
+
+    monkeypatch.setattr(request_options, "_noted", {})  # the hook replaces the module's table: restored
+    reqs = [
+        NS(rid=rid, sampling_params=NS(custom_params=p))
+        for rid, p in (("a", {"oasis_top_k": 8}), ("b", None))
+    ]
+    setattr(reqs[1], hooks.RETRACTION_KEY, "b#1")
+    built = hooks.carry_request_params(lambda cls, batch, runner: "built", ForwardBatch, NS(reqs=reqs), None)
+    assert built == "built" and batch_params(["b", "a", "c"]) == [None, {"oasis_top_k": 8}, None]
+    assert retraction_keys(["b", "a", "c"]) == ["b#1", None, None]
+
+
+def test_hook_10_report_request_figures() -> None:
+    """A finished request's own figures go out with its last output (``meta_info["oasis"]``)."""
+    from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
+
     from sglang_oasis.attention.request_ledger import RequestLedger
-    found = list(inspect.signature(pkgutil.resolve_name(hooks.STREAMER_TARGET)).parameters)
-    assert found == ["self"], found
-    assert "self.get_output_streamer_class()(" in inspect.getsource(Scheduler)
+
+    assert params_of(hooks.STREAMER_TARGET) == ["self"]
+    assert "self.get_output_streamer_class()(" in source_of(Scheduler)
     assert SchedulerOutputStreamer.has_additional_customized_info is False
-    streamer_source = inspect.getsource(SchedulerOutputStreamer._stream_output_generation)
-    assert "build_additional_customized_info(" in streamer_source, "hook 10: SGLang no longer asks for fields"
-    assert "customized_info" in inspect.getsource(TokenizerManager.update_request_meta_info)
+    streamer_source = source_of(SchedulerOutputStreamer._stream_output_generation)
+    assert "build_additional_customized_info(" in streamer_source, "SGLang no longer asks for fields"
+    assert "customized_info" in source_of(TokenizerManager.update_request_meta_info)
+
     ledger = RequestLedger()
     ledger.begin([1, 2], [0, 0], ["done", "running"], decode=True)
-    scheduler = SimpleNamespace(rust_server=None, tp_worker=SimpleNamespace(model_runner=SimpleNamespace(
-        attn_backend=SimpleNamespace(stats=SimpleNamespace(requests=ledger)))))
+    scheduler = NS(
+        rust_server=None, tp_worker=NS(model_runner=NS(attn_backend=NS(stats=NS(requests=ledger))))
+    )
     cls = hooks.report_request_figures(lambda s: SchedulerOutputStreamer, scheduler)
     assert issubclass(cls, SchedulerOutputStreamer) and cls.has_additional_customized_info
-    reqs = [SimpleNamespace(rid="done", finished=lambda: True), SimpleNamespace(rid="running", finished=lambda: False)]
+    reqs = [NS(rid="done", finished=lambda: True), NS(rid="running", finished=lambda: False)]
     info = cls.build_additional_customized_info(None, reqs)
-    assert info == {"oasis": [[ledger_figures := info["oasis"][0][0]], []]}, info
-    assert ledger_figures["decode_steps"] == 1 and ledger.take("done") is None
-    rust = SimpleNamespace(rust_server=object())
+    assert list(info) == ["oasis"], info  # meta_info["oasis"]: what clients read
+    done, running = info["oasis"]
+    assert len(done) == 1 and running == [], info
+    assert done[0]["decode_steps"] == 1 and ledger.take("done") is None
+
+    rust = NS(rust_server=object())  # SGLang's Rust egress takes no additional fields: class unchanged
     assert hooks.report_request_figures(lambda s: SchedulerOutputStreamer, rust) is SchedulerOutputStreamer
 
-    # 11: the oasis backend's dense extend overrides SGLang's torch_native one by name and parameters.
+
+def test_hook_11_extend_override() -> None:
+    """The oasis backend's dense extend overrides SGLang's torch_native one by name and parameters."""
     from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
     from sglang_oasis.attention.extend_attention import CachedPrefixExtend
+
     theirs = list(inspect.signature(TorchNativeAttnBackend._run_sdpa_forward_extend).parameters)
     ours = list(inspect.signature(CachedPrefixExtend._run_sdpa_forward_extend).parameters)
     assert theirs == ours, (theirs, ours)
-    assert "self._run_sdpa_forward_extend(" in inspect.getsource(TorchNativeAttnBackend.forward_extend)
-    print("hooks-ok")
-    """
-)
+    assert "self._run_sdpa_forward_extend(" in source_of(TorchNativeAttnBackend.forward_extend)
 
 
-def test_hook_targets_exist_and_hooks_behave() -> None:
-    env = child_env({"SGLANG_USE_CPU_ENGINE": "1"})
-    result = subprocess.run(
-        [sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600
-    )
-    assert "hooks-ok" in result.stdout, result.stderr[-3000:]
+def test_hook_12_check_request_options() -> None:
+    """SGLang's checks, then the request's ``oasis_*`` options: a ``ValueError`` (HTTP 400) naming what
+    is wrong."""
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    assert params_of(hooks.VERIFY_PARAMS_TARGET) == ["self", "vocab_size"]
+    config = OasisConfig(top_k=4)
+
+    def verify(params: SamplingParams) -> Any:
+        return hooks.check_request_options(config, SamplingParams.verify, params, VOCAB_SIZE)
+
+    with pytest.raises(ValueError, match="custom_params: must be a JSON object"):
+        verify(SamplingParams(custom_params=["oasis_top_k", 3]))
+    with pytest.raises(ValueError, match="custom_params: oasis_top_k='abc'"):
+        verify(SamplingParams(custom_params={"oasis_top_k": "abc"}))
+    assert verify(SamplingParams(custom_params={"oasis_top_k": 2})) is None
+    assert verify(SamplingParams(custom_params=None)) is None
+    with pytest.raises(ValueError, match="temperature must be"):  # SGLang's own checks still run
+        verify(SamplingParams(temperature=-1))
+
+
+def test_register_checks_request_options_in_sparse_mode(monkeypatch: pytest.MonkeyPatch) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+    from sglang.srt.sampling.sampling_params import SamplingParams
+
+    registered: dict[str, list[tuple[Callable[..., Any], HookType]]] = defaultdict(list)
+
+    def record(target: str, hook: Callable[..., Any], hook_type: HookType = HookType.AFTER, **_: Any) -> None:
+        registered[target].append((hook, hook_type))
+
+    monkeypatch.setattr(HookRegistry, "register", record)  # SGLang's registry itself stays untouched
+    hooks.register(OasisConfig(mode="sparse"))
+    [(hook, hook_type)] = registered[hooks.VERIFY_PARAMS_TARGET]
+    assert hook_type is HookType.AROUND
+    with pytest.raises(ValueError, match="custom_params"):
+        hook(SamplingParams.verify, SamplingParams(custom_params=["oasis_top_k", 3]), VOCAB_SIZE)
+    registered.clear()
+    hooks.register(OasisConfig(mode="dense"))
+    assert hooks.VERIFY_PARAMS_TARGET not in registered

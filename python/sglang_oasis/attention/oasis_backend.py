@@ -75,7 +75,7 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
             pool, config, getattr(args, "max_running_requests", None), self.req_to_token_pool, self.device
         )
         tier = self.tier
-        self._cap_running_requests(model_runner)
+        tier.cap_running_requests(model_runner)
         self.summaries, self.working_sets, self.pinned = tier.summaries, tier.working_sets, tier.pinned  # fmt: skip
         self.dense_layers = frozenset(config.dense_layers)
         sparse_layers = [layer for layer in range(pool.layer_num) if layer not in self.dense_layers]
@@ -114,20 +114,6 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
             self.tier.nbytes / 2**20, self.tier.layout.budget_bytes / 2**20, self.tier.num_request_slots,
             self.summaries.nbytes / 2**20,
         )  # fmt: skip
-
-    def _cap_running_requests(self, model_runner: Any) -> None:
-        """SGLang's scheduler runs at most ``model_runner.max_running_requests`` requests (it reads it once
-        the model runner, this backend included, is built): no more than the device tier has request slots
-        for, whatever started the server, so a request that finds none waits in SGLang's queue. The
-        launcher passes that cap as ``--max-running-requests``; a server started otherwise gets it here."""
-        running = getattr(model_runner, "max_running_requests", None)
-        slots = self.tier.num_request_slots
-        if isinstance(running, int) and running > slots:
-            logger.warning(
-                "oasis: running requests capped at %d (the device tier's request slots; SGLang allowed %d)",
-                slots, running,
-            )  # fmt: skip
-            model_runner.max_running_requests = slots
 
     # --- per forward batch ------------------------------------------------------------------------
 

@@ -27,6 +27,7 @@ Not here: the EAGLE-3 draft model's one-layer KV is SGLang's own pool (the draft
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -43,6 +44,8 @@ from sglang_oasis.memory.device_layout import (
 )
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.memory.working_set import WorkingSetPool
+
+logger = logging.getLogger(__name__)
 
 
 class DeviceTier:
@@ -104,6 +107,19 @@ class DeviceTier:
             )
         limit = int(max_running) if max_running is not None else int(req_to_token_pool.req_to_token.shape[0])
         return cls(shape, layout(budget, shape, limit), kv_pool.dtype, device, config.top_k)
+
+    def cap_running_requests(self, model_runner: Any) -> None:
+        """SGLang's scheduler runs at most ``model_runner.max_running_requests`` requests (it reads it once
+        the model runner, attention backend included, is built): no more than this tier has request slots
+        for, whatever started the server, so a request that finds none waits in SGLang's queue. The
+        launcher passes that cap as ``--max-running-requests``; a server started otherwise gets it here."""
+        running = getattr(model_runner, "max_running_requests", None)
+        if isinstance(running, int) and running > self.num_request_slots:
+            logger.warning(
+                "oasis: running requests capped at %d (the device tier's request slots; SGLang allowed %d)",
+                self.num_request_slots, running,
+            )  # fmt: skip
+            model_runner.max_running_requests = self.num_request_slots
 
     def tensors(self) -> dict[str, torch.Tensor]:
         """Every tensor the device tier holds, by name."""
