@@ -10,6 +10,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
@@ -132,6 +133,45 @@ def test_blocks_are_read_once_batched_across_requests(
     assert tier.fetcher.ensure(1, {0: torch.tensor([0, 3]), 1: torch.tensor([2])}) == {}
     assert decode_endpoint.bytes_read - read == 3 * 2 * block_bytes, "a present block is never read again"
     assert decode_endpoint.batches == batches + 1
+
+
+def test_a_release_waits_for_the_reads_into_the_requests_pages(
+    prefill: KVStagingArea, decode_endpoint: MooncakeEndpoint
+) -> None:
+    """A decode-time read (delayed by injection) is writing into request 0's pages when SGLang frees its
+    row: ``release`` (hook 7's listener, on the scheduler thread) returns only after that read ended, so
+    the request that takes the same pages next (written right after the release) keeps its KV. Before,
+    the release returned at once and the late read overwrote the new request's KV."""
+    tier = DecodeTier(decode_endpoint)
+    keys, values = seeded_kv(3, 0, LAYERS, TOKENS, HEADS, DIM)
+    local = torch.tensor([10, 11, 12, 13, 14])
+    tier.fetcher.admit(
+        0, prefill.stage("fence", keys, values), local, torch.zeros(LAYERS, 5, dtype=torch.bool)
+    )
+    reading, read = threading.Event(), tier.fetcher.endpoint.read
+
+    def slow_read(*args: object) -> None:  # the injected delay: the read is in flight for 1.5 s
+        reading.set()
+        time.sleep(1.5)
+        read(*args)  # type: ignore[arg-type]
+
+    tier.fetcher.endpoint.read = slow_read  # type: ignore[method-assign]
+    try:
+        worker = threading.Thread(target=tier.fetcher.ensure, args=(1, {0: torch.tensor([0, 1, 2, 3])}))
+        worker.start()
+        assert reading.wait(timeout=30)
+        tier.fetcher.release(0)  # SGLang freed the row; its pages go to the next request
+        for page in local[:4].tolist():  # the new request's KV in the same pages
+            tier.page(1, page)[0].fill_(5.0)
+            tier.page(1, page)[1].fill_(5.0)
+        worker.join(timeout=60)
+    finally:
+        tier.fetcher.endpoint.read = read  # type: ignore[method-assign]
+    assert not worker.is_alive()
+    for page in local[:4].tolist():
+        k, v = tier.page(1, page)
+        assert bool((k == 5.0).all() and (v == 5.0).all()), f"a late read overwrote page {page}"
+    assert 0 not in tier.fetcher.requests and not tier.fetcher._reading
 
 
 def test_radix_cached_blocks_are_never_transferred(

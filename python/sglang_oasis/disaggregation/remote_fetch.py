@@ -14,6 +14,10 @@ Per request and layer, each logical block is either present in the local host ti
   the batch at once (batched per peer, at most ``MAX_BATCH_REQUESTS`` per batch); each block is read at
   most once. A failed read fails only the requests whose blocks it carried.
 
+A release fences the request's reads: ``release`` returns only after every read already writing into
+its local pages has finished (new ones no longer start), so a late read never lands in pages SGLang has
+since given to another request.
+
 Failures are remembered, so that a bad peer costs the scheduler one timeout, not one per layer and
 request: a request whose read failed fails at once at every later layer (it is being aborted), and a
 peer whose read ran into the transfer timeout (hung or gone, not a refused read of released memory) is
@@ -89,6 +93,8 @@ class RemotePartialFetcher:
         self.requests: dict[int, RemoteRequest] = {}
         self.counters = FetchCounters()
         self._lock = threading.Lock()
+        self._reads_done = threading.Condition(self._lock)  # notified when a request's last read ends
+        self._reading: dict[int, int] = {}  # request -> reads in flight into its local pages
         # A read failing after this long ran into the transfer timeout: its peer is hung or gone.
         self.hung_after_s = 0.9 * transfer_timeout_s()
         # Mooncake session -> (the failure that condemned it, when); forgotten after DEAD_PEER_TTL_S (a
@@ -230,9 +236,12 @@ class RemotePartialFetcher:
         return failed
 
     def release(self, req: int) -> None:
-        with self._lock:
+        """Forget request ``req`` (its pages are SGLang's again): no read for it starts from now on, and
+        this waits for those in flight, each bounded by the transfer timeout."""
+        with self._reads_done:
             self.requests.pop(req, None)
             self.failed.pop(req, None)
+            self._reads_done.wait_for(lambda: not self._reading.get(req))
 
     def present_blocks(self, req: int) -> int:
         """(block, layer) pairs of ``req`` held in the local host tier."""
@@ -247,12 +256,30 @@ class RemotePartialFetcher:
 
     def _read_blocks(self, todo: dict[int, tuple[torch.Tensor, torch.Tensor]]) -> int:
         """Reads K and V of each (layer, logical block) of each request, one batch per peer; returns bytes."""
-        by_peer: dict[str, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
-        for req, (layers, blocks) in todo.items():
-            with self._lock:
+        requests: dict[int, RemoteRequest] = {}
+        with self._lock:  # from here until the reads end, a release of these requests waits
+            for req in todo:
                 request = self.requests.get(req)
-            if request is None:  # released meanwhile (its request finished): nothing to read for it
-                continue
+                if request is not None:  # else released meanwhile (it finished): nothing to read for it
+                    requests[req] = request
+                    self._reading[req] = self._reading.get(req, 0) + 1
+        try:
+            return self._read_into(todo, requests)
+        finally:
+            with self._reads_done:
+                for req in requests:
+                    self._reading[req] -= 1
+                    if not self._reading[req]:
+                        del self._reading[req]
+                self._reads_done.notify_all()
+
+    def _read_into(
+        self, todo: dict[int, tuple[torch.Tensor, torch.Tensor]], requests: dict[int, RemoteRequest]
+    ) -> int:
+        """The reads of ``_read_blocks``, batched per peer."""
+        by_peer: dict[str, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+        for req, request in requests.items():
+            layers, blocks = todo[req]
             layout = request.layout
             local, remote = by_peer[layout.session]
             for layer, block in zip(layers.tolist(), blocks.tolist(), strict=True):
