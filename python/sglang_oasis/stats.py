@@ -159,6 +159,20 @@ class OasisStats:
     def add(self, name: str, value: int = 1) -> None:
         self._values[self._index[name]] += value
 
+    def add_loads(
+        self, req: int, generation: int, blocks: int, bytes_per_block: int, at_decode: bool
+    ) -> None:
+        """``blocks`` working-set blocks of request row ``req`` (``generation``) loaded from the host tier
+        outside a selection job (a PD arrival's hand-off: its admission; a resumed retracted request: its
+        decode going on), in the server's counters and the request's own figures, as a job's are."""
+        nbytes = blocks * bytes_per_block
+        self.add("blocks_loaded", blocks)
+        self.add("bytes_host_to_device", nbytes)
+        if at_decode:
+            self.add("decode_blocks_loaded", blocks)
+            self.add("decode_bytes_host_to_device", nbytes)
+        self.requests.add_loads([(req, generation, blocks)], bytes_per_block, admission=not at_decode)
+
     def set(self, name: str, value: int) -> None:
         self._values[self._index[name]] = value
 

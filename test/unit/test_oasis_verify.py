@@ -360,6 +360,16 @@ def test_a_retracted_pd_request_resumes_on_the_path_it_was_on(redo: bool) -> Non
         assert state == alone[position][1], f"position {position}: the working sets left the path"
     stats = retracted.stats.snapshot()
     assert stats["resumed_requests"] == 1 and stats["arrived_requests"] == 1, "resumed, not a new arrival"
+    # The resume's loads are decode loads, in the counters and in the request's own figures (before, only
+    # in blocks_loaded): outside the decode counters, both servers loaded the same (the first admission).
+    alone_stats = never.stats.snapshot()
+    assert stats["blocks_loaded"] > alone_stats["blocks_loaded"]
+    assert (
+        stats["blocks_loaded"] - stats["decode_blocks_loaded"]
+        == alone_stats["blocks_loaded"] - alone_stats["decode_blocks_loaded"]
+    )
+    figures = retracted.stats.requests.take("rid-0")
+    assert figures is not None and figures["decode_blocks_loaded"] == stats["decode_blocks_loaded"]
 
 
 def test_a_pd_request_retracted_before_its_first_step_resumes_from_its_hand_off() -> None:
@@ -400,6 +410,8 @@ def test_a_pd_request_retracted_before_its_first_step_resumes_from_its_hand_off(
         batch = _decode_batch([row], [prompt + 1], locs[-1:])
         out = backend.forward_decode(query[None], keys[-1:], values[-1:], layer, batch)
         backend.selector.finish_pending()
+        figures = backend.stats.requests.take("rid-0")  # the hand-off's loads: the request's admission
+        assert figures is not None and figures["admission_blocks_loaded"] == 2, figures
         return out[0], sorted(backend.working_sets.slot_block[backend.tier.slot_of(row), 0, 0].tolist())
 
     alone, resumed = first_step(False), first_step(True)

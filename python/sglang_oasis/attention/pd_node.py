@@ -146,7 +146,7 @@ class PDNode:
             self.selector.prompt_len[req] = prompt
             fetched = self.remote.take_arrival(req, generation) if self.remote else None
             if fetched is not None and fetched.num_tokens == prompt:
-                self.start_from_handoff(req, slot, fetched, step)
+                self.start_from_handoff(req, generation, slot, fetched, step)
                 continue
             if fetched is not None:  # cannot happen unless SGLang's hand-off changed: fail the request
                 message = f"oasis: request row {req} arrived with {fetched.num_tokens} staged tokens for a {prompt}-token prompt"
@@ -156,7 +156,7 @@ class PDNode:
             dense_step[row] = True
         return dense_step
 
-    def start_from_handoff(self, req: int, slot: int, arrival: Arrival, step: int) -> None:
+    def start_from_handoff(self, req: int, generation: int, slot: int, arrival: Arrival, step: int) -> None:
         """Working sets = the prefill node's first selection (its blocks were read at admission, or
         arrived with the whole KV; then its summaries are caught up from the pool at this step)."""
         self.summarised[req] = arrival.num_tokens if arrival.summaries_read else 0
@@ -181,5 +181,5 @@ class PDNode:
                 )
                 k_buffer, v_buffer = self.kv_pool.get_key_buffer(layer), self.kv_pool.get_value_buffer(layer)
                 self.working_sets.load(plan, slots, layer, pages, k_buffer, v_buffer)
-                self.stats.add("blocks_loaded", plan.num_loads)
-                self.stats.add("bytes_host_to_device", plan.num_loads * self.working_sets.bytes_per_block)
+                bytes_per_block = self.working_sets.bytes_per_block
+                self.stats.add_loads(req, generation, plan.num_loads, bytes_per_block, at_decode=False)

@@ -187,7 +187,7 @@ class Retractions:
                         committed, "hand-off" if isinstance(saved, Arrival) else "selection state")  # fmt: skip
             if isinstance(saved, Arrival):  # its hand-off, as its first step here would have taken it
                 self.selector.prompt_len[req] = committed
-                self.pd.start_from_handoff(req, slot, saved, step)
+                self.pd.start_from_handoff(req, generation, slot, saved, step)
                 self.summarised[req] = 0  # the hand-off's summaries went to its old pages: caught up
                 continue
             self._restore(saved, req, generation, slot, step)
@@ -296,5 +296,5 @@ class Retractions:
                 plan = TransferPlan(torch.zeros_like(blocks), heads, positions, blocks, 0)
                 k_buffer, v_buffer = self.kv_pool.get_key_buffer(layer), self.kv_pool.get_value_buffer(layer)
                 sets.load(plan, one, layer, pages[None], k_buffer, v_buffer)
-                self.stats.add("blocks_loaded", plan.num_loads)
-                self.stats.add("bytes_host_to_device", plan.num_loads * sets.bytes_per_block)
+                generation = int(self.req_pool.req_generation[req])
+                self.stats.add_loads(req, generation, plan.num_loads, sets.bytes_per_block, at_decode=True)
