@@ -301,12 +301,16 @@ def remote_fetch_routes(original: Callable[..., Any], server: Any) -> Any:
     """AROUND hook (prefill bootstrap server): ``/oasis/remote_fetch_endpoint`` (see hook 7)."""
     from aiohttp import web
 
-    from sglang_oasis.disaggregation.pd_partial import ENDPOINT_ROUTE
+    from sglang_oasis.disaggregation.pd_partial import ENDPOINT_ROUTE, TOKEN_HEADER, authorized
 
     result = original(server)
     endpoints: dict[int, str] = {}
 
     async def handle(request: web.Request) -> web.Response:
+        if not authorized(request.headers, request.remote):  # the URL hands out staged KV
+            return web.json_response(
+                {"error": f"forbidden: this deployment needs its {TOKEN_HEADER}"}, status=403
+            )
         if request.method == "PUT":
             data = await request.json()
             endpoints[int(data["engine_rank"])] = str(data["url"])

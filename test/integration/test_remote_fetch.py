@@ -359,3 +359,31 @@ def test_staging_is_capped_swept_and_released_on_errors() -> None:
     with pytest.raises(RuntimeError, match="selection lost"):
         failing.stage(room=13, slot=1, num_tokens=TOKENS, decode_prefix_len=0)
     assert failing.staging.nbytes == 0 and len(failing.staging) == 0 and failing.handoff(13) is None
+
+
+def test_the_handoff_routes_take_only_the_deployments_callers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The hand-off server hands out staged KV's addresses and releases it: with the deployment's token
+    set (``launch_pd`` makes one) a caller without it gets 403 and the hand-off stays; with it, it is
+    served and released."""
+    import urllib.error
+    import urllib.request
+
+    from sglang_oasis.disaggregation.pd_partial import TOKEN_ENV, TOKEN_HEADER
+
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    stager = _stager(StagingBackend())
+    stager.stage(room=21, slot=1, num_tokens=TOKENS, decode_prefix_len=0)
+
+    def call(method: str, headers: dict[str, str]) -> int:
+        request = urllib.request.Request(f"{stager.url}/handoff/21", method=method, headers=headers)
+        try:
+            with urllib.request.urlopen(request, timeout=30) as response:
+                return int(response.status)
+        except urllib.error.HTTPError as error:
+            return int(error.code)
+
+    for headers in ({}, {TOKEN_HEADER: "guess"}):
+        assert call("GET", headers) == 403 and call("DELETE", headers) == 403
+    assert stager.handoff(21) is not None and stager.staging.nbytes > 0
+    assert call("GET", {TOKEN_HEADER: "s3cret"}) == 200
+    assert call("DELETE", {TOKEN_HEADER: "s3cret"}) == 200 and stager.handoff(21) is None

@@ -3,9 +3,10 @@ serves the decode node survives the trip exactly."""
 
 from __future__ import annotations
 
+import pytest
 import torch
 
-from sglang_oasis.disaggregation.pd_partial import Handoff
+from sglang_oasis.disaggregation.pd_partial import TOKEN_ENV, TOKEN_HEADER, Handoff, authorized
 from sglang_oasis.disaggregation.staging import StagedKVLayout
 
 
@@ -46,3 +47,12 @@ def test_handoff_of_a_request_sent_whole_carries_its_first_selection_only() -> N
     assert torch.equal(back.selection, selection) and back.pinned is not None
     layout = StagedKVLayout("h:1", 0, 0, 2, 9, 16, 1, 8, 4)
     assert Handoff(layout, torch.zeros((2, 1, 0), dtype=torch.bool), 0).num_tokens == 9
+
+
+def test_only_the_deployments_callers_are_authorized(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.delenv(TOKEN_ENV, raising=False)  # no token: callers on this machine only
+    assert authorized({}, "127.0.0.1") and authorized({}, "::1")
+    assert not authorized({}, "10.1.2.3") and not authorized({}, None) and not authorized({}, "bad")
+    monkeypatch.setenv(TOKEN_ENV, "t0ken")  # a token: whoever sends it, from anywhere; nobody else
+    assert authorized({TOKEN_HEADER: "t0ken"}, "10.1.2.3")
+    assert not authorized({}, "127.0.0.1") and not authorized({TOKEN_HEADER: "t0ke"}, "127.0.0.1")

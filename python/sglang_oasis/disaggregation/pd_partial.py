@@ -32,8 +32,12 @@ complete); without it they are never read.
 from __future__ import annotations
 
 import base64
+import hmac
+import ipaddress
 import json
 import logging
+import os
+import queue
 import threading
 import time
 import urllib.error
@@ -55,6 +59,31 @@ logger = logging.getLogger(__name__)
 
 ENDPOINT_ROUTE = "/oasis/remote_fetch_endpoint"  # on the prefill's bootstrap server
 HTTP_TIMEOUT_S = 10.0
+TOKEN_ENV = "SGLANG_OASIS_PD_TOKEN"  # a deployment's shared secret (launch_pd makes one)
+TOKEN_HEADER = "X-Oasis-PD-Token"
+RELEASE_QUEUE = 1024  # hand-off releases waiting for the prefill node; beyond it they expire there (TTL)
+
+
+def _auth_headers() -> dict[str, str]:
+    token = os.environ.get(TOKEN_ENV)
+    return {TOKEN_HEADER: token} if token else {}
+
+
+def authorized(headers: Any, client_host: str | None) -> bool:
+    """Whether a caller of the hand-off routes (which hand out, register and release staged KV) may: with
+    ``SGLANG_OASIS_PD_TOKEN`` set, it sends the same token; without, it calls from this machine."""
+    token = os.environ.get(TOKEN_ENV)
+    if token:
+        return hmac.compare_digest(str(headers.get(TOKEN_HEADER, "")), token)
+    try:
+        return client_host is not None and ipaddress.ip_address(client_host).is_loopback
+    except ValueError:
+        return False
+
+
+def _open(address: str, method: str = "GET", data: bytes | None = None) -> Any:
+    request = urllib.request.Request(address, data=data, method=method, headers=_auth_headers())
+    return urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S)
 
 
 class RemoteFetchError(RuntimeError):
@@ -173,7 +202,7 @@ def handoff_endpoint(bootstrap_host: str, bootstrap_port: int) -> str | None:
         raise RemoteFetchError(f"{known[0]} ({now - known[1]:.1f} s ago; not asked again yet)")
     address = f"http://{bootstrap_host}:{bootstrap_port}{ENDPOINT_ROUTE}?engine_rank=0"
     try:
-        with urllib.request.urlopen(address, timeout=HTTP_TIMEOUT_S) as response:
+        with _open(address) as response:
             return str(json.loads(response.read())["url"])
     except (ValueError, KeyError) as error:
         raise RemoteFetchError(f"bootstrap server {address} answered without a URL: {error}") from None
@@ -278,8 +307,7 @@ class PrefillStager:
         started = time.monotonic()
         while True:
             try:
-                request = urllib.request.Request(address, data=body, method="PUT")
-                urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S).read()
+                _open(address, "PUT", body).read()
                 self.ready.set()
                 logger.info("oasis: hand-offs registered at %s", address)
                 return
@@ -356,6 +384,9 @@ class PrefillStager:
 
         class Handler(BaseHTTPRequestHandler):
             def _room(self) -> int | None:
+                if not authorized(self.headers, self.client_address[0]):
+                    self._reply(403, b'{"error": "forbidden: this deployment needs its X-Oasis-PD-Token"}')
+                    return None
                 prefix = "/handoff/"
                 if not self.path.startswith(prefix):
                     self._reply(404, b'{"error": "unknown path"}')
@@ -426,6 +457,10 @@ class DecodeFetcher:
         self._endpoints: dict[tuple[str, int], str | None] = {}  # bootstrap address -> handoff URL
         self._lock = threading.Lock()
         self._miss_bytes_seen = 0
+        # Releases go to the prefill node from one worker (never the scheduler thread), at most
+        # RELEASE_QUEUE waiting: during a prefill outage the rest expire there by their TTL.
+        self._releases: queue.Queue[tuple[str, int]] = queue.Queue(RELEASE_QUEUE)
+        threading.Thread(target=self._release_worker, name="oasis-release", daemon=True).start()
 
     def _handoff_url(self, bootstrap_host: str, bootstrap_port: int, fresh: bool = False) -> str | None:
         """The hand-off URL of the prefill node at this bootstrap address; None if it does not stage."""
@@ -443,7 +478,7 @@ class DecodeFetcher:
             return None
         for attempt in range(2):
             try:
-                with urllib.request.urlopen(f"{url}/handoff/{room}", timeout=HTTP_TIMEOUT_S) as response:
+                with _open(f"{url}/handoff/{room}") as response:
                     return url, Handoff.from_json(response.read())
             except urllib.error.HTTPError as error:
                 raise RemoteFetchError(f"no hand-off for bootstrap room {room} at {url}: {error}") from None
@@ -465,6 +500,7 @@ class DecodeFetcher:
         if found is None:
             return False
         url, handoff = found
+        self._check_handoff(handoff, slot)  # before anything is sized from it
         layout = handoff.layout
         if layout is None:  # sent whole (the prefill's staging cap): its first selection, read locally
             with self._lock:
@@ -508,6 +544,27 @@ class DecodeFetcher:
         summaries = self.backend.summaries
         summaries.epoch[local_pages[cached_blocks:]] += 1  # these pages now hold other KV
         return True
+
+    def _check_handoff(self, handoff: Handoff, slot: int) -> None:
+        """A hand-off must describe this model's KV and fit the request's row: it comes from a peer."""
+        pool, block = self.backend.token_to_kv_pool, self.backend.block_size
+        row = int(self.backend.req_to_token_pool.req_to_token.shape[1])
+        if handoff.layout is not None:
+            try:
+                self.fetcher.check_layout(handoff.layout)
+            except ValueError as error:
+                raise RemoteFetchError(str(error)) from None
+        tokens = handoff.num_tokens
+        want = (int(pool.layer_num), int(pool.head_num), tokens // block)
+        if (
+            not 0 <= tokens <= row
+            or tuple(handoff.selection.shape) != want
+            or handoff.decode_prefix_len > tokens
+        ):
+            raise RemoteFetchError(
+                f"a hand-off for {tokens} tokens with a {tuple(handoff.selection.shape)} selection does not fit "
+                f"request slot {slot} ({row} tokens, selection {want})"
+            )
 
     def _admit_draft(self, slot: int, handoff: Handoff, local_pages: torch.Tensor, cached_blocks: int) -> int:
         """Reads the request's whole draft-model KV (but its cached blocks and the last page, which came
@@ -564,14 +621,19 @@ class DecodeFetcher:
             self.arrivals.pop(slot, None)
         self.fetcher.release(slot)
         if staged is not None:
-            threading.Thread(
-                target=self._release_remote, args=staged[1:], name="oasis-release", daemon=True
-            ).start()
+            try:
+                self._releases.put_nowait((staged[1], staged[2]))
+            except queue.Full:
+                logger.warning("oasis: %d hand-off releases pending; room %d expires by its TTL", RELEASE_QUEUE,
+                               staged[2])  # fmt: skip
+
+    def _release_worker(self) -> None:
+        while True:
+            self._release_remote(*self._releases.get())
 
     @staticmethod
     def _release_remote(url: str, room: int) -> None:
         try:
-            request = urllib.request.Request(f"{url}/handoff/{room}", method="DELETE")
-            urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S).read()
+            _open(f"{url}/handoff/{room}", "DELETE").read()
         except (urllib.error.URLError, OSError) as error:  # the prefill node is gone: nothing to release
             logger.info("oasis: releasing bootstrap room %d at %s failed: %s", room, url, error)

@@ -118,7 +118,7 @@ class RemotePartialFetcher:
         plus its last block, skipping the first ``cached_blocks`` (held locally through the radix cache)
         and, with ``have_last``, the last block (it came with SGLang's own transfer).
         Raises ``RemoteReadError`` if a read fails (the request must then fail)."""
-        self._check_layout(layout)
+        self.check_layout(layout)
         if self.kmin is not None and layout.summary_address == 0:
             raise ValueError(f"the KV staged at {layout.session} has no summaries; this fetcher reads them")
         pages = layout.num_pages
@@ -296,7 +296,7 @@ class RemotePartialFetcher:
     def _charge(self, req: int, nbytes: int) -> None:
         self.counters.per_request[req] = self.counters.per_request.get(req, 0) + nbytes
 
-    def _check_layout(self, layout: StagedKVLayout) -> None:
+    def check_layout(self, layout: StagedKVLayout) -> None:
         local = (len(self.k_buffers), self.block_size, self.num_kv_heads, self.head_dim, self.itemsize)
         remote = (layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim, layout.itemsize)
         if local != remote:
