@@ -278,21 +278,37 @@ def compare(
     return {**counts, "problems": unexpected[:20], "differing_requests": differing}
 
 
+# What a sparse server still holds after a drain and a radix flush, where a leak would show: request
+# slots of requests SGLang did not free, working-set tokens, SGLang's host pages not back on its free
+# list, staged KV and hand-offs (PD prefill), remote-fetch state (PD decode), jobs still running,
+# failures never taken, and kept retraction states (which a retracted request aborted while it waited
+# leaves; bounded, so `held_kept_retractions` alone is no leak).
+HELD = ("running_requests", "device_working_set_tokens", "host_tokens_used", "staged_bytes", "held_handoffs",
+        "held_fetch_requests", "held_running_jobs", "held_failures", "held_kept_retractions")  # fmt: skip
+
+
+def nothing_held(held: dict[str, Any], kept_retractions: bool = False) -> dict[str, Any]:
+    """The entries of ``drain``'s result that show something held (empty: nothing); ``kept_retractions``:
+    kept retraction states are allowed (a run with retractions and aborts)."""
+    allowed = {"held_kept_retractions"} if kept_retractions else set()
+    bad = {name: value for name, value in held.items() if name != "flushed" and value and name not in allowed}
+    return bad if held.get("flushed") else {"flushed": False, **bad}
+
+
 def drain(url: str, sparse: bool, timeout_s: float = 120.0) -> dict[str, Any]:
-    """Wait until the server runs nothing, flush the radix cache, and read what is still held: the
-    sparse gauges (request slots, working-set tokens, staged bytes) and SGLang's host pool."""
+    """Wait until the server runs nothing, flush the radix cache, and read what is still held (``HELD``;
+    dense servers: whether the flush went through)."""
     deadline = time.monotonic() + timeout_s
     while True:
         flushed = requests.post(url + "/flush_cache", timeout=60).status_code == 200
         stats = requests.get(url + "/oasis/stats", timeout=30).json() if sparse else {}
-        idle = not sparse or (stats["running_requests"] == 0 and stats["host_tokens_used"] == 0)
+        idle = not sparse or all(stats[name] == 0 for name in HELD if name != "held_kept_retractions")
         if (flushed and idle) or time.monotonic() > deadline:
             break
         time.sleep(0.5)
     held = {"flushed": flushed}
     if sparse:
-        for name in ("running_requests", "device_working_set_tokens", "staged_bytes", "host_tokens_used"):
-            held[name] = int(stats[name])
+        held |= {name: int(stats[name]) for name in HELD}
     return held
 
 

@@ -98,6 +98,13 @@ GAUGES = {
     "device_request_slots": "requests the device tier holds working sets for (the running-request cap)",
     "running_requests": "requests holding a device request slot",
     "staged_bytes": "PD prefill node: bytes of staged KV and summaries held for decode nodes",
+    # What a leak would leave behind once the server is idle (all 0 then, but kept_retractions: a retracted
+    # request SGLang aborts while it waits is never resumed; its state stays, at most 4 per request slot).
+    "held_handoffs": "PD prefill node: hand-offs kept for decode nodes (staged or sent whole)",
+    "held_fetch_requests": "PD decode node: requests with remote-fetch state (fetcher, staged, arrivals)",
+    "held_running_jobs": "selection and transfer jobs still running",
+    "held_failures": "failed requests whose failure the scheduler has not taken yet",
+    "held_kept_retractions": "retracted requests' kept selection states not resumed yet",
     "recall_target_extra_blocks": "blocks the recall target added to running requests' working sets "
     "above --oasis-top-k (summed over layers and KV heads)",
     "recall_mean_ppm": "mean recall (millionths) over the last recall samples: the exact attention mass "

@@ -72,6 +72,8 @@ def test_a_mode_fails_on_unexpected_failures_differences_and_held_memory() -> No
         "the radix cache could not be flushed"
     ]
     assert failures({"error": "RuntimeError: no server"}) == ["RuntimeError: no server"]
+    kept = {"flushed": True, "held_kept_retractions": 2, "held_fetch_requests": 1}  # aborted while retracted
+    assert failures({**clean, "held_after_drain": kept}) == ["held_fetch_requests = 1 after the drain"]
 
 
 def test_injected_requests_have_the_injected_length_and_leave_the_rest_of_the_seed_alone() -> None:

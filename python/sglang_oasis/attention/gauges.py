@@ -8,6 +8,7 @@ from __future__ import annotations
 import logging
 import threading
 import weakref
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from sglang_oasis.attention.request_slots import RequestSlots
@@ -20,9 +21,11 @@ class Gauges:
     _running: ClassVar[weakref.WeakSet[Gauges]] = weakref.WeakSet()
 
     def __init__(
-        self, slots: RequestSlots, kv_pool: Any, allocator: Any, stats: OasisStats, export: bool
-    ) -> None:
+        self, slots: RequestSlots, kv_pool: Any, allocator: Any, stats: OasisStats, export: bool,
+        held: Callable[[], dict[str, int]] | None = None,
+    ) -> None:  # fmt: skip
         self.slots = slots
+        self.held = held  # the held_* gauges: what a leak would leave once the server is idle
         self.tier = slots.tier
         self.kv_pool = kv_pool
         self.allocator = allocator  # SGLang's token allocator of the host tier (None: not known)
@@ -65,6 +68,8 @@ class Gauges:
         self.stats.set("recall_target_extra_blocks", self.tier.working_sets.extra_blocks(live))
         if self.allocator is not None:
             self.stats.set("host_tokens_used", int(self.kv_pool.size - self.allocator.available_size()))
+        for name, value in (self.held() if self.held is not None else {}).items():
+            self.stats.set(name, value)
         if self.export:
             self.stats.publish_prometheus()
 
@@ -75,3 +80,15 @@ class Gauges:
             except Exception:  # a gauge is not worth a crash; read again next period
                 logger.debug("oasis gauge refresh failed", exc_info=True)
             self._stopped.wait(period_s)
+
+
+def held_by(backend: Any) -> dict[str, int]:
+    """The ``held_*`` gauges of an oasis backend's parts (read from the gauges thread: sizes only)."""
+    pd, pipeline = backend.pd, backend.selector.pipeline
+    return {
+        "held_handoffs": 0 if pd.stager is None else pd.stager.held(),
+        "held_fetch_requests": 0 if pd.remote is None else pd.remote.held(),
+        "held_running_jobs": pipeline.running(),
+        "held_failures": backend.failures.held(),
+        "held_kept_retractions": backend.retractions.held(),
+    }

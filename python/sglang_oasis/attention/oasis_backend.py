@@ -30,7 +30,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang_oasis.attention.batch_view import BatchView, extend_prefix_lens, extend_seq_lens
 from sglang_oasis.attention.block_prefetcher import INJECT_ENV
 from sglang_oasis.attention.extend_attention import CachedPrefixExtend
-from sglang_oasis.attention.gauges import Gauges
+from sglang_oasis.attention.gauges import Gauges, held_by
 from sglang_oasis.attention.kv_intake import KVIntake
 from sglang_oasis.attention.pd_node import PDNode
 from sglang_oasis.attention.recall_probe import RecallProbe
@@ -104,9 +104,8 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
         self.retractions = Retractions(self.slots, self.selector, self.attention, self.recall, self.summarised,
                                        self.stats, self.dense_layers, lambda: self.step, self.pd)  # fmt: skip
         allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
-        self.gauges = Gauges(
-            self.slots, pool, allocator, self.stats, bool(getattr(args, "enable_metrics", False))
-        )
+        metrics = bool(getattr(args, "enable_metrics", False))
+        self.gauges = Gauges(self.slots, pool, allocator, self.stats, metrics, lambda: held_by(self))
         logger.info(
             "oasis sparse KV: block %d, top-k %d, sinks %d, dense layers %s; device tier %.1f MiB of a %.1f "
             "MiB budget: working sets for %d requests, summaries %.1f MiB",

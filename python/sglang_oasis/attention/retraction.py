@@ -102,6 +102,10 @@ class Retractions:
         self._before_admission = torch.zeros(len(sets.covered), dtype=torch.bool)
         selector.before_select = self.remember
 
+    def held(self) -> int:
+        """Kept selection states not resumed yet."""
+        return len(self._saved)
+
     def remember(self, batch: BatchView, layer: int, seq_lens: list[int]) -> None:
         """Before a selection at ``layer`` (the job that changes the tables has not started): the rows it
         will change, as they are."""

@@ -47,5 +47,9 @@ class TransferFailures:
         that never arrived)."""
         return self._reported.get(req) == generation
 
+    def held(self) -> int:
+        """Failures filed and not taken by the scheduler yet."""
+        return len(self._pending)
+
     def __bool__(self) -> bool:
         return bool(self._pending)

@@ -266,6 +266,11 @@ class PrefillStager:
         ).start()  # fmt: skip
         threading.Thread(target=self._sweep, name="oasis-staging-sweeper", daemon=True).start()
 
+    def held(self) -> int:
+        """Hand-offs kept for decode nodes (staged, or sent whole with their first selection)."""
+        with self._lock:
+            return len(self._handoffs)
+
     def has_room(self, num_tokens: int) -> bool:
         """Whether staging a ``num_tokens``-token prompt (its KV in whole blocks, and its summaries)
         keeps the staged bytes within ``--oasis-remote-fetch-max-staged-mib``."""
@@ -461,6 +466,12 @@ class DecodeFetcher:
         # RELEASE_QUEUE waiting: during a prefill outage the rest expire there by their TTL.
         self._releases: queue.Queue[tuple[str, int]] = queue.Queue(RELEASE_QUEUE)
         threading.Thread(target=self._release_worker, name="oasis-release", daemon=True).start()
+
+    def held(self) -> int:
+        """Requests this node holds remote-fetch state for (fetch state, a staged hand-off, an arrival)."""
+        with self._lock:
+            slots = set(self._staged) | set(self.arrivals)
+        return len(slots | set(self.fetcher.requests))
 
     def _handoff_url(self, bootstrap_host: str, bootstrap_port: int, fresh: bool = False) -> str | None:
         """The hand-off URL of the prefill node at this bootstrap address; None if it does not stage."""

@@ -81,6 +81,10 @@ class PrefetchPipeline(Generic[T]):
             done.record(self._stream)
         return result, done
 
+    def running(self) -> int:
+        """Jobs submitted and not finished yet."""
+        return sum(not pending.future.done() for pending in list(self._pending.values()))
+
     def wait(self, layer: int) -> list[T]:
         """Block until ``layer``'s pending job is done (on CUDA: issued, and the foreground stream
         ordered after its kernels); its result (empty if none was pending)."""
