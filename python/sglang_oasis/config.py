@@ -230,6 +230,15 @@ class OasisConfig:
             "without remote fetching (its decode node attends densely at its first step). 0: no cap.",
         },
     )
+    advertise_host: str = field(
+        default="",
+        metadata={
+            "help": "PD with remote partial fetching: the address other machines reach this server at, "
+            "advertised in its hand-off URL and its Mooncake session. Empty: --host, unless that is a "
+            "wildcard (0.0.0.0, ::); then a decode node reads from the address it reached the prefill "
+            "node's bootstrap server at.",
+        },
+    )
     cpu_defaults: bool = field(
         default=True,
         metadata={

@@ -6,7 +6,14 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_oasis.disaggregation.pd_partial import TOKEN_ENV, TOKEN_HEADER, Handoff, authorized
+from sglang_oasis.disaggregation.pd_partial import (
+    TOKEN_ENV,
+    TOKEN_HEADER,
+    DecodeFetcher,
+    Handoff,
+    authorized,
+    reachable,
+)
 from sglang_oasis.disaggregation.staging import StagedKVLayout
 
 
@@ -56,3 +63,20 @@ def test_only_the_deployments_callers_are_authorized(monkeypatch: pytest.MonkeyP
     monkeypatch.setenv(TOKEN_ENV, "t0ken")  # a token: whoever sends it, from anywhere; nobody else
     assert authorized({TOKEN_HEADER: "t0ken"}, "10.1.2.3")
     assert not authorized({}, "127.0.0.1") and not authorized({TOKEN_HEADER: "t0ke"}, "127.0.0.1")
+
+
+def test_a_wildcard_address_is_read_at_the_host_the_bootstrap_server_was_reached_at() -> None:
+    """A prefill server bound to every interface (``--host 0.0.0.0``, no ``--oasis-advertise-host``)
+    advertises a wildcard in its hand-off URL and Mooncake sessions; a decode node reads them at the host
+    it reached the prefill's bootstrap server at. Any other address stays as advertised."""
+    assert reachable("http://0.0.0.0:8000", "10.0.0.5") == "http://10.0.0.5:8000"
+    assert reachable("0.0.0.0:15092", "10.0.0.5") == "10.0.0.5:15092"
+    assert reachable("[::]:77", "fe80::1") == "[fe80::1]:77"
+    assert reachable("http://10.1.1.1:5/x", "10.0.0.5") == "http://10.1.1.1:5/x"
+    assert reachable("127.0.0.1:9", "10.0.0.5") == "127.0.0.1:9"
+    layout = StagedKVLayout("0.0.0.0:4000", 0, 0, 2, 9, 16, 1, 8, 4)
+    draft = StagedKVLayout("0.0.0.0:4000", 64, 0, 1, 9, 16, 1, 8, 4)
+    handoff = Handoff(layout, torch.zeros((2, 1, 0), dtype=torch.bool), 0, draft)
+    seen = DecodeFetcher._reachable(handoff, "192.168.7.7")
+    assert seen.layout is not None and seen.layout.session == "192.168.7.7:4000"
+    assert seen.draft is not None and seen.draft.session == "192.168.7.7:4000" and seen.layout.kv_address == 0

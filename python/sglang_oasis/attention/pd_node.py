@@ -78,7 +78,8 @@ class PDNode:
         if int(getattr(args, "tp_size", 1)) != 1:
             logger.warning("oasis: remote partial fetching supports --tp-size 1 only; off")
             return
-        host = str(args.host)
+        # The address peers reach this node at (a wildcard --host is resolved by the decode node).
+        host = self.config.advertise_host or str(args.host)
         if mode == "prefill":
             self.selector.prefetcher.record_admissions = self._admission_selections
             port = int(args.disaggregation_bootstrap_port)

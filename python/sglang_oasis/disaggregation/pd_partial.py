@@ -32,6 +32,7 @@ complete); without it they are never read.
 from __future__ import annotations
 
 import base64
+import dataclasses
 import hmac
 import ipaddress
 import json
@@ -41,6 +42,7 @@ import queue
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -79,6 +81,19 @@ def authorized(headers: Any, client_host: str | None) -> bool:
         return client_host is not None and ipaddress.ip_address(client_host).is_loopback
     except ValueError:
         return False
+
+
+def reachable(address: str, via: str) -> str:
+    """``address`` (a URL, or a Mooncake session ``host:port``) with a wildcard host (a server bound to
+    every interface advertises 0.0.0.0 or ::) replaced by ``via``, the host this node reached the peer's
+    bootstrap server at; any other address as it is."""
+    url = "://" in address
+    parsed = urllib.parse.urlsplit(address if url else f"//{address}")
+    if parsed.hostname not in ("0.0.0.0", "::"):
+        return address
+    host = f"[{via}]" if ":" in via else via
+    rebuilt = parsed._replace(netloc=host if parsed.port is None else f"{host}:{parsed.port}").geturl()
+    return rebuilt if url else rebuilt.removeprefix("//")
 
 
 def _open(address: str, method: str = "GET", data: bytes | None = None) -> Any:
@@ -480,7 +495,7 @@ class DecodeFetcher:
         if url is None:
             url = handoff_endpoint(bootstrap_host, bootstrap_port)
             if url is not None:
-                self._endpoints[key] = url
+                url = self._endpoints[key] = reachable(url, bootstrap_host)
         return url
 
     def _get_handoff(self, bootstrap_host: str, bootstrap_port: int, room: int) -> tuple[str, Handoff] | None:
@@ -490,7 +505,7 @@ class DecodeFetcher:
         for attempt in range(2):
             try:
                 with _open(f"{url}/handoff/{room}") as response:
-                    return url, Handoff.from_json(response.read())
+                    return url, self._reachable(Handoff.from_json(response.read()), bootstrap_host)
             except urllib.error.HTTPError as error:
                 raise RemoteFetchError(f"no hand-off for bootstrap room {room} at {url}: {error}") from None
             except (urllib.error.URLError, OSError, ValueError, KeyError) as error:
@@ -555,6 +570,16 @@ class DecodeFetcher:
         summaries = self.backend.summaries
         summaries.epoch[local_pages[cached_blocks:]] += 1  # these pages now hold other KV
         return True
+
+    @staticmethod
+    def _reachable(handoff: Handoff, bootstrap_host: str) -> Handoff:
+        """The hand-off with its Mooncake sessions reachable from here (``reachable``)."""
+        layout, draft = handoff.layout, handoff.draft
+        return dataclasses.replace(
+            handoff,
+            layout=None if layout is None else dataclasses.replace(layout, session=reachable(layout.session, bootstrap_host)),
+            draft=None if draft is None else dataclasses.replace(draft, session=reachable(draft.session, bootstrap_host)),
+        )  # fmt: skip
 
     def _check_handoff(self, handoff: Handoff, slot: int) -> None:
         """A hand-off must describe this model's KV and fit the request's row: it comes from a peer."""
