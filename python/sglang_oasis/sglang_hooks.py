@@ -381,20 +381,26 @@ def _refuse_if_staged(req: Any) -> None:
         return
     from sglang_oasis.disaggregation.pd_partial import prefill_stages
 
-    if prefill_stages(host, int(port)):
-        from http import HTTPStatus
+    stages = prefill_stages(host, int(port))
+    if stages is False:
+        return
+    from http import HTTPStatus
 
-        from sglang.srt.disaggregation.utils import prepare_abort
+    from sglang.srt.disaggregation.utils import prepare_abort
 
-        req.skip_radix_cache_insert = True
-        prepare_abort(
-            req,
-            f"oasis: the prefill node at {host}:{port} stages KV for remote partial fetching (sends only "
-            "what the decode node reads) but this decode server does not fetch it: start both servers "
-            "with --oasis-mode sparse and the same --oasis-remote-fetch (fetching also needs --tp-size 1 "
-            "and the mooncake transfer backend on the decode server)",
-            status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
-        )
+    req.skip_radix_cache_insert = True
+    why = (
+        "stages KV for remote partial fetching (sends only what the decode node reads)"
+        if stages
+        else "does not answer whether it staged this request's KV (its bootstrap server is unreachable)"
+    )  # never decode over KV that may not have arrived
+    prepare_abort(
+        req,
+        f"oasis: the prefill node at {host}:{port} {why} but this decode server does not fetch it: start "
+        "both servers with --oasis-mode sparse and the same --oasis-remote-fetch (fetching also needs "
+        "--tp-size 1 and the mooncake transfer backend on the decode server)",
+        status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
+    )
 
 
 def _fake_bootstrap_host() -> str | None:

@@ -309,6 +309,15 @@ def test_hook_7_decode_commit(bootstrap_servers: BootstrapServers) -> None:
     assert off.req.finished_reason is not None and "--tp-size 1" in off.req.finished_reason.message
     assert whole.req.finished_reason is None
 
+    # A prefill node whose bootstrap server does not answer: nobody can tell whether it staged the
+    # request, so it is refused, not decoded over KV that may not have arrived (before: accepted).
+    from sglang_oasis.server_process import free_port
+
+    unknown = decode_request(free_port())  # nothing listens there
+    hooks.refuse_staged_requests(lambda q, d: "committed", NS(), unknown)
+    reason = unknown.req.finished_reason
+    assert reason is not None and "does not answer" in reason.message, reason
+
 
 def test_hook_7_decode_free() -> None:
     """SGLang frees the row, then the pool's listener hears which."""

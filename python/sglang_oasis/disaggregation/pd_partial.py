@@ -235,11 +235,11 @@ STAGES_ANSWER_TTL_S = 10.0  # how long a decode server trusts a prefill node's "
 _stages_answers: dict[tuple[str, int], tuple[bool, float]] = {}  # bootstrap address -> (stages, asked at)
 
 
-def prefill_stages(bootstrap_host: str, bootstrap_port: int) -> bool:
-    """Whether the prefill node at this bootstrap address stages KV for remote partial fetching. Asked
-    at most once per ``STAGES_ANSWER_TTL_S`` per address (it runs on the decode scheduler's thread, once
-    per arriving request); an unreachable bootstrap server counts as not staging, and is asked again only
-    after ``UNREACHABLE_TTL_S``."""
+def prefill_stages(bootstrap_host: str, bootstrap_port: int) -> bool | None:
+    """Whether the prefill node at this bootstrap address stages KV for remote partial fetching; None:
+    its bootstrap server does not answer, so nobody can tell. Asked at most once per
+    ``STAGES_ANSWER_TTL_S`` per address (it runs on the decode scheduler's thread, once per arriving
+    request); an unreachable one is asked again only after ``UNREACHABLE_TTL_S``."""
     key, now = (bootstrap_host, int(bootstrap_port)), time.monotonic()
     cached = _stages_answers.get(key)
     if cached is not None and now - cached[1] < STAGES_ANSWER_TTL_S:
@@ -247,7 +247,7 @@ def prefill_stages(bootstrap_host: str, bootstrap_port: int) -> bool:
     try:
         stages = handoff_endpoint(bootstrap_host, bootstrap_port) is not None
     except RemoteFetchError:
-        return False
+        return None
     _stages_answers[key] = (stages, now)
     return stages
 
