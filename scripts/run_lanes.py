@@ -43,6 +43,7 @@ UNIT_LANE = (
     "test_accuracy_bench.py",
     "test_rpf_bench.py",
     "test_default_server.py",
+    "test_direct_launch.py",
 )
 # The servers lane's modules with the most servers at once, last (in this order); the rest before them.
 SERVERS_LANE_LAST = (

@@ -401,6 +401,20 @@ class OasisConfig:
         os.environ[ENV_VAR] = json.dumps(dataclasses.asdict(self))
 
     @classmethod
+    def for_backend(cls) -> OasisConfig:
+        """The configuration the ``oasis`` backend serves with. The plugin sets one in every process whose
+        command line chooses the backend (and registers the hooks it needs); anywhere else (an offline
+        engine, say) none is set and the backend refuses, naming how to start it."""
+        config = cls.from_env()
+        if config is None:
+            raise RuntimeError(
+                "the oasis attention backend needs hooks into SGLang that this process did not register: "
+                "start the server with python -m sglang_oasis.launch_server, or python -m "
+                f"sglang.launch_server --attention-backend oasis, or set {ENV_VAR} (JSON of OasisConfig)"
+            )
+        return config
+
+    @classmethod
     def from_env(cls) -> OasisConfig | None:
         raw = os.environ.get(ENV_VAR)
         if not raw:

@@ -2,11 +2,19 @@
 
 The server's scheduler and detokenizer are spawned, so anything registered only in the launcher would
 be lost there; registrations belong here.
+
+A server started by SGLang itself (``python -m sglang.launch_server --attention-backend oasis``, or
+``sglang serve``) gets what the launcher would give it: the ``--oasis-*`` defaults (or the configuration
+in ``SGLANG_OASIS_CONFIG``, JSON), the hooks it needs, and ``GET /oasis/stats``; the device tier caps
+SGLang's running requests itself. Only the launcher's CPU defaults and start-up checks are missing.
 """
 
 from __future__ import annotations
 
 import logging
+import multiprocessing
+import sys
+from collections.abc import Sequence
 
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.platform.cpu.import_hook import install_if_cpu_engine
@@ -28,6 +36,40 @@ def register_attention_backend() -> None:
         add_attention_backend_choices([BACKEND_NAME])
 
 
+def serves_oasis_backend(argv: Sequence[str]) -> bool:
+    """Whether this command line (a server process inherits its launcher's) chooses the oasis backend."""
+    options = ("--attention-backend", "--prefill-attention-backend", "--decode-attention-backend")
+    for index, word in enumerate(argv):
+        name, _, value = word.partition("=")
+        if name in options and (value or (argv[index + 1] if index + 1 < len(argv) else "")) == BACKEND_NAME:
+            return True
+    return False
+
+
+def started_by_sglang(argv: Sequence[str]) -> OasisConfig:
+    """The configuration of a server SGLang started itself with the oasis backend: the defaults, for
+    every process of the server (the environment its children inherit); in the main process, the
+    counters' shared block and ``GET /oasis/stats`` too (the launcher makes them otherwise)."""
+    config = OasisConfig()
+    config.to_env()
+    if multiprocessing.parent_process() is None:
+        from sglang_oasis.http_routes import add_oasis_routes
+        from sglang_oasis.stats import OasisStats
+
+        port = next((argv[i + 1] for i, word in enumerate(argv[:-1]) if word == "--port"), "30000")
+        stats = OasisStats.create(int(port))
+        _kept.append(stats)
+        add_oasis_routes(stats)
+        logger.warning(
+            "sglang-oasis: the oasis backend started without python -m sglang_oasis.launch_server: --oasis-* "
+            "defaults (SGLANG_OASIS_CONFIG sets others), no CPU defaults or start-up checks"
+        )
+    return config
+
+
+_kept: list[object] = []  # the counters' block this process owns (kept open while it serves)
+
+
 def load() -> None:
     # Normally already done at interpreter start-up (sglang_oasis_startup.pth); repeated here for
     # environments where site .pth files are skipped (python -S).
@@ -38,6 +80,8 @@ def load() -> None:
 
         patch_cpu_disaggregation()
     config = OasisConfig.from_env()
+    if config is None and serves_oasis_backend(sys.argv):
+        config = started_by_sglang(sys.argv)
     if config is not None:
         from sglang_oasis import sglang_hooks
 

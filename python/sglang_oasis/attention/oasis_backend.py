@@ -304,7 +304,7 @@ def create_oasis_backend(model_runner: Any) -> TorchNativeAttnBackend:
     (``INJECT_ENV``, ``STRICT_ENV``)."""
     if getattr(model_runner, "is_draft_worker", False):
         return DraftAttnBackend(model_runner)
-    config = OasisConfig.from_env() or OasisConfig()
+    config = OasisConfig.for_backend()
     inject = os.environ.get(INJECT_ENV)
     faults = FaultInjection(int(inject) if inject else None)
     return OasisAttnBackend(model_runner, config, faults, StrictMode.from_env())
