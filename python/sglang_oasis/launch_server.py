@@ -192,6 +192,21 @@ def sparse_mode_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[st
     return extra
 
 
+def check_cpu_graphs(sglang_argv: Sequence[str], config: OasisConfig) -> None:
+    """``--enable-torch-compile`` on SGLang's CPU engine runs its CPU graph runner, which needs the
+    attention backend's CPU graph hooks (``init_cpu_graph_state``...): neither torch_native (dense mode)
+    nor oasis (sparse: its decode step is not a captured graph yet) has them, and the server would crash
+    as it starts. Refused here, by name."""
+    if not given(sglang_argv, "--enable-torch-compile"):
+        return
+    why = (
+        "sparse mode's decode step does not run under SGLang's CPU graph runner yet"
+        if config.mode == "sparse"
+        else "SGLang's torch_native attention backend (dense mode on CPU) has no CPU graph support"
+    )
+    raise LaunchError(f"--enable-torch-compile: {why}; serve without it (the CPU engine runs eagerly)")
+
+
 def check_sparse_model(sglang_argv: Sequence[str], config: OasisConfig) -> None:
     """Refuse, naming the reason, a model that sparse mode would serve wrongly: dense-layer ids it does
     not have, MLA (compressed latent KV, no per-head keys to summarise) and sliding-window attention
@@ -420,11 +435,12 @@ def prepare(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
             build_oasis_parser().error(str(error))
     if on_cpu:
         sglang_argv += cpu_defaults(sglang_argv, config)
-        if config.mode == "sparse":
-            try:
+        try:
+            check_cpu_graphs(sglang_argv, config)
+            if config.mode == "sparse":
                 check_tiers_fit(sglang_argv, config)
-            except LaunchError as error:
-                build_oasis_parser().error(str(error))
+        except LaunchError as error:
+            build_oasis_parser().error(str(error))
     if config.mode == "sparse":
         try:
             sglang_argv += running_cap_args(sglang_argv, config)

@@ -143,6 +143,11 @@ def test_a_pd_decode_server_on_cpu_backs_up_retracted_requests_in_plain_tensors(
         (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm"),
         (["--speculative-draft-model-path", "/x"], "--speculative-draft-model-path needs --oasis-lookahead"),
         (["--oasis-lookahead", "eagle3", "--model-path", "/x"], "needs --speculative-draft-model-path"),
+        (["--enable-torch-compile"], "--enable-torch-compile: sparse mode's decode step does not run"),
+        (
+            ["--oasis-mode", "dense", "--enable-torch-compile"],
+            "--enable-torch-compile: SGLang's torch_native",
+        ),
     ],
 )
 def test_bad_oasis_option_stops_startup_naming_it(argv: list[str], needle: str) -> None:
