@@ -387,3 +387,42 @@ def test_the_handoff_routes_take_only_the_deployments_callers(monkeypatch: pytes
     assert stager.handoff(21) is not None and stager.staging.nbytes > 0
     assert call("GET", {TOKEN_HEADER: "s3cret"}) == 200
     assert call("DELETE", {TOKEN_HEADER: "s3cret"}) == 200 and stager.handoff(21) is None
+
+
+def test_releases_go_to_the_prefill_node_from_one_bounded_worker(monkeypatch: pytest.MonkeyPatch) -> None:
+    """During a prefill outage releases cannot go through: they wait in one worker's queue of at most
+    ``RELEASE_QUEUE``, and the rest are dropped (the prefill node's TTL expires them), instead of a thread
+    per release piling up (as before). Every queued one is sent once the worker is free."""
+    from sglang_oasis.disaggregation import pd_partial
+
+    tier = DecodeTier(MooncakeEndpoint())
+    backend = SimpleNamespace(
+        token_to_kv_pool=SimpleNamespace(
+            layer_num=LAYERS, get_key_buffer=tier.k.__getitem__, get_value_buffer=tier.v.__getitem__
+        ),
+        block_size=B, summaries=SimpleNamespace(kmin=tier.kmin, kmax=tier.kmax),
+    )  # fmt: skip
+    monkeypatch.setattr(pd_partial, "RELEASE_QUEUE", 3)
+    outage, entered, sent = threading.Event(), threading.Event(), []
+
+    def release_remote(url: str, room: int) -> None:  # the prefill node is down until `outage` is set
+        entered.set()
+        outage.wait(timeout=60)
+        sent.append(room)
+
+    monkeypatch.setattr(pd_partial.DecodeFetcher, "_release_remote", staticmethod(release_remote))
+    fetcher = pd_partial.DecodeFetcher(backend, "127.0.0.1")  # type: ignore[arg-type]
+    threads = threading.active_count()
+    for slot in range(10):
+        fetcher._staged[slot] = (0, "http://127.0.0.1:1", 100 + slot)
+        fetcher.release_slot(slot)
+        if slot == 0:  # the worker holds the first; three wait behind it, the other six are dropped
+            assert entered.wait(timeout=30)
+    assert threading.active_count() == threads, "a release started a thread"
+    outage.set()
+    deadline = time.monotonic() + 30
+    while len(sent) < 4 and time.monotonic() < deadline:  # one in the worker's hands, three queued
+        time.sleep(0.05)
+    time.sleep(0.3)
+    assert sent == [100, 101, 102, 103], sent
+    assert fetcher.held() == 0
