@@ -15,6 +15,7 @@ import logging
 import multiprocessing
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.platform.cpu.import_hook import install_if_cpu_engine
@@ -46,13 +47,20 @@ def serves_oasis_backend(argv: Sequence[str]) -> bool:
     return False
 
 
-def started_by_sglang(argv: Sequence[str]) -> OasisConfig:
-    """The configuration of a server SGLang started itself with the oasis backend: the defaults, for
-    every process of the server (the environment its children inherit); in the main process, the
-    counters' shared block and ``GET /oasis/stats`` too (the launcher makes them otherwise)."""
-    config = OasisConfig()
-    config.to_env()
-    if multiprocessing.parent_process() is None:
+def launched_by_oasis(argv: Sequence[str]) -> bool:
+    """Whether this process runs ``python -m sglang_oasis.launch_server`` (which makes the counters' block
+    and the stats route itself), rather than a server SGLang starts."""
+    return bool(argv) and Path(argv[0]).parts[-2:] == ("sglang_oasis", "launch_server.py")
+
+
+def started_by_sglang(argv: Sequence[str], config: OasisConfig | None) -> OasisConfig:
+    """The configuration of a server SGLang started itself with the oasis backend: the one in
+    ``SGLANG_OASIS_CONFIG``, else the defaults, for every process of the server (the environment its
+    children inherit); in the main process (once), the counters' shared block and ``GET /oasis/stats``."""
+    if config is None:
+        config = OasisConfig()
+        config.to_env()
+    if multiprocessing.parent_process() is None and not _kept:
         from sglang_oasis.http_routes import add_oasis_routes
         from sglang_oasis.stats import OasisStats
 
@@ -61,8 +69,9 @@ def started_by_sglang(argv: Sequence[str]) -> OasisConfig:
         _kept.append(stats)
         add_oasis_routes(stats)
         logger.warning(
-            "sglang-oasis: the oasis backend started without python -m sglang_oasis.launch_server: --oasis-* "
-            "defaults (SGLANG_OASIS_CONFIG sets others), no CPU defaults or start-up checks"
+            "sglang-oasis: the oasis backend started without python -m sglang_oasis.launch_server (%s): no "
+            "CPU defaults or start-up checks",
+            "SGLANG_OASIS_CONFIG" if config != OasisConfig() else "--oasis-* defaults",
         )
     return config
 
@@ -80,8 +89,8 @@ def load() -> None:
 
         patch_cpu_disaggregation()
     config = OasisConfig.from_env()
-    if config is None and serves_oasis_backend(sys.argv):
-        config = started_by_sglang(sys.argv)
+    if serves_oasis_backend(sys.argv) and not launched_by_oasis(sys.argv):
+        config = started_by_sglang(sys.argv, config)
     if config is not None:
         from sglang_oasis import sglang_hooks
 

@@ -25,7 +25,9 @@ def direct_server(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
         "--page-size", "16", "--max-total-tokens", "4096", "--dtype", "float32", "--sleep-on-idle",
     ]  # fmt: skip
     log = tmp_path_factory.mktemp("logs") / "direct-sglang.log"
-    server = ServerProcess(args, log, {"SGLANG_USE_CPU_ENGINE": "1"}, module="sglang.launch_server")
+    # No configuration: a unit test in the same pytest may have left one in this process's environment.
+    env = {"SGLANG_USE_CPU_ENGINE": "1", "SGLANG_OASIS_CONFIG": ""}
+    server = ServerProcess(args, log, env, module="sglang.launch_server")
     with server as started:
         yield started
 
