@@ -84,7 +84,7 @@ from soak import (
     nothing_held,
     run_mix,
     solo_outputs,
-    summary,  # fmt: skip
+    summary,
     workload,
 )
 

@@ -503,7 +503,8 @@ def carry_request_params(
     original: Callable[..., Any], cls: Any, batch: Any, *args: Any, **kwargs: Any
 ) -> Any:
     """``ForwardBatch.init_new`` (hook 9): note each request's ``custom_params`` by rid for the attention
-    backend (``request_options.note_requests``), and the key its retraction was kept by, if any, before the forward batch it is about to run is built."""
+    backend (``request_options.note_requests``), and the key its retraction was kept by, if any, before
+    the forward batch it is about to run is built."""
     reqs = getattr(batch, "reqs", None)
     if reqs is not None:
         note_requests({

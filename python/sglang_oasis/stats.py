@@ -8,6 +8,7 @@ creates it before SGLang starts (and removes it at exit), the attention backend 
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Sequence
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
 
@@ -167,18 +168,19 @@ class OasisStats:
         self._values[self._index[name]] += value
 
     def add_loads(
-        self, req: int, generation: int, blocks: int, bytes_per_block: int, at_decode: bool
+        self, blocks: int, loads: Sequence[tuple[int, int, int]], bytes_per_block: int, at_decode: bool
     ) -> None:
-        """``blocks`` working-set blocks of request row ``req`` (``generation``) loaded from the host tier
-        outside a selection job (a PD arrival's hand-off: its admission; a resumed retracted request: its
-        decode going on), in the server's counters and the request's own figures, as a job's are."""
+        """``blocks`` working-set blocks loaded from the host tier, ``loads`` of them ``(request row,
+        generation, blocks)``: at decode (a selection job's, a resumed retracted request's) or at admission
+        (an extend's first working sets, a PD arrival's hand-off), in the server's counters and each
+        request's own figures."""
         nbytes = blocks * bytes_per_block
         self.add("blocks_loaded", blocks)
         self.add("bytes_host_to_device", nbytes)
         if at_decode:
             self.add("decode_blocks_loaded", blocks)
             self.add("decode_bytes_host_to_device", nbytes)
-        self.requests.add_loads([(req, generation, blocks)], bytes_per_block, admission=not at_decode)
+        self.requests.add_loads(loads, bytes_per_block, admission=not at_decode)
 
     def set(self, name: str, value: int) -> None:
         self._values[self._index[name]] = value

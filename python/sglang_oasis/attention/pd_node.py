@@ -182,5 +182,6 @@ class PDNode:
                 )
                 k_buffer, v_buffer = self.kv_pool.get_key_buffer(layer), self.kv_pool.get_value_buffer(layer)
                 self.working_sets.load(plan, slots, layer, pages, k_buffer, v_buffer)
+                loads = plan.num_loads
                 bytes_per_block = self.working_sets.bytes_per_block
-                self.stats.add_loads(req, generation, plan.num_loads, bytes_per_block, at_decode=False)
+                self.stats.add_loads(loads, [(req, generation, loads)], bytes_per_block, at_decode=False)

@@ -212,8 +212,10 @@ class Retractions:
         for row, (req, generation, key, length) in enumerate(
             zip(reqs, generations, keys, seq_lens, strict=True)
         ):
-            saved = None if key is None else self._saved.get(key)
-            if key is None or not isinstance(saved, SavedSelection) or saved.tokens < length:
+            if key is None:  # never retracted
+                continue
+            saved = self._saved.get(key)
+            if not isinstance(saved, SavedSelection) or saved.tokens < length:
                 continue
             if saved.tokens > length:  # an earlier chunk: an admission overwritten at the last one, but
                 if saved.kv is not None:  # the decode steps' K and V it reaches are put back already
@@ -291,6 +293,7 @@ class Retractions:
         ``reqs``) pages in the host tier; counted."""
         sets, block = self.working_sets, self.working_sets.block_size
         for slot, req in zip(slots.tolist(), reqs.tolist(), strict=True):
+            generation = int(self.req_pool.req_generation[req])
             full = int(sets.covered[slot].max()) if len(sets.covered[slot]) else 0
             pages = self.req_pool.req_to_token[req, 0 : full * block : block].to(torch.int64) // block
             one = torch.tensor([slot], dtype=torch.int64)
@@ -300,5 +303,5 @@ class Retractions:
                 plan = TransferPlan(torch.zeros_like(blocks), heads, positions, blocks, 0)
                 k_buffer, v_buffer = self.kv_pool.get_key_buffer(layer), self.kv_pool.get_value_buffer(layer)
                 sets.load(plan, one, layer, pages[None], k_buffer, v_buffer)
-                generation = int(self.req_pool.req_generation[req])
-                self.stats.add_loads(req, generation, plan.num_loads, sets.bytes_per_block, at_decode=True)
+                loads = plan.num_loads
+                self.stats.add_loads(loads, [(req, generation, loads)], sets.bytes_per_block, at_decode=True)

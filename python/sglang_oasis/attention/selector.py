@@ -288,25 +288,20 @@ class Selector:
         """Fold a finished job into the counters, the adaptive cap and the failures (foreground only:
         the counters are not thread-safe)."""
         host_loads = result.loads - result.from_active  # blocks that just filled up: from the device
-        bytes_loaded = host_loads * self.working_sets.bytes_per_block
         stats = self.stats
         stats.add("scored_selections", result.scored)
         stats.add("selections", result.selections)
         stats.add("selection_changes", result.loads)
-        stats.add("blocks_loaded", host_loads)
-        stats.add("bytes_host_to_device", bytes_loaded)
+        stats.add_loads(
+            host_loads, result.host_loads, self.working_sets.bytes_per_block, not result.admission
+        )
         stats.add("stage_select_us", result.select_ns // 1000)
         stats.add("stage_transfer_us", result.transfer_ns // 1000)
         if not result.admission:
             stats.add("blocks_just_filled", result.fresh)
             stats.add("blocks_from_active", result.from_active)
-            stats.add("decode_blocks_loaded", host_loads)
-            stats.add("decode_bytes_host_to_device", bytes_loaded)
-            stats.requests.add_loads(result.host_loads, self.working_sets.bytes_per_block)
             stats.add("blocks_deferred", result.deferred)
             self.caps.observe(result.layer_id, (host_loads + result.deferred) / max(1, result.heads))
-        else:
-            stats.requests.add_loads(result.host_loads, self.working_sets.bytes_per_block, admission=True)
         for req, (generation, message) in result.failed.items():
             if self.failures.report(
                 req, generation, f"oasis: KV transfer for this request failed ({message})"

@@ -352,11 +352,19 @@ class PrefillStager:
         """A request SGLang sends whole (staging it would pass the cap): keep a hand-off with its first
         selection only, so the decode node starts from the working sets the prefill chose (as a staged
         request or a server without PD would), reading its blocks from the KV that arrived."""
-        backend = self.backend
-        backend.finish_pending()  # the last extend's selection job may still be running
-        selection = backend.admission_selection(slot, num_tokens)
-        pinned = backend.admission_pins(slot, num_tokens)
-        body = Handoff(None, selection, decode_prefix_len, None, pinned, num_tokens).to_json()
+        self.backend.finish_pending()  # the last extend's selection job may still be running
+        self._hand_off(room, slot, num_tokens, decode_prefix_len, None, None)
+
+    def _hand_off(
+        self, room: int, slot: int, num_tokens: int, decode_prefix_len: int, layout: StagedKVLayout | None,
+        draft: StagedKVLayout | None,
+    ) -> None:  # fmt: skip
+        """Keep room ``room``'s hand-off: where its KV is staged (``layout``; None: sent whole) and the
+        first selection of request slot ``slot`` (its ``num_tokens`` prompt tokens)."""
+        selection = self.backend.admission_selection(slot, num_tokens)
+        pinned = self.backend.admission_pins(slot, num_tokens)
+        whole_tokens = num_tokens if layout is None else 0
+        body = Handoff(layout, selection, decode_prefix_len, draft, pinned, whole_tokens).to_json()
         with self._lock:
             self._handoffs[room] = (body, time.monotonic())
 
@@ -377,11 +385,7 @@ class PrefillStager:
         draft_layout = (
             None if draft is None else self.staging.stage(f"{room}/draft", *gathered(draft), summaries=False)
         )
-        selection = backend.admission_selection(slot, num_tokens)
-        pinned = backend.admission_pins(slot, num_tokens)
-        body = Handoff(layout, selection, decode_prefix_len, draft_layout, pinned).to_json()
-        with self._lock:
-            self._handoffs[room] = (body, time.monotonic())
+        self._hand_off(room, slot, num_tokens, decode_prefix_len, layout, draft_layout)
         self.expire()
         backend.stats.add("staged_requests")
         backend.stats.set("staged_bytes", self.staging.nbytes)
