@@ -1,0 +1,306 @@
+"""The captured sparse decode step: one sparse layer of a plain decode batch on fixed shapes, no host sync.
+
+The eager step (``sparse_attention.py``, ``selector.py``, ``block_prefetcher.py``) sizes its tensors by
+the data (blocks that changed, slots occupied) and asks the host what to do next (``.item()``,
+``nonzero``, Python loops over the batch's K values): a CUDA graph cannot capture it and on CPU every
+small op pays its dispatch. Here the same step is split as SGLang's graph runners split a backend's
+work (and as FlashInfer's ``plan``/``run``)::
+
+    StepPlan.build (host, once per batch; may sync)      decode_layer (per layer; no sync, fixed shapes)
+    -----------------------------------------------      -----------------------------------------------
+    rows padded to a batch bucket, pages padded to a     the new token into the host tier, its page's
+    block bucket, each row's request slot (padding       summary and the active blocks; attention over
+    rows: the tier's padding slot), position, host       each KV head's working set (all S slots, empty
+    location, the step number as a tensor                ones masked) + the active tail; scores, top-K
+                                                         per row, the capped delta plan and its copies
+                                                         (at most ``copies`` per KV head, the rest
+                                                         masked into the padding slot)
+
+Shapes: ``bs`` rows (a bucket), ``H`` KV heads, ``S`` working-set slots per head, ``N`` blocks (a bucket
+above every row's full blocks), ``B`` tokens per block, ``M`` copies per head and step.
+
+**Who writes what.** During a captured step this program is the only writer of one layer's working sets
+(``k``, ``v``, ``slot_block``, ``last_selected``), ``covered``, active blocks and summaries, for the
+batch's slots; ``top_k`` and ``pinned`` it only reads (the host side sets them at admission and
+retraction, between steps). No thread runs beside it: the next step's blocks are copied inside the step
+(on CPU a copy within one memory; on CUDA the copy from pinned host memory is what a side stream would
+carry).
+
+It is the eager step's decision, computed over the whole padded shape: the same selection (scores do not
+depend on the padding: ``score_blocks_batched``), the same plan as ``WorkingSetPool.plan_selections``
+(kept blocks stay, missing ones go to free slots then least recently selected ones, at most the fetch cap
+per head besides blocks that just filled up), the same attention up to the summation order over masked
+slots. One difference: the eager step skips planning when every block is resident and none filled up; this
+one always plans, which changes nothing then (tested). What it does not cover runs eagerly
+(``StepPlan.eligible`` says why): admissions (extends, PD arrivals, resumed retractions), verify rows,
+recall samples, remote reads, fault injection, the adaptive cap, strict mode, tails the active blocks do
+not hold.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import torch
+
+from sgl_kernel_oasis import score_paged_blocks, sparse_decode_attention
+from sglang_oasis.memory.working_set import BLOCK_ID_SPAN
+
+EMPTY = -1  # ``WorkingSetPool.slot_block``'s "no block"
+INT64_MAX = torch.iinfo(torch.int64).max
+# Per row, what ``decode_layer`` returns in its counts (columns).
+COUNTS = ("loads", "fresh", "from_active", "deferred", "overflow")
+
+
+class StepShape(NamedTuple):
+    """The compile-time constants of a captured step (one graph per batch bucket and block bucket)."""
+
+    block_size: int
+    span: int  # active-block ring positions per request slot (``ActiveBlocks.span``)
+    sink_blocks: int
+    max_top_k: int  # the largest K a row may have (``--oasis-recall-max-top-k``): the top-K width
+    fetch_ratio: float  # per-head cap = ceil(ratio x the row's K); >= 1: no cap
+    copies: int  # M: the copies per KV head and step the graph has room for
+    padding_slot: int  # request slot padding rows (and masked copies) write into
+
+    @classmethod
+    def of(cls, config: Any, span: int, slots_per_head: int, padding_slot: int) -> StepShape:
+        """From ``OasisConfig``: ``copies`` = the largest fetch cap + 1 (a decode step fills at most one
+        block per request), or every slot without a cap."""
+        if config.fetch_ratio >= 1:
+            copies = slots_per_head
+        else:
+            copies = min(slots_per_head, math.ceil(config.fetch_ratio * config.max_top_k) + 1)
+        return cls(config.block_size, span, config.sink_blocks, config.max_top_k, float(config.fetch_ratio),
+                   copies, padding_slot)  # fmt: skip
+
+
+class LayerState(NamedTuple):
+    """One layer's views of the device tier and of the host tier (SGLang's pool), as the program reads
+    and writes them; the same strides at every layer, so one compiled graph serves them all."""
+
+    host_k: torch.Tensor  # [tokens, H, D]
+    host_v: torch.Tensor
+    kmin: torch.Tensor  # [pages, H, D]
+    kmax: torch.Tensor
+    ws_k: torch.Tensor  # [slots, H, S, B, D]
+    ws_v: torch.Tensor
+    slot_block: torch.Tensor  # [slots, H, S] int64, EMPTY where free
+    last_selected: torch.Tensor  # [slots, H, S] int64
+    covered: torch.Tensor  # [slots] int64
+    top_k: torch.Tensor  # [slots] int64
+    pinned: torch.Tensor  # [slots, H, P] int64, -1: none
+    active_k: torch.Tensor  # [slots * span, H, D]
+    active_v: torch.Tensor
+    active_start: torch.Tensor  # [slots] int64
+    active_end: torch.Tensor
+
+    @classmethod
+    def of(cls, tier: Any, kv_pool: Any, layer: int) -> LayerState:
+        ws, active, summaries = tier.working_sets, tier.active, tier.summaries
+        return cls(
+            kv_pool.get_key_buffer(layer), kv_pool.get_value_buffer(layer), summaries.kmin[layer],
+            summaries.kmax[layer], ws.k[:, layer], ws.v[:, layer], ws.slot_block[:, layer],
+            ws.last_selected[:, layer], ws.covered[:, layer], ws.top_k[:, layer], tier.pinned[:, layer],
+            active.k[layer], active.v[layer], active.start[:, layer], active.end[:, layer],
+        )  # fmt: skip
+
+
+class StepPlan(NamedTuple):
+    """One decode batch as every layer's captured step reads it (host-built; rows padded to ``bs``)."""
+
+    slots: torch.Tensor  # [bs] int64 request slots (padding rows: the padding slot)
+    seq_lens: torch.Tensor  # [bs] int64 tokens including this step's (padding rows: 1)
+    locs: torch.Tensor  # [bs] int64 host-tier location of this step's token (padding rows: 0)
+    pages: torch.Tensor  # [bs, N] int64 host page of each logical block (padding: 0)
+    step: torch.Tensor  # [] int64 the decode step (a tensor: a new step is not a new graph)
+
+    @classmethod
+    def build(
+        cls, slots: torch.Tensor, seq_lens: torch.Tensor, locs: torch.Tensor, req_to_token: torch.Tensor,
+        reqs: torch.Tensor, step: int, shape: StepShape, batch_bucket: int, block_bucket: int,
+    ) -> StepPlan:  # fmt: skip
+        """Pad ``bs`` live rows (request ``slots``, SGLang's ``reqs`` rows, ``seq_lens`` with this step's
+        token at ``locs``) to ``batch_bucket`` rows and their pages to ``block_bucket`` blocks."""
+        live, block = len(slots), shape.block_size
+        if live > batch_bucket:
+            raise ValueError(f"{live} rows do not fit a batch bucket of {batch_bucket}")
+        pad = batch_bucket - live
+        full = int(seq_lens.max()) // block if live else 0
+        if full > block_bucket:
+            raise ValueError(f"{full} full blocks do not fit a block bucket of {block_bucket}")
+        pages = torch.zeros((batch_bucket, block_bucket), dtype=torch.int64)
+        if full:
+            pages[:live, :full] = req_to_token[reqs, 0 : full * block : block].to(torch.int64) // block
+
+        def padded(values: torch.Tensor, fill: int) -> torch.Tensor:
+            return torch.cat([values.to(torch.int64), torch.full((pad,), fill, dtype=torch.int64)])
+
+        return cls(padded(slots, shape.padding_slot), padded(seq_lens, 1), padded(locs, 0), pages,
+                   torch.tensor(step, dtype=torch.int64))  # fmt: skip
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest of ``buckets`` that holds ``n`` (the last one if none does: the caller refuses)."""
+    return next((b for b in buckets if b >= n), buckets[-1])
+
+
+def decode_layer(
+    shape: StepShape, state: LayerState, plan: StepPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """One sparse layer's decode step for ``bs`` rows: ``q`` ``[bs, q_heads, D]``, ``k``, ``v`` ``[bs, H,
+    D]`` (this step's token). Returns the attention output ``[bs, q_heads, D]`` and per-row counts ``[bs,
+    len(COUNTS)]`` of the copies it made for the next step. Writes the layer's state in place."""
+    block, span = shape.block_size, shape.span
+    slots, seq_lens, locs = plan.slots, plan.seq_lens, plan.locs
+    bs, heads = slots.shape[0], state.kmin.shape[1]
+    position = seq_lens - 1
+
+    # 1. This step's token: the host tier, its page's summary (restarted at the page's first token), the
+    #    active blocks' ring.
+    state.host_k.index_put_((locs,), k.to(state.host_k.dtype))
+    state.host_v.index_put_((locs,), v.to(state.host_v.dtype))
+    page = locs // block
+    restart = (locs % block == 0)[:, None, None]
+    key = k.to(state.kmin.dtype)
+    state.kmin.index_put_((page,), torch.where(restart, key, torch.minimum(state.kmin[page], key)))
+    state.kmax.index_put_((page,), torch.where(restart, key, torch.maximum(state.kmax[page], key)))
+    new_row = slots * span + position % span
+    state.active_k.index_put_((new_row,), k.to(state.active_k.dtype))
+    state.active_v.index_put_((new_row,), v.to(state.active_v.dtype))
+    start, end = state.active_start[slots], state.active_end[slots]
+    joins = (position >= start) & (position <= end)
+    end = torch.where(joins, torch.maximum(end, seq_lens), seq_lens)
+    start = torch.maximum(torch.where(joins, start, position), end - span)
+    state.active_start.index_put_((slots,), start)
+    state.active_end.index_put_((slots,), end)
+
+    # 2. Attention: every slot of each KV head's working set (in block order, empty ones masked), the
+    #    active tail (positions covered * B .. position), this step's token.
+    covered = state.covered[slots]
+    blocks = state.slot_block[slots]  # [bs, H, S]
+    order = torch.where(blocks == EMPTY, INT64_MAX, blocks).argsort(dim=-1)
+    head = torch.arange(heads)[None, :, None]
+    ws_keys = state.ws_k[slots[:, None, None], head, order]  # [bs, H, S, B, D]
+    ws_values = state.ws_v[slots[:, None, None], head, order]
+    num_slots, dim = ws_keys.shape[2], ws_keys.shape[-1]
+    tail_positions = (covered * block)[:, None] + torch.arange(span - 1)
+    tail_rows = torch.cat([slots[:, None] * span + tail_positions % span, new_row[:, None]], dim=1)
+    tail_valid = torch.cat([tail_positions < position[:, None], torch.ones((bs, 1), dtype=torch.bool)], dim=1)
+    tail_keys = state.active_k[tail_rows].transpose(1, 2)  # [bs, H, span, D]
+    tail_values = state.active_v[tail_rows].transpose(1, 2)
+    keys = torch.cat([ws_keys.reshape(bs, heads, num_slots * block, dim), tail_keys], dim=2)
+    values = torch.cat([ws_values.reshape(bs, heads, num_slots * block, dim), tail_values], dim=2)
+    ws_valid = (blocks.gather(-1, order) != EMPTY)[..., None].expand(-1, -1, -1, block)
+    valid = torch.cat([ws_valid.reshape(bs, heads, num_slots * block), tail_valid[:, None].expand(-1, heads, -1)],
+                      dim=2)  # fmt: skip
+    out = sparse_decode_attention(q[:, None], keys, values, valid, scale)[:, 0]
+
+    # 3. Selection for the next step (``BlockPrefetcher._choose``): rows with more full blocks than their
+    #    working sets hold keep their sinks, their pinned blocks and their top-K by summary score.
+    num_blocks = plan.pages.shape[1]
+    index = torch.arange(num_blocks)
+    full = seq_lens // block
+    in_range = (index[None, :] < full[:, None])[:, None, :].expand(-1, heads, -1)  # [bs, H, N]
+    top_k = state.top_k[slots]
+    capacity = top_k + shape.sink_blocks
+    over = (full > capacity)[:, None, None]
+    scores = score_paged_blocks(q[:, None], state.kmin, state.kmax, plan.pages)[:, 0]  # [bs, H, N]
+    pins = state.pinned[slots]
+    pinned = torch.zeros((bs, heads, num_blocks + 1), dtype=torch.bool)
+    pinned = pinned.scatter(-1, torch.where(pins >= 0, pins, num_blocks), True)[..., :num_blocks]
+    scores = scores.masked_fill(pinned, float("inf"))
+    sinks = (index < shape.sink_blocks)[None, None, :]
+    width = min(shape.max_top_k, num_blocks)
+    best = scores.masked_fill(sinks | ~in_range, float("-inf")).topk(width, dim=-1).indices
+    within_k = (torch.arange(width)[None, :] < top_k[:, None])[:, None, :].expand(-1, heads, -1)
+    chosen = torch.zeros((bs, heads, num_blocks), dtype=torch.bool).scatter(-1, best, within_k)
+    selected = torch.where(over, (chosen | sinks) & in_range, in_range)
+    priority = torch.where(over, scores.masked_fill(sinks, float("inf")), 0.0)
+
+    # 4. The capped delta plan (``WorkingSetPool.plan_selections``, fixed shapes: every rank kept, the
+    #    ones past each head's count masked).
+    last = state.last_selected[slots]
+    occupied = blocks != EMPTY
+    holds_selected = occupied & selected.gather(-1, blocks.clamp(0, num_blocks - 1))
+    resident = torch.zeros((bs, heads, num_blocks + 1), dtype=torch.bool)
+    resident = resident.scatter(-1, torch.where(occupied, blocks, num_blocks), True)[..., :num_blocks]
+    missing = selected & ~resident
+    fresh = index[None, None, :] >= covered[:, None, None]  # filled up since the last selection
+    capped = missing & ~fresh
+    rank = _ranks(torch.where(capped, -priority, float("inf")))
+    cap = _fetch_cap(shape, top_k)
+    admitted = capped & (rank < cap[:, None, None])
+    deferred = (capped & ~admitted).sum(dim=(1, 2))
+    missing = missing & (fresh | admitted)
+    victim_key = torch.where(occupied, last * BLOCK_ID_SPAN + blocks, -1)
+    victims = torch.where(holds_selected, INT64_MAX, victim_key).sort(dim=-1, stable=True).indices
+    missing_first = (~missing).to(torch.int8).sort(dim=-1, stable=True).indices  # missing ids, ascending
+    ranks = min(num_slots, num_blocks)
+    count = missing.sum(dim=-1, keepdim=True)
+    take = torch.arange(ranks) < count  # [bs, H, ranks]
+    dest, new_blocks = victims[..., :ranks], missing_first[..., :ranks]
+    blocks = blocks.scatter(-1, dest, torch.where(take, new_blocks, blocks.gather(-1, dest)))
+    now_selected = (blocks != EMPTY) & selected.gather(-1, blocks.clamp(0, num_blocks - 1))
+    spare = (blocks != EMPTY) & ~now_selected  # a working set shrunk below its slots gives them back
+    excess = (blocks != EMPTY).sum(dim=-1, keepdim=True) - capacity[:, None, None]
+    dropped = spare & (_ranks(torch.where(spare, last * BLOCK_ID_SPAN + blocks, INT64_MAX)) < excess)
+    blocks = blocks.masked_fill(dropped, EMPTY)
+    last = last.masked_fill(dropped, EMPTY)
+    state.slot_block.index_put_((slots,), blocks)
+    state.last_selected.index_put_((slots,), torch.where(now_selected, plan.step, last))
+    state.covered.index_put_((slots,), full)
+
+    # 5. The copies: the first M ranks of each head (the cap keeps a decode step's loads below M); a block
+    #    that just filled up comes from the active blocks, the others from the host tier.
+    copies = min(shape.copies, ranks)
+    take, dest, new_blocks = take[..., :copies], dest[..., :copies], new_blocks[..., :copies]
+    row = torch.arange(bs)[:, None, None]
+    offsets = torch.arange(block)
+    host_tokens = (plan.pages[row, new_blocks] * block)[..., None] + offsets  # [bs, H, M, B]
+    per_slot = span // block
+    ring_tokens = ((slots[:, None, None] * per_slot + new_blocks % per_slot) * block)[..., None] + offsets
+    just_filled = new_blocks >= covered[:, None, None]
+    in_ring = (start[:, None, None] <= new_blocks * block) & ((new_blocks + 1) * block <= end[:, None, None])
+    from_active = take & just_filled & in_ring
+    head_index = head[..., None].expand(bs, -1, copies, block)
+    for ws, host, ring in (
+        (state.ws_k, state.host_k, state.active_k),
+        (state.ws_v, state.host_v, state.active_v),
+    ):
+        data = torch.where(
+            from_active[..., None, None],
+            ring[ring_tokens, head_index].to(ws.dtype),
+            host[host_tokens, head_index].to(ws.dtype),
+        )  # [bs, H, M, B, D]
+        target_slot = torch.where(take, slots[:, None, None], shape.padding_slot)
+        target = torch.where(take, dest, torch.arange(copies))
+        ws.index_put_((target_slot, head.expand(bs, -1, copies), target), data)
+    counts = torch.stack(
+        [
+            take.sum(dim=(1, 2)),
+            (take & just_filled).sum(dim=(1, 2)),
+            from_active.sum(dim=(1, 2)),
+            deferred,
+            (count.squeeze(-1) > copies).sum(dim=1),
+        ],
+        dim=1,
+    )
+    return out, counts
+
+
+def _ranks(key: torch.Tensor) -> torch.Tensor:
+    """Each entry's rank along the last dim by ascending ``key`` (stable: ties by index)."""
+    order = key.argsort(dim=-1, stable=True)
+    index = torch.arange(key.shape[-1]).expand_as(order).contiguous()
+    return torch.empty_like(order).scatter(-1, order, index)
+
+
+def _fetch_cap(shape: StepShape, top_k: torch.Tensor) -> torch.Tensor:
+    """``[bs]`` blocks per head a row may load besides those that just filled up: ``OasisConfig.fetch_cap_for``
+    of its K (the same double-precision ceil), or every slot without a cap."""
+    if shape.fetch_ratio >= 1:
+        return torch.full_like(top_k, INT64_MAX)
+    return torch.ceil(top_k.to(torch.float64) * shape.fetch_ratio).to(torch.int64)

@@ -1,0 +1,295 @@
+"""The captured decode step (``attention/decode_program.py``) against the eager one, in process.
+
+Two oasis backends over identical stand-in pools (SmolLM2's attention shape: 9 query heads, 3 KV heads,
+head_dim 64; blocks of 16; float32) admit the same three requests (contexts 300, 517 and 1000 tokens: no
+multiple of the block). Then, step after step with the same random q, k and v, one decodes through the
+eager path (``OasisAttnBackend.forward_decode``, ``--oasis-prefetch sync``) and the other through
+``decode_layer`` on a plan padded to a batch bucket of 4 rows and a block bucket of 128 blocks. After
+every step both must hold the same working sets (block ids, slots, last selections, data), the same
+coverage, active blocks and summaries, and give the same attention output (fp32, up to the summation
+order over the masked slots the captured step also reads). 40 steps: each request fills two or three
+blocks, so fresh blocks, capped loads and deferrals all occur.
+
+Then: the step has no host sync (``SyncGuard``; a variant with one ``.item()`` fails it), and
+``torch.compile(fullgraph=True, dynamic=False)`` captures it whole, once per batch bucket whatever the
+layer or step, with outputs equal to eager.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+import torch
+from sglang.srt.model_executor.forward_batch_info import ForwardMode
+from sync_guard import HostSyncError, SyncGuard
+
+from sglang_oasis.attention.decode_program import COUNTS, LayerState, StepPlan, StepShape, decode_layer
+from sglang_oasis.attention.oasis_backend import OasisAttnBackend
+from sglang_oasis.config import OasisConfig
+
+BLOCK, KV_HEADS, Q_HEADS, DIM, LAYERS, POOL = 16, 3, 9, 64, 2, 8192
+CONTEXTS = (300, 517, 1000)
+REQS = (1, 2, 3)  # SGLang request rows (row 0 is SGLang's padding row)
+SPARSE_LAYER = 1  # layer 0 is a dense layer
+BATCH_BUCKET, BLOCK_BUCKET = 4, 128
+STEPS = 40
+SCALE = DIM**-0.5
+
+
+class StandInPool:
+    """Per-layer K/V tensors with the slice of SGLang's MHATokenToKVPool the backend uses (seeded)."""
+
+    size, page_size, layer_num, head_num, head_dim, dtype = POOL, BLOCK, LAYERS, KV_HEADS, DIM, torch.float32
+
+    def __init__(self) -> None:
+        generator = torch.Generator().manual_seed(0)
+        shape = (POOL + 2 * BLOCK, KV_HEADS, DIM)
+        self.k = [torch.randn(shape, generator=generator) for _ in range(LAYERS)]
+        self.v = [torch.randn(shape, generator=generator) for _ in range(LAYERS)]
+
+    def get_key_buffer(self, layer: int) -> torch.Tensor:
+        return self.k[layer]
+
+    def get_value_buffer(self, layer: int) -> torch.Tensor:
+        return self.v[layer]
+
+    def set_kv_buffer(self, layer: Any, loc: Any, k: torch.Tensor, v: torch.Tensor) -> None:
+        self.k[layer.layer_id][loc.loc] = k.view(-1, KV_HEADS, DIM)
+        self.v[layer.layer_id][loc.loc] = v.view(-1, KV_HEADS, DIM)
+
+
+def layer(layer_id: int) -> SimpleNamespace:
+    return SimpleNamespace(
+        layer_id=layer_id, tp_q_head_num=Q_HEADS, tp_k_head_num=KV_HEADS, qk_head_dim=DIM, v_head_dim=DIM,
+        scaling=SCALE, is_cross_attention=False, sliding_window_size=None,
+    )  # fmt: skip
+
+
+def admitted(config: OasisConfig, own_k: dict[int, int], pins: dict[int, list[int]]) -> OasisAttnBackend:
+    """A backend whose requests ``REQS`` have just been admitted with ``CONTEXTS`` tokens (request row r
+    at pool tokens r * 2048 ...; its first working sets by the summaries); row -> own K, row -> pinned
+    block ids (every KV head) set as an admission would."""
+    req_to_token = torch.zeros(len(REQS) + 1, POOL // 4, dtype=torch.int32)
+    for req in REQS:
+        req_to_token[req] = torch.arange(req * 2048, req * 2048 + POOL // 4, dtype=torch.int32)
+    runner = SimpleNamespace(
+        device="cpu",
+        req_to_token_pool=SimpleNamespace(
+            req_to_token=req_to_token, req_generation=torch.zeros(len(REQS) + 1, dtype=torch.int64), free_slots=[]
+        ),
+        token_to_kv_pool=StandInPool(),
+        server_args=SimpleNamespace(port=0, enable_metrics=False, max_running_requests=len(REQS) + 1),
+    )  # fmt: skip
+    oasis = OasisAttnBackend(runner, config)
+    reqs, pool = list(REQS), oasis.token_to_kv_pool
+    for req in reqs:
+        oasis.slots.claim(req, 0)
+    oasis.set_batch(reqs, admission=True)
+    slots = oasis.batch.slots
+    for req, k in own_k.items():
+        oasis.tier.working_sets.top_k[oasis.tier.slot(req)] = k
+    oasis.intake.catch_up(oasis.batch, SPARSE_LAYER, torch.tensor(CONTEXTS))
+    generator = torch.Generator().manual_seed(1)
+    oasis.selector.select(oasis.batch, SPARSE_LAYER, torch.randn(len(reqs), Q_HEADS, DIM, generator=generator),
+                          list(CONTEXTS))  # fmt: skip
+    oasis.selector.finish_pending()
+    for req, blocks in pins.items():
+        oasis.tier.pinned[oasis.tier.slot(req), SPARSE_LAYER, :, : len(blocks)] = torch.tensor(blocks)
+    for row, (req, context) in enumerate(zip(reqs, CONTEXTS, strict=True)):  # the partial block, as an extend
+        first = context - context % BLOCK
+        locs = req_to_token[req, first:context].long()
+        oasis.tier.active.store(SPARSE_LAYER, slots[row : row + 1], torch.tensor([first]), torch.tensor([context]),
+                                pool.k[SPARSE_LAYER][locs], pool.v[SPARSE_LAYER][locs])  # fmt: skip
+    return oasis
+
+
+def step_inputs(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(100 + step)
+    bs = len(REQS)
+    return tuple(  # type: ignore[return-value]
+        torch.randn(bs, heads, DIM, generator=generator) for heads in (Q_HEADS, KV_HEADS, KV_HEADS)
+    )
+
+
+def eager_step(oasis: OasisAttnBackend, step: int) -> torch.Tensor:
+    q, k, v = step_inputs(step)
+    seq_lens = torch.tensor(CONTEXTS) + 1 + step
+    locs = oasis.req_to_token_pool.req_to_token[torch.tensor(REQS), seq_lens - 1].long()
+    batch = SimpleNamespace(
+        forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor(REQS), seq_lens=seq_lens,
+        out_cache_loc=locs, encoder_lens=None, spec_info=None,
+    )  # fmt: skip
+    oasis.step += 1
+    oasis.set_batch(list(REQS))
+    bs = len(REQS)
+    out = oasis.forward_decode(q.view(bs, -1), k.view(bs, -1), v.view(bs, -1), layer(SPARSE_LAYER), batch)
+    return out.view(bs, Q_HEADS, DIM)
+
+
+def shape_of(oasis: OasisAttnBackend) -> StepShape:
+    tier = oasis.tier
+    return StepShape.of(
+        oasis.config, tier.active.span, tier.working_sets.num_slots, tier.num_request_slots - 1
+    )
+
+
+def plan_of(oasis: OasisAttnBackend, step: int, batch_bucket: int = BATCH_BUCKET) -> StepPlan:
+    reqs = torch.tensor(REQS)
+    seq_lens = torch.tensor(CONTEXTS) + 1 + step
+    req_to_token = oasis.req_to_token_pool.req_to_token
+    slots = torch.tensor([oasis.tier.slot(req) for req in REQS])
+    return StepPlan.build(slots, seq_lens, req_to_token[reqs, seq_lens - 1], req_to_token, reqs, step + 1,
+                          shape_of(oasis), batch_bucket, BLOCK_BUCKET)  # fmt: skip
+
+
+def captured_inputs(oasis: OasisAttnBackend, step: int, layer_id: int = SPARSE_LAYER) -> tuple[Any, ...]:
+    """``decode_layer``'s arguments for ``step`` (the host side: plan, padding)."""
+    q, k, v = step_inputs(step)
+    pad = BATCH_BUCKET - len(REQS)
+
+    def padded(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat([t, torch.zeros((pad, *t.shape[1:]))])
+
+    state = LayerState.of(oasis.tier, oasis.token_to_kv_pool, layer_id)
+    return shape_of(oasis), state, plan_of(oasis, step), padded(q), padded(k), padded(v), SCALE
+
+
+def captured_step(
+    oasis: OasisAttnBackend, step: int, program: Any = decode_layer, layer_id: int = SPARSE_LAYER
+) -> tuple[torch.Tensor, torch.Tensor]:
+    out, counts = program(*captured_inputs(oasis, step, layer_id))
+    return out[: len(REQS)], counts[: len(REQS)]
+
+
+def assert_same_state(eager: OasisAttnBackend, captured: OasisAttnBackend) -> None:
+    slots = [eager.tier.slot(req) for req in REQS]
+    assert slots == [captured.tier.slot(req) for req in REQS]
+    one, two = eager.tier.working_sets, captured.tier.working_sets
+    at = (slots, SPARSE_LAYER)
+    for name in ("slot_block", "last_selected", "covered", "top_k"):
+        assert torch.equal(getattr(one, name)[at], getattr(two, name)[at]), name
+    resident = one.slot_block[at] != -1
+    assert torch.equal(one.k[at][resident], two.k[at][resident])
+    assert torch.equal(one.v[at][resident], two.v[at][resident])
+    for name in ("start", "end"):
+        assert torch.equal(getattr(eager.tier.active, name)[at], getattr(captured.tier.active, name)[at]), (
+            name
+        )
+    for name in ("kmin", "kmax"):  # page 0 is SGLang's padding page: the padding rows' token lands there
+        ours, theirs = getattr(eager.tier.summaries, name), getattr(captured.tier.summaries, name)
+        assert torch.equal(ours[SPARSE_LAYER, 1:], theirs[SPARSE_LAYER, 1:]), name
+    pool_one, pool_two = eager.token_to_kv_pool, captured.token_to_kv_pool
+    assert torch.equal(pool_one.k[SPARSE_LAYER][BLOCK:], pool_two.k[SPARSE_LAYER][BLOCK:])
+
+
+CASES = {
+    # K < N with a cap of 2 blocks per head and step (K = 8), one sink block
+    "k_sparse_capped": (dict(top_k=8, fetch_ratio=0.25, sink_blocks=1), {}, {}),
+    # each row its own K (4 / 8 / 12), the server's default cap
+    "k_per_row": (dict(top_k=8, recall_max_top_k=12), {1: 4, 3: 12}, {}),
+    # no cap: every predicted block loads at once
+    "k_sparse_uncapped": (dict(top_k=6, fetch_ratio=1.0), {}, {}),
+    # pinned blocks (the prefill window's) outrank every score
+    "pinned": (dict(top_k=8, sink_blocks=1, prefill_window=16), {}, {2: [3, 7], 3: [10]}),
+    # K covers every block: nothing to select, every block resident (the eager step's shortcut)
+    "k_covering": (dict(top_k=80), {}, {}),
+}
+
+
+def configs(name: str) -> tuple[OasisConfig, dict[int, int], dict[int, list[int]]]:
+    options, own_k, pins = CASES[name]
+    base: dict[str, Any] = dict(block_size=BLOCK, device_kv_tokens=POOL, dense_layers=(0,), prefill_window=0,
+                                prefetch="sync")  # fmt: skip
+    return OasisConfig(**{**base, **options}), own_k, pins
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_captured_step_equals_eager_step(case: str) -> None:
+    config, own_k, pins = configs(case)
+    eager, captured = admitted(config, own_k, pins), admitted(config, own_k, pins)
+    assert_same_state(eager, captured)
+    totals = torch.zeros(len(COUNTS), dtype=torch.int64)
+    before = eager.stats.snapshot()
+    for step in range(STEPS):
+        expected = eager_step(eager, step)
+        out, counts = captured_step(captured, step)
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+        assert_same_state(eager, captured)
+        totals += counts.sum(dim=0)
+    eager.selector.finish_pending()  # the last step's job is folded in at the next wait
+    after = eager.stats.snapshot()
+    got = dict(zip(COUNTS, totals.tolist(), strict=True))
+    assert got["overflow"] == 0
+    assert got["loads"] == after["selection_changes"] - before["selection_changes"]
+    assert got["fresh"] == after["blocks_just_filled"] - before["blocks_just_filled"]
+    assert got["from_active"] == after["blocks_from_active"] - before["blocks_from_active"]
+    assert got["deferred"] == after["blocks_deferred"] - before["blocks_deferred"]
+    if case == "k_sparse_capped":  # the case exercises what it names
+        assert got["deferred"] > 0 and got["loads"] > got["fresh"] > 0
+    eager.selector.pipeline.shutdown()
+
+
+def _with_one_item(*args: Any) -> Any:
+    """A deliberately broken step: one host read of a tensor's value."""
+    out, counts = decode_layer(*args)
+    if int(counts.sum()) < 0:
+        raise AssertionError("unreachable")
+    return out, counts
+
+
+def test_captured_step_has_no_host_sync() -> None:
+    config, own_k, pins = configs("k_sparse_capped")
+    captured = admitted(config, own_k, pins)
+    for step in range(3):
+        inputs = captured_inputs(captured, step)  # the host plan may sync; the step may not
+        with SyncGuard() as guard:
+            decode_layer(*inputs)
+        assert guard.ops > 100  # the guard saw the step's ops
+    inputs = captured_inputs(captured, 3)
+    with pytest.raises(HostSyncError, match="_local_scalar_dense"), SyncGuard():
+        _with_one_item(*inputs)
+
+
+def test_eager_step_is_what_the_guard_catches() -> None:
+    """The eager step syncs (the reason for the captured one): the guard stops it at its first."""
+    config, own_k, pins = configs("k_sparse_capped")
+    eager = admitted(config, own_k, pins)
+    with pytest.raises(HostSyncError), SyncGuard():
+        eager_step(eager, 0)
+    eager.selector.pipeline.shutdown()
+
+
+def test_compiled_step_captures_whole_once_per_bucket() -> None:
+    """fullgraph: no graph break; one graph per batch bucket across steps and layers (the views of
+    layer 0 and layer 1 have the same strides); outputs equal to the eager program's."""
+    torch._dynamo.reset()
+    graphs: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, inputs: list[Any]) -> Any:
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    compiled = torch.compile(decode_layer, fullgraph=True, dynamic=False, backend=counting)
+    config, own_k, pins = configs("k_sparse_capped")
+    eager, captured = admitted(config, own_k, pins), admitted(config, own_k, pins)
+    for step in range(6):
+        for layer_id in (0, SPARSE_LAYER):
+            if layer_id == SPARSE_LAYER:
+                expected, expected_counts = captured_step(eager, step)
+                out, counts = captured_step(captured, step, program=compiled)
+                torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+                assert torch.equal(counts, expected_counts)
+            else:  # another layer's state views: the same graph
+                captured_step(captured, step, program=compiled, layer_id=0)
+    assert len(graphs) == 1, graphs
+    for bucket in (8,):  # a second batch bucket: one more graph
+        q, k, v = (torch.zeros(bucket, heads, DIM) for heads in (Q_HEADS, KV_HEADS, KV_HEADS))
+        plan = plan_of(captured, 6, batch_bucket=bucket)
+        state = LayerState.of(captured.tier, captured.token_to_kv_pool, SPARSE_LAYER)
+        compiled(shape_of(captured), state, plan, q, k, v, SCALE)
+        compiled(shape_of(captured), state, plan._replace(step=torch.tensor(8)), q, k, v, SCALE)
+    assert len(graphs) == 2, graphs
+    eager.selector.pipeline.shutdown()
+    captured.selector.pipeline.shutdown()
