@@ -23,6 +23,7 @@ LOOKAHEADS = ("previous", "eagle3", "ngram")
 DRAFT_POLICIES = ("reject", "verify")
 VERIFY_ROWS = 2  # --speculative-num-draft-tokens of the lookahead: the real token and one draft
 PREFETCH_MODES = ("async", "sync")
+DECODE_STEPS = ("eager", "captured")
 
 
 class OasisConfigError(ValueError):
@@ -204,6 +205,19 @@ class OasisConfig:
             "choices": PREFETCH_MODES,
         },
     )
+    decode_step: str = field(
+        default="eager",
+        metadata={
+            "help": "How a sparse layer's decode step runs (sparse mode). 'eager': torch ops sized by the data, "
+            "the selection and its copies in the prefetch pipeline (--oasis-prefetch). 'captured': plain decode "
+            "batches run one torch.compile'd program per layer on fixed shapes (batches padded to 1, 2, 4, 8... "
+            "rows, blocks to 64, 128, 256...; no host sync), its next-step copies inside the step; compiled once "
+            "per shape at first use (tens of seconds each on a CPU, cached across starts by torch), and one "
+            "device request slot goes to padding rows. Steps it does not cover (extends, verify rows, PD "
+            "arrivals and remote reads, recall samples) run eagerly.",
+            "choices": DECODE_STEPS,
+        },
+    )
     remote_fetch: bool = field(
         default=True,
         metadata={
@@ -261,6 +275,7 @@ class OasisConfig:
             ("lookahead", LOOKAHEADS),
             ("draft_policy", DRAFT_POLICIES),
             ("prefetch", PREFETCH_MODES),
+            ("decode_step", DECODE_STEPS),
         ):
             if getattr(self, name) not in choices:
                 raise OasisConfigError(
@@ -283,6 +298,11 @@ class OasisConfig:
         if not 0 <= self.recall_target < 1:
             raise OasisConfigError(
                 f"{_option('recall_target')}: must be in [0, 1) (0: off), got {self.recall_target}"
+            )
+        if self.decode_step == "captured" and self.adaptive_cap:
+            raise OasisConfigError(
+                f"{_option('decode_step')} captured: --oasis-adaptive-cap follows the whole batch's drift, a "
+                "host decision each step; use --oasis-fetch-ratio"
             )
         if self.recall_target and self.recall_sample_every == 0:
             raise OasisConfigError(

@@ -25,6 +25,7 @@ COUNTERS = {
     "resumed_kv_tokens": "positions whose kept decode K and V a re-prefilled retracted request's extend put back "
     "in place of its recompute",
     "decode_steps": "decode forward passes",
+    "captured_decode_passes": "decode passes whose sparse layers ran the compiled step (--oasis-decode-step captured)",
     "selections": "(request, layer) block selections made",
     "selection_changes": "blocks newly selected into a working set (the sum over selections)",
     "window_selections": "(request, layer) first selections chosen by the prefill window's attention "

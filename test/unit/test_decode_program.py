@@ -17,6 +17,7 @@ layer or step, with outputs equal to eager.
 
 from __future__ import annotations
 
+import dataclasses
 from types import SimpleNamespace
 from typing import Any
 
@@ -91,6 +92,7 @@ def admitted(config: OasisConfig, own_k: dict[int, int], pins: dict[int, list[in
     for req, k in own_k.items():
         oasis.tier.working_sets.top_k[oasis.tier.slot(req)] = k
     oasis.intake.catch_up(oasis.batch, SPARSE_LAYER, torch.tensor(CONTEXTS))
+    oasis.summarised[oasis.batch.req_index, SPARSE_LAYER] = torch.tensor(CONTEXTS)  # as an extend records it
     generator = torch.Generator().manual_seed(1)
     oasis.selector.select(oasis.batch, SPARSE_LAYER, torch.randn(len(reqs), Q_HEADS, DIM, generator=generator),
                           list(CONTEXTS))  # fmt: skip
@@ -103,6 +105,13 @@ def admitted(config: OasisConfig, own_k: dict[int, int], pins: dict[int, list[in
         oasis.tier.active.store(SPARSE_LAYER, slots[row : row + 1], torch.tensor([first]), torch.tensor([context]),
                                 pool.k[SPARSE_LAYER][locs], pool.v[SPARSE_LAYER][locs])  # fmt: skip
     return oasis
+
+
+def stop(*backends: OasisAttnBackend) -> None:
+    """Stop the backends' threads (one still inside a torch op at exit aborts the process)."""
+    for oasis in backends:
+        oasis.selector.pipeline.shutdown()
+        oasis.gauges.stop()
 
 
 def step_inputs(step: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -121,8 +130,7 @@ def eager_step(oasis: OasisAttnBackend, step: int) -> torch.Tensor:
         forward_mode=ForwardMode.DECODE, req_pool_indices=torch.tensor(REQS), seq_lens=seq_lens,
         out_cache_loc=locs, encoder_lens=None, spec_info=None,
     )  # fmt: skip
-    oasis.step += 1
-    oasis.set_batch(list(REQS))
+    oasis.begin_batch(ForwardMode.DECODE, list(REQS), seq_lens.tolist(), None)
     bs = len(REQS)
     out = oasis.forward_decode(q.view(bs, -1), k.view(bs, -1), v.view(bs, -1), layer(SPARSE_LAYER), batch)
     return out.view(bs, Q_HEADS, DIM)
@@ -226,9 +234,10 @@ def test_captured_step_equals_eager_step(case: str) -> None:
     assert got["fresh"] == after["blocks_just_filled"] - before["blocks_just_filled"]
     assert got["from_active"] == after["blocks_from_active"] - before["blocks_from_active"]
     assert got["deferred"] == after["blocks_deferred"] - before["blocks_deferred"]
+    assert got["scored"] == after["scored_selections"] - before["scored_selections"]
     if case == "k_sparse_capped":  # the case exercises what it names
         assert got["deferred"] > 0 and got["loads"] > got["fresh"] > 0
-    eager.selector.pipeline.shutdown()
+    stop(eager)
 
 
 def _with_one_item(*args: Any) -> Any:
@@ -258,7 +267,7 @@ def test_eager_step_is_what_the_guard_catches() -> None:
     eager = admitted(config, own_k, pins)
     with pytest.raises(HostSyncError), SyncGuard():
         eager_step(eager, 0)
-    eager.selector.pipeline.shutdown()
+    stop(eager)
 
 
 def test_compiled_step_captures_whole_once_per_bucket() -> None:
@@ -291,5 +300,26 @@ def test_compiled_step_captures_whole_once_per_bucket() -> None:
         compiled(shape_of(captured), state, plan, q, k, v, SCALE)
         compiled(shape_of(captured), state, plan._replace(step=torch.tensor(8)), q, k, v, SCALE)
     assert len(graphs) == 2, graphs
-    eager.selector.pipeline.shutdown()
-    captured.selector.pipeline.shutdown()
+    stop(eager, captured)
+
+
+def test_backend_runs_plain_decode_passes_captured() -> None:
+    """``--oasis-decode-step captured`` through ``OasisAttnBackend.forward_decode`` (its program run
+    uncompiled here; compiled in the server test): the same outputs, state and counters as the eager
+    backend, step after step; the passes a recall sample is due in run eagerly, and the mix stays equal."""
+    config, own_k, pins = configs("k_sparse_capped")
+    eager = admitted(config, own_k, pins)
+    captured = admitted(dataclasses.replace(config, decode_step="captured"), own_k, pins)
+    assert captured.captured is not None and captured.tier.padding_slot == captured.tier.num_request_slots
+    captured.captured.program = decode_layer
+    for step in range(STEPS):
+        torch.testing.assert_close(eager_step(captured, step), eager_step(eager, step), rtol=1e-5, atol=1e-6)
+        assert_same_state(eager, captured)
+    eager.selector.finish_pending()
+    ours, theirs = eager.stats.snapshot(), captured.stats.snapshot()
+    recall_passes = theirs["decode_steps"] - theirs["captured_decode_passes"]
+    assert 0 < recall_passes < STEPS // 2 and theirs["captured_decode_passes"] > STEPS // 2
+    for name in ("selections", "scored_selections", "selection_changes", "blocks_loaded", "decode_bytes_host_to_device",
+                 "blocks_just_filled", "blocks_from_active", "blocks_deferred"):  # fmt: skip
+        assert ours[name] == theirs[name], name
+    stop(eager, captured)

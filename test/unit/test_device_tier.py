@@ -105,6 +105,28 @@ def test_the_reflection_finds_a_tensor_left_out_of_the_count() -> None:
     assert missing == ["tier.active.extra"]
 
 
+@pytest.mark.parametrize("name", SHAPES)
+def test_a_captured_step_s_padding_slot_is_in_the_budget_and_never_claimed(name: str) -> None:
+    """``--oasis-decode-step captured``: one request slot of the budget goes to padding rows; the tier
+    allocates it (counted) and no request ever gets it."""
+    shape = SHAPES[name]._replace(num_layers=1, host_pages=6)
+    budget = 40 * shape.kv_bytes_per_token * shape.slots_per_head * shape.block_size
+    plain, padded = layout(budget, shape), layout(budget, shape._replace(padding_slots=1))
+    assert padded.request_slots == plain.request_slots - 1 and padded.total_bytes == plain.total_bytes
+    dtype = {2: torch.bfloat16, 4: torch.float32}[shape.element_bytes]
+    tier = DeviceTier(shape._replace(padding_slots=1), padded, dtype, "cpu")
+    assert tier.nbytes == padded.total_bytes <= budget
+    assert tier.padding_slot == padded.request_slots == tier.working_sets.k.shape[0] - 1
+    assert DeviceTier(shape, plain, dtype, "cpu").padding_slot is None
+    claimed = [tier.claim(req, 1, lambda req, generation: False) for req in range(padded.request_slots)]
+    assert tier.padding_slot not in claimed
+    with pytest.raises(RuntimeError, match="device request slots hold running requests"):
+        tier.claim(99, 1, lambda req, generation: False)
+    config = OasisConfig(decode_step="captured")
+    assert TierShape.of(config, 2, 1, 4, 4, 10).padding_slots == 1
+    assert TierShape.of(OasisConfig(), 2, 1, 4, 4, 10).padding_slots == 0
+
+
 def test_a_budget_that_holds_no_request_names_the_option() -> None:
     shape = SHAPES["smollm2-fp32"]
     with pytest.raises(DeviceTierError, match="--oasis-device-kv-tokens: the device budget"):

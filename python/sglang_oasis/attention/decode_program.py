@@ -50,7 +50,7 @@ from sglang_oasis.memory.working_set import BLOCK_ID_SPAN
 EMPTY = -1  # ``WorkingSetPool.slot_block``'s "no block"
 INT64_MAX = torch.iinfo(torch.int64).max
 # Per row, what ``decode_layer`` returns in its counts (columns).
-COUNTS = ("loads", "fresh", "from_active", "deferred", "overflow")
+COUNTS = ("loads", "fresh", "from_active", "deferred", "scored", "overflow")
 
 
 class StepShape(NamedTuple):
@@ -284,6 +284,7 @@ def decode_layer(
             (take & just_filled).sum(dim=(1, 2)),
             from_active.sum(dim=(1, 2)),
             deferred,
+            over[:, 0, 0].to(torch.int64),
             (count.squeeze(-1) > copies).sum(dim=1),
         ],
         dim=1,

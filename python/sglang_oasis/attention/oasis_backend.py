@@ -5,8 +5,9 @@ In sparse mode SGLang's KV pool is the host tier (page size = block size); the d
 class adapts SGLang's backend interface to the parts that do the work, one file each:
 ``request_slots.py`` (which request holds which device slot; warm starts), ``sparse_attention.py``
 (attention over working set + active tail), ``selector.py`` (each step's top-K and the prefetch jobs
-that move blocks), ``pd_node.py`` (PD disaggregation's staging and arrivals), ``transfer_failures.py``
-and ``extend_attention.py`` (dense extends after a cached prefix, computing only their own rows).
+that move blocks), ``captured_step.py`` (the compiled decode step), ``pd_node.py`` (PD disaggregation's
+staging and arrivals), ``transfer_failures.py`` and ``extend_attention.py`` (dense extends after a cached
+prefix, computing only their own rows).
 
 Per layer, an extend (prefill, or a suffix after a prefix hit) attends densely over the pool as SGLang's
 torch_native backend does, folds the new keys into the summaries and selects the first working sets
@@ -29,6 +30,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_oasis.attention.batch_view import BatchView, extend_prefix_lens, extend_seq_lens
 from sglang_oasis.attention.block_prefetcher import INJECT_ENV
+from sglang_oasis.attention.captured_step import CapturedStep
 from sglang_oasis.attention.extend_attention import CachedPrefixExtend
 from sglang_oasis.attention.gauges import Gauges, held_by
 from sglang_oasis.attention.kv_intake import KVIntake
@@ -55,20 +57,16 @@ logger = logging.getLogger(__name__)
 
 class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
     def __init__(
-        self,
-        model_runner: Any,
-        config: OasisConfig,
-        faults: FaultInjection | None = None,
+        self, model_runner: Any, config: OasisConfig, faults: FaultInjection | None = None,
         strict: StrictMode | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         super().__init__(model_runner)
         pool = self.token_to_kv_pool
         self.config = config
         self.block_size = config.block_size
         if pool.page_size != self.block_size:
-            raise ValueError(
-                f"oasis backend needs --page-size {self.block_size} (= --oasis-block-size), got {pool.page_size}"
-            )
+            raise ValueError(f"oasis backend needs --page-size {self.block_size} (= --oasis-block-size), got "
+                             f"{pool.page_size}")  # fmt: skip
         self.num_kv_heads = pool.head_num
         args = model_runner.server_args
         self.tier = DeviceTier.for_pool(
@@ -103,6 +101,7 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
         self.pd.start(args)  # remote partial fetching under PD disaggregation
         self.retractions = Retractions(self.slots, self.selector, self.attention, self.recall, self.summarised,
                                        self.stats, self.dense_layers, lambda: self.step, self.pd)  # fmt: skip
+        self.captured = CapturedStep.for_backend(self) if config.decode_step == "captured" else None
         allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
         metrics = bool(getattr(args, "enable_metrics", False))
         self.gauges = Gauges(self.slots, pool, allocator, self.stats, metrics, lambda: held_by(self))
@@ -158,6 +157,8 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
         self.set_batch(reqs, admission, generations, options)
         if mode.is_decode() or mode.is_target_verify():
             self.recall.begin(self.batch)
+        if self.captured is not None:  # captured_step.py: plain decode passes, no recall sample due
+            self.captured.begin(mode.is_decode() and not self.batch.admits and not self.recall.due())
 
     def set_batch(
         self, reqs: list[int], admission: bool | torch.Tensor = False, generations: list[int] | None = None,
@@ -219,10 +220,11 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
         layer_id = layer.layer_id
         if layer.is_cross_attention or layer_id in self.dense_layers:
             if not layer.is_cross_attention:  # attends every committed token, read from the host tier
-                self.attention.count_host_read(
-                    "dense_layer_bytes_host_to_device", self.batch.reqs, forward_batch.seq_lens.cpu()
-                )
+                self.attention.count_host_read("dense_layer_bytes_host_to_device", self.batch.reqs,
+                                               forward_batch.seq_lens.cpu())  # fmt: skip
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
+        if self.captured is not None and save_kv_cache and self.captured.ready(self.batch, forward_batch):
+            return self.captured.decode(layer, q, k, v)
         self.selector.wait(layer_id)
         seq_lens = forward_batch.seq_lens.cpu().to(torch.int64)
         # PD arrivals and resumed retracted requests: their KV joins the summaries first (others: no-op)

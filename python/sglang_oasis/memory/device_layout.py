@@ -9,7 +9,8 @@ the launcher can size ``--max-running-requests`` before anything is imported.
                       + 2 (K, V) x layers x KV heads x active span x head_dim x element bytes
                       + 8 bytes x layers x KV heads x (2 x (top-K + sinks) + window pins)   (index tensors)
                       + 8 bytes x layers x 4           (covered, top-K; active blocks' start, end)
-    request slots   = (budget - summaries) // per request
+    request slots   = (budget - summaries) // per request - padding slots
+    padding slots   = 1 with --oasis-decode-step captured (padding rows of a batch bucket write there), else 0
 """
 
 from __future__ import annotations
@@ -33,12 +34,13 @@ class DeviceTierLayout(NamedTuple):
     budget_bytes: int
     summary_bytes: int
     request_bytes: int
-    request_slots: int
+    request_slots: int  # slots requests may hold
+    padding_slots: int = 0  # slots no request holds: the captured step's padding rows write there
 
     @property
     def total_bytes(self) -> int:
         """Bytes the device tier allocates (at most ``budget_bytes``)."""
-        return self.summary_bytes + self.request_slots * self.request_bytes
+        return self.summary_bytes + (self.request_slots + self.padding_slots) * self.request_bytes
 
 
 class TierShape(NamedTuple):
@@ -53,6 +55,7 @@ class TierShape(NamedTuple):
     slots_per_head: int  # the largest top-K (--oasis-recall-max-top-k) + sink blocks
     window_blocks: int  # blocks per layer and KV head the prefill window may pin (at the largest top-K)
     active_tokens: int  # ring positions per layer and KV head of the active blocks (``active_span``)
+    padding_slots: int = 0  # request slots for padding rows (``--oasis-decode-step captured``: 1)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -67,7 +70,7 @@ class TierShape(NamedTuple):
         return cls(
             num_layers, num_kv_heads, head_dim, element_bytes, host_pages, config.block_size,
             config.slots_per_head, config.pin_slots,
-            active_span(config.block_size, config.verify_rows),
+            active_span(config.block_size, config.verify_rows), int(config.decode_step == "captured"),
         )  # fmt: skip
 
 
@@ -96,7 +99,7 @@ def layout(budget_bytes: int, shape: TierShape, max_request_slots: int | None = 
     request += 2 * heads * s.active_tokens * s.head_dim * s.element_bytes  # active blocks' K and V
     request += 4 * s.num_layers * INDEX_BYTES  # covered, top-K; active blocks' start and end
     request += heads * s.window_blocks * INDEX_BYTES  # pinned
-    slots = max(0, budget_bytes - summary) // request
+    slots = max(0, budget_bytes - summary) // request - s.padding_slots
     if max_request_slots is not None:
         slots = min(slots, max_request_slots)
     if slots < 1:
@@ -105,4 +108,4 @@ def layout(budget_bytes: int, shape: TierShape, max_request_slots: int | None = 
             f"summaries ({summary / 2**20:.1f} MiB) and not one request's working sets "
             f"({request / 2**20:.1f} MiB): raise it, or lower --oasis-top-k or the host tier"
         )
-    return DeviceTierLayout(budget_bytes, summary, request, slots)
+    return DeviceTierLayout(budget_bytes, summary, request, slots, s.padding_slots)

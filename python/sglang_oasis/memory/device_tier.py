@@ -58,6 +58,7 @@ class DeviceTier:
         self.shape = shape
         self.layout = plan
         slots = plan.request_slots
+        allocated = slots + plan.padding_slots  # the padding slot (if any) is the last; no request claims it
         self.summaries = BlockSummaryStore(
             shape.num_layers,
             shape.host_pages,
@@ -68,15 +69,15 @@ class DeviceTier:
             device,
         )
         self.working_sets = WorkingSetPool(
-            slots, shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.slots_per_head,
+            allocated, shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.slots_per_head,
             shape.block_size, dtype, device, top_k,
         )  # fmt: skip
         self.active = ActiveBlocks(
-            slots, shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.block_size,
+            allocated, shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.block_size,
             shape.active_tokens, dtype, device,
         )  # fmt: skip
         # Per request slot, layer and KV head: the blocks the prefill window keeps selected (-1: none).
-        self.pinned = torch.full((slots, shape.num_layers, shape.num_kv_heads, shape.window_blocks), -1)
+        self.pinned = torch.full((allocated, shape.num_layers, shape.num_kv_heads, shape.window_blocks), -1)
         self._owner: list[tuple[int, int] | None] = [None] * slots  # request slot -> (req, generation)
         self._slot: dict[int, int] = {}  # SGLang req pool index -> its current request slot
         self._claimed_at = [0] * slots
@@ -153,6 +154,11 @@ class DeviceTier:
     @property
     def num_request_slots(self) -> int:
         return self.layout.request_slots
+
+    @property
+    def padding_slot(self) -> int | None:
+        """The slot padding rows of a captured step write into (``--oasis-decode-step captured``)."""
+        return self.layout.request_slots if self.layout.padding_slots else None
 
     @property
     def claims(self) -> int:

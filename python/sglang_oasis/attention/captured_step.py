@@ -1,0 +1,229 @@
+"""``--oasis-decode-step captured``: plain decode batches' sparse layers through the compiled
+``decode_layer`` (``decode_program.py``).
+
+Per decode pass, at its first sparse layer, ``CapturedStep.prepare`` (host side) decides whether the pass
+runs captured (``eligible``: every row an ordinary decode row whose tail the active blocks hold, no recall
+sample due, nothing the program does not cover), waits for any eager prefetch job still pending, does the
+step's host bookkeeping once for every layer (the new pages' epochs, the warm-start record, the retraction
+snapshot, the summarised positions) and pads the batch to its buckets. Each sparse layer then runs the
+compiled program; the counts it returns are folded into the server's counters after the last sparse layer.
+
+The program is compiled alone (``torch.compile(fullgraph=True, dynamic=False)``), not by SGLang's CPU graph
+runner (``--enable-torch-compile``): that runner compiles the whole model per batch size (minutes per size on
+these CPUs), needs every layer's backend to support CPU graphs (the dense layers' torch_native does not) and
+refuses speculative decoding (the lookahead). One compiled graph per (batch bucket, block bucket) serves
+every sparse layer (their state views have the same strides) and every step (the step is a tensor).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import torch
+
+from sglang_oasis.attention.batch_view import BatchView
+from sglang_oasis.attention.decode_program import (
+    COUNTS,
+    LayerState,
+    StepPlan,
+    StepShape,
+    bucket,
+    decode_layer,
+)
+from sglang_oasis.attention.request_slots import RequestSlots
+from sglang_oasis.memory.device_tier import DeviceTier
+from sglang_oasis.stats import OasisStats
+
+logger = logging.getLogger(__name__)
+
+MIN_BLOCK_BUCKET = 64
+
+
+def powers_of_two(low: int, high: int) -> tuple[int, ...]:
+    """``low, 2 low, 4 low, ...`` up to the first at least ``high``."""
+    out = [low]
+    while out[-1] < high:
+        out.append(out[-1] * 2)
+    return tuple(out)
+
+
+class CapturedStep:
+    def __init__(
+        self, config: Any, tier: DeviceTier, kv_pool: Any, req_to_token: torch.Tensor, slots: RequestSlots,
+        stats: OasisStats, sparse_layers: Sequence[int], record_layer: int,
+    ) -> None:  # fmt: skip
+        if tier.padding_slot is None:
+            raise ValueError("a captured decode step needs the device tier's padding slot")
+        self.tier, self.kv_pool, self.req_to_token, self.slots, self.stats = (
+            tier,
+            kv_pool,
+            req_to_token,
+            slots,
+            stats,
+        )
+        self.shape = StepShape.of(config, tier.active.span, tier.working_sets.num_slots, tier.padding_slot)
+        self.sparse_layers = list(sparse_layers)
+        self.record_layer = record_layer
+        self.batch_buckets = powers_of_two(1, tier.num_request_slots)
+        blocks = req_to_token.shape[1] // config.block_size
+        self.block_buckets = powers_of_two(MIN_BLOCK_BUCKET, blocks)
+        # one graph per shape; SGLang's own CPU runner raises the same limit
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
+        self.program: Callable[..., tuple[torch.Tensor, torch.Tensor]] = torch.compile(
+            decode_layer, fullgraph=True, dynamic=False
+        )
+        self._states: dict[int, LayerState] = {}
+        self._compiled: set[tuple[int, int]] = set()
+        self.plan: StepPlan | None = None
+        self.rows = 0
+        self.counts = torch.zeros((0, len(COUNTS)), dtype=torch.int64)
+        self.pending = False  # a decode pass began that may run captured; its first sparse layer plans it
+        self.finish_pending: Callable[[], None] = lambda: None  # eager prefetch jobs still running
+        self.before_select: Callable[[BatchView, int, list[int]], None] | None = None
+        # False while the server runs what the program does not cover (strict mode, fault injection,
+        # remote reads): every pass then runs eagerly
+        self.covers: Callable[[], bool] = lambda: True
+        # [request rows, layers]: positions whose keys are in the summaries (``KVIntake.summarised``)
+        self.summarised: torch.Tensor | None = None
+
+    @classmethod
+    def for_backend(cls, backend: Any) -> CapturedStep:
+        """The captured step of an ``OasisAttnBackend``, over its device tier, pool and counters."""
+        sparse = [
+            layer for layer in range(backend.token_to_kv_pool.layer_num) if layer not in backend.dense_layers
+        ]
+        step = cls(
+            backend.config, backend.tier, backend.token_to_kv_pool, backend.req_to_token_pool.req_to_token,
+            backend.slots, backend.stats, sparse, backend.selector.record_layer,
+        )  # fmt: skip
+        selector = backend.selector
+        step.finish_pending, step.before_select = selector.finish_pending, selector.before_select
+        step.summarised = backend.summarised
+        step.covers = lambda: backend.strict is None and selector.faults.prompt_len is None and (
+            selector.prefetcher.remote is None
+        )  # fmt: skip
+        return step
+
+    def begin(self, plain_decode: bool) -> None:
+        """A forward pass begins: a decode pass of ordinary rows with no recall sample due may run
+        captured (decided at its first sparse layer, ``ready``)."""
+        self.plan, self.pending = None, plain_decode and self.covers()
+
+    def ready(self, batch: BatchView, forward_batch: Any) -> bool:
+        """At a sparse layer of the pass: whether it runs captured (its first plans the pass)."""
+        if self.pending:
+            self.pending = False
+            self.finish_pending()  # the eager step's jobs change the tables the plan reads
+            seq_lens = forward_batch.seq_lens.cpu().to(torch.int64)
+            locs = forward_batch.out_cache_loc.cpu().to(torch.int64)
+            self.prepare(batch, seq_lens, locs)
+        return self.plan is not None
+
+    def prepare(self, batch: BatchView, seq_lens: torch.Tensor, locs: torch.Tensor) -> bool:
+        """Plan a decode pass of ``batch`` (``seq_lens`` with this step's token at host ``locs``); False:
+        it runs eagerly."""
+        self.plan = None
+        bs = len(batch.reqs)
+        if bs == 0 or bs > self.batch_buckets[-1] or not self._tails_held(batch, seq_lens):
+            return False
+        block = self.shape.block_size
+        full = int(seq_lens.max()) // block
+        if full > self.block_buckets[-1]:
+            return False
+        if self.before_select is not None:  # retraction's snapshot of the tables the step will change
+            for layer in self.sparse_layers:
+                self.before_select(batch, layer, seq_lens.tolist())
+        summaries = self.tier.summaries
+        started = locs[locs % block == 0] // block  # pages this step's token starts
+        summaries.epoch[started.to(torch.int64)] += 1
+        plan = StepPlan.build(
+            batch.slots, seq_lens, locs, self.req_to_token, batch.req_index, batch.step, self.shape,
+            bucket(bs, self.batch_buckets), bucket(full, self.block_buckets),
+        )  # fmt: skip
+        self.slots.record(batch.slots, plan.pages[:bs, :full], seq_lens // block, summaries.epoch)
+        if self.summarised is not None:  # the step folds its token into every sparse layer's summaries
+            self.summarised[batch.req_index[:, None], torch.tensor(self.sparse_layers)] = seq_lens[:, None]
+        self.plan, self.rows = plan, bs
+        self.counts = torch.zeros((len(plan.slots), len(COUNTS)), dtype=torch.int64)
+        return True
+
+    def _tails_held(self, batch: BatchView, seq_lens: torch.Tensor) -> bool:
+        """Every sparse layer's tail (positions ``covered * B .. seq_len - 1``) is in the active blocks with
+        room for the step's token, and at most one block filled up since the last selection."""
+        layers, slots = self.sparse_layers, batch.slots
+        if bool((slots < 0).any()):
+            return False
+        covered = self.tier.working_sets.covered[slots][:, layers]  # [bs, layers]
+        position = (seq_lens - 1)[:, None]
+        starts = covered * self.shape.block_size
+        active = self.tier.active
+        held = (starts >= active.start[slots][:, layers]) & (position <= active.end[slots][:, layers])
+        held |= starts >= position
+        short = position - starts + 1 <= self.shape.span
+        fresh = (seq_lens // self.shape.block_size)[:, None] - covered <= 1
+        return bool((held & short & fresh).all())
+
+    def decode(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """One sparse layer (SGLang's ``RadixAttention``) of the planned pass: SGLang's ``q``, ``k``, ``v``
+        rows of the batch's requests; returns the attention output as SGLang's decode does."""
+        plan, bs, layer_id = self.plan, self.rows, layer.layer_id
+        assert plan is not None
+        heads = self.tier.shape.num_kv_heads
+        q = q.reshape(bs, layer.tp_q_head_num, layer.qk_head_dim)
+        k, v = k.reshape(bs, heads, -1), v.reshape(bs, heads, -1)
+        rows = len(plan.slots)
+        if rows > bs:  # padding rows: zeros (their outputs are dropped)
+
+            def padded(t: torch.Tensor) -> torch.Tensor:
+                return torch.cat([t, t.new_zeros((rows - bs, *t.shape[1:]))])
+
+            q, k, v = padded(q), padded(k), padded(v)
+        state = self._states.get(layer_id)
+        if state is None:
+            state = self._states[layer_id] = LayerState.of(self.tier, self.kv_pool, layer_id)
+        shape_key = (rows, plan.pages.shape[1])
+        first = shape_key not in self._compiled
+        if first:
+            logger.info(
+                "oasis: compiling the captured decode step for %d rows x %d blocks (once per shape; torch "
+                "caches it across starts)", *shape_key,
+            )  # fmt: skip
+            started = time.perf_counter()
+        out, counts = self.program(self.shape, state, plan, q, k, v, layer.scaling)
+        if first:
+            self._compiled.add(shape_key)
+            logger.info("oasis: captured decode step for %d x %d compiled in %.1f s", *shape_key,
+                        time.perf_counter() - started)  # fmt: skip
+        self.counts += counts
+        if layer_id == self.sparse_layers[-1]:
+            self._fold(batch_rows=bs)
+        return out[:bs].reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
+
+    def _fold(self, batch_rows: int) -> None:
+        """The pass's counts into the server's counters and each request's figures (one read per pass)."""
+        counts = dict(zip(COUNTS, self.counts[:batch_rows].t(), strict=True))
+        layers = len(self.sparse_layers)
+        host = counts["loads"] - counts["from_active"]
+        stats, plan = self.stats, self.plan
+        assert plan is not None
+        stats.add("selections", batch_rows * layers)
+        stats.add("scored_selections", int(counts["scored"].sum()))
+        stats.add("selection_changes", int(counts["loads"].sum()))
+        stats.add("blocks_just_filled", int(counts["fresh"].sum()))
+        stats.add("blocks_from_active", int(counts["from_active"].sum()))
+        stats.add("blocks_deferred", int(counts["deferred"].sum()))
+        stats.add("captured_decode_passes")
+        if int(counts["overflow"].sum()):  # the plan's bound on fresh blocks failed: a bug, say it loudly
+            logger.error(
+                "oasis: a captured step had more loads than its %d copies per head", self.shape.copies
+            )
+        slots = plan.slots[:batch_rows].tolist()
+        loads = []
+        for slot, n in zip(slots, host.tolist(), strict=True):
+            owner = self.tier.owner(slot)
+            if n and owner is not None:
+                loads.append((owner[0], owner[1], n))
+        stats.add_loads(int(host.sum()), loads, self.tier.working_sets.bytes_per_block, at_decode=True)

@@ -1,0 +1,101 @@
+"""``--oasis-decode-step captured`` on a real server: the compiled decode step answers as the eager one.
+
+Two sparse servers on the tiny Qwen3 (4 layers, 2 KV heads), float32, K = 4 with a fetch cap of 1 block
+per head and step, requests' own K up to 64: one runs plain decode passes through the compiled program
+(``attention/captured_step.py``), the other eagerly. Three requests at once (batches of 1 to 3 rows: the
+batch buckets 1, 2 and 4, each compiled at first use) must give the same greedy tokens on both; with a
+request's K covering every block both must give what transformers gives (dense attention). Its own
+servers (compiling costs the first requests about half a minute per shape here): the unit lane runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+import pytest
+import requests
+import torch
+
+from sglang_oasis.server_process import ServerProcess, greedy_body
+
+pytestmark = pytest.mark.server
+
+NEW_TOKENS = 24
+PROMPTS = (333, 517, 700)  # tokens: 20 to 43 full blocks, none a multiple of the block
+
+
+def _serve(model_dir: Path, logs: Path, decode_step: str) -> Iterator[ServerProcess]:
+    args = [
+        "--model-path", str(model_dir), "--dtype", "float32", "--oasis-top-k", "4", "--oasis-fetch-ratio", "0.25",
+        "--oasis-recall-max-top-k", "64", "--oasis-host-kv-tokens", "8192", "--oasis-device-kv-tokens", "8192",
+        "--oasis-recall-sample-every", "16", "--oasis-decode-step", decode_step,
+    ]  # fmt: skip
+    with ServerProcess(args, log_path=logs / f"tiny-qwen3-{decode_step}.log") as server:
+        yield server
+
+
+@pytest.fixture(scope="module")
+def captured_server(
+    tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    yield from _serve(tiny_qwen3_dir, tmp_path_factory.mktemp("logs"), "captured")
+
+
+@pytest.fixture(scope="module")
+def eager_server(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    yield from _serve(tiny_qwen3_dir, tmp_path_factory.mktemp("logs"), "eager")
+
+
+def prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 49152, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def generate_all(server: ServerProcess, options: dict[str, Any] | None = None) -> list[list[int]]:
+    """The three prompts at once; each request's greedy tokens."""
+
+    def one(length: int) -> list[int]:
+        body = greedy_body(prompt(length, seed=length), NEW_TOKENS)
+        if options:
+            body["sampling_params"]["custom_params"] = options
+        response = requests.post(server.url + "/generate", json=body, timeout=600)
+        assert response.status_code == 200, response.text
+        return list(response.json()["output_ids"])
+
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:
+        return list(pool.map(one, PROMPTS))
+
+
+def test_captured_server_answers_as_the_eager_one(
+    captured_server: ServerProcess, eager_server: ServerProcess
+) -> None:
+    before = captured_server.oasis_stats()
+    captured = generate_all(captured_server)
+    after = captured_server.oasis_stats()
+    assert captured == generate_all(eager_server)
+    passes = after["captured_decode_passes"] - before["captured_decode_passes"]
+    steps = after["decode_steps"] - before["decode_steps"]
+    # every decode pass but those a recall sample is due in (one in 16) ran the compiled step
+    assert steps - steps // 16 - 2 <= passes < steps, (passes, steps)
+    assert after["blocks_deferred"] > before["blocks_deferred"]  # K = 4 of 20+ blocks, cap 1: it selects
+    assert eager_server.oasis_stats()["captured_decode_passes"] == 0
+
+
+def test_captured_server_with_k_covering_equals_dense_attention(
+    captured_server: ServerProcess, eager_server: ServerProcess, tiny_qwen3_dir: Path
+) -> None:
+    from transformers import AutoModelForCausalLM
+
+    covering = {"oasis_top_k": 64}  # 64 blocks hold every prompt here: dense attention
+    captured = generate_all(captured_server, covering)
+    assert captured == generate_all(eager_server, covering)
+    model = AutoModelForCausalLM.from_pretrained(tiny_qwen3_dir, dtype=torch.float32).eval()
+    for length, tokens in zip(PROMPTS, captured, strict=True):
+        with torch.no_grad():
+            out = model.generate(
+                torch.tensor([prompt(length, seed=length)]), max_new_tokens=NEW_TOKENS, do_sample=False,
+                eos_token_id=None, pad_token_id=0,
+            )  # fmt: skip
+        assert tokens == out[0, length:].tolist(), length
