@@ -13,8 +13,14 @@ Four servers, one after another, on SmolLM2 (``--num-layers`` truncates it):
   the context's N full blocks (64 for 1,024 tokens of 16) and the product's default fetch ratio, so every
   decode step scores the block summaries and runs top-K in every layer. Its output may differ from
   dense's; that does not fail the run.
+- ``sparse_captured`` and ``sparse_k_sparse_captured``: ``sparse_async`` and ``sparse_k_sparse`` with
+  ``--oasis-decode-step captured`` (the compiled decode step; it always scores and plans, no shortcut).
+  ``sparse_captured`` keeps the default fetch ratio: a fixed-shape step has room for as many copies per
+  step as the cap allows (every slot without a cap, copied or not), and with K covering every block the
+  cap never binds (admission and blocks that just filled up are not capped), so it loads what
+  ``sparse_async`` loads.
 
-Each server gets a warm-up request, then ``--repeats`` streamed greedy generations of the same essay
+Each server gets a warm-up request (a whole generation: the captured modes compile there), then ``--repeats`` streamed greedy generations of the same essay
 prompt, one at a time. TPOT of a generation = (last token time - first token time) / (tokens - 1); a
 mode's TPOT is the median over the repeats. The greedy output ids of every repeat are compared with
 dense's first: a sparse mode is ``identical_to_dense`` when all of its repeats match token for token, and
@@ -42,7 +48,8 @@ the recall telemetry on (``--oasis-recall-sample-every N``); ``recall_cost_ratio
 ``lookahead_agreement`` and ``recall_samples`` as the server reports them after its repeats.
 
 Writes ``ratio_k_covering`` (sparse_async TPOT / dense TPOT, K covering every block), ``ratio_k_sparse``
-(sparse_k_sparse / dense, K < N), ``ratio_tpot`` (the same as ``ratio_k_covering``, kept for
+(sparse_k_sparse / dense, K < N), ``ratio_k_covering_captured`` and ``ratio_k_sparse_captured`` (the
+captured modes / dense), ``ratio_tpot`` (the same as ``ratio_k_covering``, kept for
 continuity), ``ratio_tpot_sync`` (sparse_sync / dense), ``target_ratio_tpot`` (1.15, for the K covering
 ratio), one section per mode (``dense``, ``sparse_async``, ``sparse_sync``, ``sparse_k_sparse``) with
 ``tpot_ms``, ``tpot_ms_runs`` and ``error`` when it failed, the sparse ones also with ``top_k``,
@@ -68,8 +75,15 @@ from sglang_oasis.config import OasisConfig
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.server_process import ServerProcess
 
-MODES = ("dense", "sparse_async", "sparse_sync", "sparse_k_sparse")
-COVERING_MODES = ("sparse_async", "sparse_sync")  # K covering every block, no fetch cap
+MODES = (
+    "dense",
+    "sparse_async",
+    "sparse_sync",
+    "sparse_k_sparse",
+    "sparse_captured",
+    "sparse_k_sparse_captured",
+)
+COVERING_MODES = ("sparse_async", "sparse_sync", "sparse_captured")  # K covering every block, no fetch cap
 RECALL_MODE = "sparse_k_sparse_recall"  # sparse_k_sparse with recall telemetry (--recall-sample-every N)
 TARGET_RATIO_TPOT = 1.15
 # ratio key -> the sparse mode whose TPOT it divides by dense's
@@ -78,6 +92,8 @@ RATIOS = {
     "ratio_k_sparse": "sparse_k_sparse",
     "ratio_tpot": "sparse_async",
     "ratio_tpot_sync": "sparse_sync",
+    "ratio_k_covering_captured": "sparse_captured",
+    "ratio_k_sparse_captured": "sparse_k_sparse_captured",
 }
 
 
@@ -184,10 +200,14 @@ def server_args(
     common = ["--model-path", str(model), "--context-length", str(context_length), "--dtype", dtype]
     if mode == "dense":
         return [*common, "--oasis-mode", "dense", "--max-total-tokens", str(pool_tokens)]
-    # K < N keeps the product's default fetch ratio; K covering loads every block at once
-    fetch = [] if mode.startswith("sparse_k_sparse") else ["--oasis-fetch-ratio", "1.0"]
+    # K < N keeps the product's default fetch ratio; K covering loads every block at once (the captured
+    # step keeps the default: a fixed-shape step copies as many blocks per step as the cap allows, every
+    # slot without one; with K covering the cap never binds, admission and filled-up blocks are uncapped)
+    uncapped = not mode.startswith("sparse_k_sparse") and not mode.endswith("_captured")
+    fetch = ["--oasis-fetch-ratio", "1.0"] if uncapped else []
     recall = ["--oasis-recall-sample-every", str(recall_every)] if mode == RECALL_MODE else []
-    return [*recall,
+    step = ["--oasis-decode-step", "captured"] if mode.endswith("_captured") else []
+    return [*recall, *step,
         *common, "--oasis-mode", "sparse", "--oasis-top-k", str(top_k), "--oasis-block-size", str(block_size),
         *fetch, "--oasis-prefetch", "sync" if mode == "sparse_sync" else "async",
         "--oasis-host-kv-tokens", str(pool_tokens), "--oasis-device-kv-tokens", str(4 * top_k * block_size),
@@ -195,7 +215,8 @@ def server_args(
 
 
 def measure(server: ServerProcess, prompt: list[int], output_tokens: int, repeats: int) -> dict[str, Any]:
-    warm = stream_generate(server.url, prompt, min(8, output_tokens))
+    # a whole generation: a captured step compiles each shape the timed ones meet (a block bucket crossed)
+    warm = stream_generate(server.url, prompt, output_tokens)
     if warm.error:
         raise RuntimeError(f"warm-up request failed: {warm.error}")
     try:
@@ -239,6 +260,7 @@ def main() -> int:
         help="N > 0: also run sparse_k_sparse with --oasis-recall-sample-every N (its cost: recall_cost_ratio)",
     )
     parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--modes", default=",".join(MODES), help="the modes to run (dense always runs)")
     parser.add_argument("--dtype", default="float32", help="SGLang --dtype of every server")
     args = parser.parse_args()
     if args.output_tokens < 2 or args.repeats < 1:
@@ -266,7 +288,12 @@ def main() -> int:
     }  # fmt: skip
     logs = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     print(f"server logs in {logs}", flush=True)
-    modes = (*MODES, RECALL_MODE) if args.recall_sample_every > 0 else MODES
+    chosen = {"dense", *args.modes.split(",")}
+    unknown = chosen - set(MODES)
+    if unknown:
+        parser.error(f"--modes: unknown {', '.join(sorted(unknown))}; choose from {', '.join(MODES)}")
+    modes = tuple(mode for mode in MODES if mode in chosen)
+    modes = (*modes, RECALL_MODE) if args.recall_sample_every > 0 else modes
     results["settings"]["recall_sample_every"] = args.recall_sample_every
     for mode in modes:
         print(f"[bench_overhead] {mode} ...", flush=True)
@@ -347,7 +374,7 @@ def main() -> int:
             f"lookahead_agreement {_fmt(r.get('lookahead_agreement'))}",
         )
     args.json.parent.mkdir(parents=True, exist_ok=True)
-    first = (*RATIOS, "target_ratio_tpot", *MODES)  # run_all shows the first 8 numbers
+    first = (*RATIOS, "target_ratio_tpot", *modes)  # run_all shows the first 8 numbers
     results = {**{key: results[key] for key in first}, **results}
     args.json.write_text(json.dumps(results, indent=2) + "\n")
     print(f"wrote {args.json}")

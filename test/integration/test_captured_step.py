@@ -99,3 +99,33 @@ def test_captured_server_with_k_covering_equals_dense_attention(
                 eos_token_id=None, pad_token_id=0,
             )  # fmt: skip
         assert tokens == out[0, length:].tolist(), length
+
+
+def test_captured_soak_serves_every_surviving_request_as_alone(
+    captured_server: ServerProcess, tiny_qwen3_dir: Path
+) -> None:
+    """The soak's mix (``benchmark/soak.py``: mixed lengths, shared stems, repeats, streaming, client
+    disconnects and aborts), 40 requests 8 at a time, on the captured server: every completed request
+    answers as alone (batches padded to other buckets than a lone request's must not change a row's
+    tokens), nothing fails unexpectedly, nothing is held after the drain."""
+    import sys
+
+    from transformers import AutoTokenizer
+
+    from sglang_oasis.evaluation.passkey import essays_text
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
+    from soak import HELD, compare, drain, nothing_held, run_mix, solo_outputs, workload
+
+    corpus = AutoTokenizer.from_pretrained(tiny_qwen3_dir).encode(essays_text(), add_special_tokens=False)
+    reqs = workload(seed=39, count=40, corpus=corpus, prompt_tokens=(80, 700), new_tokens=(8, 40))
+    before = captured_server.oasis_stats()
+    outcomes = run_mix(captured_server.url, reqs, 8)
+    held = drain(captured_server.url, sparse=True)
+    report = {**compare(reqs, outcomes, solo_outputs(captured_server.url, reqs, outcomes)), "held": held}
+    after = captured_server.oasis_stats()
+    print(report)
+    assert report["failed_unexpectedly"] == 0 and report["differing"] == 0, report["problems"]
+    assert report["completed"] >= 20, report
+    assert nothing_held(held) == {} and len(held) == len(HELD) + 1, held
+    assert after["captured_decode_passes"] - before["captured_decode_passes"] > 100, after

@@ -73,12 +73,16 @@ def test_tpot_ratios_divide_each_mode_by_dense() -> None:
         "sparse_async": {"tpot_ms": 55.0},
         "sparse_sync": {"tpot_ms": 60.0},
         "sparse_k_sparse": {"tpot_ms": 40.0},
+        "sparse_captured": {"tpot_ms": 45.0},
+        "sparse_k_sparse_captured": {"tpot_ms": 30.0},
     }
     assert tpot_ratios(results) == {
         "ratio_k_covering": 1.1,
         "ratio_k_sparse": 0.8,
         "ratio_tpot": 1.1,
         "ratio_tpot_sync": 1.2,
+        "ratio_k_covering_captured": 0.9,
+        "ratio_k_sparse_captured": 0.6,
     }
 
 
@@ -94,6 +98,8 @@ def test_tpot_ratios_of_a_failed_mode_are_none() -> None:
         "ratio_k_sparse": None,
         "ratio_tpot": 1.5,
         "ratio_tpot_sync": None,
+        "ratio_k_covering_captured": None,
+        "ratio_k_sparse_captured": None,
     }
     no_dense = {"dense": {"error": "x"}, "sparse_async": {"tpot_ms": 75.0}}
     assert set(tpot_ratios(no_dense).values()) == {None}
@@ -189,10 +195,19 @@ def test_server_args_k_sparse_keeps_the_default_fetch_ratio() -> None:
     model = Path("/models/smollm2")
     argv = {mode: server_args(mode, model, 16, 16, 8192, 1344, "float32") for mode in MODES}
     assert "--oasis-fetch-ratio" not in argv["sparse_k_sparse"]
+    assert "--oasis-fetch-ratio" not in argv["sparse_k_sparse_captured"]
+    assert "--oasis-fetch-ratio" not in argv["sparse_captured"]  # K covering: the cap never binds
     for mode in ("sparse_async", "sparse_sync"):
         assert argv[mode][argv[mode].index("--oasis-fetch-ratio") + 1] == "1.0"
     prefetch = {mode: argv[mode][argv[mode].index("--oasis-prefetch") + 1] for mode in MODES[1:]}
-    assert prefetch == {"sparse_async": "async", "sparse_sync": "sync", "sparse_k_sparse": "async"}
+    assert prefetch == {"sparse_async": "async", "sparse_sync": "sync", "sparse_k_sparse": "async",
+                        "sparse_captured": "async", "sparse_k_sparse_captured": "async"}  # fmt: skip
+    steps = {mode for mode in MODES if "--oasis-decode-step" in argv[mode]}
+    assert steps == {"sparse_captured", "sparse_k_sparse_captured"}
+    for mode in steps:
+        assert argv[mode][argv[mode].index("--oasis-decode-step") + 1] == "captured"
+    captured = [a for a in argv["sparse_k_sparse_captured"] if a not in ("--oasis-decode-step", "captured")]
+    assert captured == argv["sparse_k_sparse"]
     k_sparse = argv["sparse_k_sparse"]
     assert k_sparse[k_sparse.index("--oasis-top-k") + 1] == "16"
     assert k_sparse[k_sparse.index("--oasis-mode") + 1] == "sparse"

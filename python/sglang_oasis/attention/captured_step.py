@@ -82,7 +82,7 @@ class CapturedStep:
         self.counts = torch.zeros((0, len(COUNTS)), dtype=torch.int64)
         self.pending = False  # a decode pass began that may run captured; its first sparse layer plans it
         self.finish_pending: Callable[[], None] = lambda: None  # eager prefetch jobs still running
-        self.before_select: Callable[[BatchView, int, list[int]], None] | None = None
+        self.before_select: Callable[[BatchView, int | None, list[int]], None] | None = None
         # False while the server runs what the program does not cover (strict mode, fault injection,
         # remote reads): every pass then runs eagerly
         self.covers: Callable[[], bool] = lambda: True
@@ -134,8 +134,7 @@ class CapturedStep:
         if full > self.block_buckets[-1]:
             return False
         if self.before_select is not None:  # retraction's snapshot of the tables the step will change
-            for layer in self.sparse_layers:
-                self.before_select(batch, layer, seq_lens.tolist())
+            self.before_select(batch, None, seq_lens.tolist())
         summaries = self.tier.summaries
         started = locs[locs % block == 0] // block  # pages this step's token starts
         summaries.epoch[started.to(torch.int64)] += 1

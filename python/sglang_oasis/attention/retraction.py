@@ -106,12 +106,13 @@ class Retractions:
         """Kept selection states not resumed yet."""
         return len(self._saved)
 
-    def remember(self, batch: BatchView, layer: int, seq_lens: list[int]) -> None:
-        """Before a selection at ``layer`` (the job that changes the tables has not started): the rows it
-        will change, as they are."""
+    def remember(self, batch: BatchView, layer: int | None, seq_lens: list[int]) -> None:
+        """Before a selection at ``layer`` (None: every layer, a captured pass) (the job that changes the
+        tables has not started): the rows it will change, as they are."""
         slots, sets = batch.slots, self.working_sets
+        at = slots if layer is None else (slots, layer)
         for name, before in self._before.items():
-            before[slots, layer] = getattr(sets, name)[slots, layer]
+            before[at] = getattr(sets, name)[at]
         self._before_len[slots] = torch.tensor(seq_lens, dtype=torch.int64)
         self._before_step[slots] = batch.step
         self._before_admission[slots] = batch.admitting

@@ -106,8 +106,9 @@ class Selector:
             self.num_kv_heads,
         )
         self.caps = FetchCaps(config, int(kv_pool.layer_num))
-        # called with (batch, layer, seq_lens) before a selection changes the working sets (retraction.py)
-        self.before_select: Callable[[BatchView, int, list[int]], None] | None = None
+        # called with (batch, layer, seq_lens) before a selection changes the working sets (retraction.py;
+        # layer None: every layer, before a captured pass)
+        self.before_select: Callable[[BatchView, int | None, list[int]], None] | None = None
 
     def select(
         self,
