@@ -323,3 +323,26 @@ def test_backend_runs_plain_decode_passes_captured() -> None:
                  "blocks_just_filled", "blocks_from_active", "blocks_deferred"):  # fmt: skip
         assert ours[name] == theirs[name], name
     stop(eager, captured)
+
+
+def test_a_captured_step_that_fails_leaves_the_server_decoding_eagerly() -> None:
+    """A program that cannot compile (here: raises at the 5th pass) is logged, that layer and every later
+    pass run the eager step, and the answers stay the eager backend's: nothing is lost."""
+    config, own_k, pins = configs("k_sparse_capped")
+    eager = admitted(config, own_k, pins)
+    captured = admitted(dataclasses.replace(config, decode_step="captured"), own_k, pins)
+    assert captured.captured is not None
+    calls = [0]
+
+    def failing(*args: Any) -> Any:
+        calls[0] += 1
+        if calls[0] >= 5:
+            raise RuntimeError("no C++ compiler")
+        return decode_layer(*args)
+
+    captured.captured.program = failing
+    for step in range(12):
+        torch.testing.assert_close(eager_step(captured, step), eager_step(eager, step), rtol=1e-5, atol=1e-6)
+        assert_same_state(eager, captured)
+    assert calls[0] == 5 and captured.stats.snapshot()["captured_decode_passes"] == 4
+    stop(eager, captured)

@@ -112,6 +112,16 @@ class CapturedStep:
         captured (decided at its first sparse layer, ``ready``)."""
         self.plan, self.pending = None, plain_decode and self.covers()
 
+    def run(
+        self, batch: BatchView, forward_batch: Any, layer: Any, q: torch.Tensor, k: torch.Tensor | None,
+        v: torch.Tensor | None,
+    ) -> torch.Tensor | None:  # fmt: skip
+        """A sparse layer's decode, captured when the pass is (its first sparse layer plans it); None: the
+        layer runs eagerly."""
+        if k is None or v is None or not self.ready(batch, forward_batch):
+            return None
+        return self.decode(layer, q, k, v)
+
     def ready(self, batch: BatchView, forward_batch: Any) -> bool:
         """At a sparse layer of the pass: whether it runs captured (its first plans the pass)."""
         if self.pending:
@@ -165,9 +175,11 @@ class CapturedStep:
         fresh = (seq_lens // self.shape.block_size)[:, None] - covered <= 1
         return bool((held & short & fresh).all())
 
-    def decode(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def decode(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
         """One sparse layer (SGLang's ``RadixAttention``) of the planned pass: SGLang's ``q``, ``k``, ``v``
-        rows of the batch's requests; returns the attention output as SGLang's decode does."""
+        rows of the batch's requests; returns the attention output as SGLang's decode does (None: the
+        program failed: the layer runs eagerly, and every later pass; a failure to compile, the likely
+        one, changed nothing)."""
         plan, bs, layer_id = self.plan, self.rows, layer.layer_id
         assert plan is not None
         heads = self.tier.shape.num_kv_heads
@@ -191,7 +203,13 @@ class CapturedStep:
                 "caches it across starts)", *shape_key,
             )  # fmt: skip
             started = time.perf_counter()
-        out, counts = self.program(self.shape, state, plan, q, k, v, layer.scaling)
+        try:
+            out, counts = self.program(self.shape, state, plan, q, k, v, layer.scaling)
+        except Exception:  # never the process: this server decodes eagerly from here on
+            logger.exception("oasis: the captured decode step failed (%d rows x %d blocks); decoding eagerly "
+                             "from now on", *shape_key)  # fmt: skip
+            self.covers, self.plan = (lambda: False), None
+            return None
         if first:
             self._compiled.add(shape_key)
             logger.info("oasis: captured decode step for %d x %d compiled in %.1f s", *shape_key,

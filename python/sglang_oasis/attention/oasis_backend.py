@@ -67,8 +67,7 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
         if pool.page_size != self.block_size:
             raise ValueError(f"oasis backend needs --page-size {self.block_size} (= --oasis-block-size), got "
                              f"{pool.page_size}")  # fmt: skip
-        self.num_kv_heads = pool.head_num
-        args = model_runner.server_args
+        self.num_kv_heads, args = pool.head_num, model_runner.server_args
         self.tier = DeviceTier.for_pool(
             pool, config, getattr(args, "max_running_requests", None), self.req_to_token_pool, self.device
         )
@@ -223,8 +222,9 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
                 self.attention.count_host_read("dense_layer_bytes_host_to_device", self.batch.reqs,
                                                forward_batch.seq_lens.cpu())  # fmt: skip
             return super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache)
-        if self.captured is not None and save_kv_cache and self.captured.ready(self.batch, forward_batch):
-            return self.captured.decode(layer, q, k, v)
+        out = self.captured.run(self.batch, forward_batch, layer, q, k, v) if self.captured else None
+        if out is not None:  # captured_step.py; None: this layer runs eagerly
+            return out
         self.selector.wait(layer_id)
         seq_lens = forward_batch.seq_lens.cpu().to(torch.int64)
         # PD arrivals and resumed retracted requests: their KV joins the summaries first (others: no-op)

@@ -1,0 +1,123 @@
+"""Sparse mode through SGLang's own load generator: ``python -m sglang.bench_serving`` against a dense
+server and sparse servers, one after another, and their TPOT ratios.
+
+Each server (SmolLM2, ``--num-layers`` truncates it; ``--dtype``, float32 by default) gets SGLang's
+``bench_serving --backend sglang --dataset-name random-ids`` with ``--num-prompts`` prompts of exactly
+``--input-len`` random token ids and ``--output-len`` output tokens (EOS ignored), ``--concurrency`` at once,
+one warm-up request first (the captured step compiles there and at the first batches). Modes:
+
+- ``dense``: dense SGLang, the baseline;
+- ``sparse_eager``: sparse, K = ``--top-k`` (default 32) blocks of 16, the eager decode step;
+- ``sparse_captured``: the same with ``--oasis-decode-step captured``.
+
+The sparse servers keep the product's defaults otherwise (fetch cap, prefill window, recall telemetry).
+Reads each run's ``--output-file`` (SGLang's JSON line) and reports ``mean_tpot_ms``, ``median_tpot_ms``,
+``mean_ttft_ms`` and ``output_throughput`` per mode, and ``tpot_ratio_<mode>`` = its mean TPOT / dense's.
+
+    python benchmark/bench_sglang_serving.py --json serving.json [--input-len 3000] [--output-len 128]
+        [--num-prompts 4] [--concurrency 4] [--top-k 32] [--num-layers N] [--modes dense,sparse_eager,...]
+
+Prints a table and writes JSON (``modes.<mode>``, the ratios, ``settings``, ``date``, ``machine``). Exits 1
+if a mode failed (the JSON is written anyway). About 10 minutes on 2 cores at the defaults.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from common import machine_info, print_table
+from sglang_oasis.models.default_model import prepare_default_model
+from sglang_oasis.server_process import ServerProcess, child_env
+
+MODES = ("dense", "sparse_eager", "sparse_captured")
+FIELDS = ("mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms", "output_throughput", "completed")
+
+
+def server_args(mode: str, model: Path, args: argparse.Namespace) -> list[str]:
+    tokens = args.num_prompts * (args.input_len + args.output_len) + 4096
+    common = ["--model-path", str(model), "--dtype", args.dtype, "--context-length", str(args.input_len + args.output_len + 256)]  # fmt: skip
+    if mode == "dense":
+        return [*common, "--oasis-mode", "dense", "--max-total-tokens", str(tokens)]
+    step = "captured" if mode == "sparse_captured" else "eager"
+    return [*common, "--oasis-top-k", str(args.top_k), "--oasis-host-kv-tokens", str(tokens),
+            "--oasis-decode-step", step]  # fmt: skip
+
+
+def bench(server: ServerProcess, model: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+    command = [
+        sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", server.url,
+        "--model", str(model), "--tokenizer", str(model), "--dataset-name", "random-ids",
+        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--random-range-ratio", "1", "--num-prompts", str(args.num_prompts), "--max-concurrency",
+        str(args.concurrency), "--warmup-requests", "1", "--seed", "1", "--disable-tqdm", "--output-file", str(out),
+    ]  # fmt: skip
+    done = subprocess.run(command, env=child_env({"HF_HUB_OFFLINE": "1"}), capture_output=True, text=True)
+    if done.returncode != 0 or not out.exists():
+        raise RuntimeError(f"bench_serving exited {done.returncode}: {done.stderr[-1500:]}")
+    line = out.read_text().strip().splitlines()[-1]
+    result = json.loads(line)
+    return {name: result.get(name) for name in FIELDS}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--json", type=Path, required=True)
+    parser.add_argument("--input-len", type=int, default=3000)
+    parser.add_argument("--output-len", type=int, default=128)
+    parser.add_argument("--num-prompts", type=int, default=4)
+    parser.add_argument("--concurrency", type=int, default=4)
+    parser.add_argument("--top-k", type=int, default=32)
+    parser.add_argument("--num-layers", type=int, default=None)
+    parser.add_argument("--dtype", default="float32")
+    parser.add_argument("--modes", default=",".join(MODES))
+    args = parser.parse_args()
+    modes = [mode for mode in MODES if mode in args.modes.split(",")]
+    model = prepare_default_model(args.num_layers)
+    logs = Path(tempfile.mkdtemp(prefix="bench-sglang-serving-"))
+    print(f"server logs in {logs}", flush=True)
+    results: dict[str, Any] = {"modes": {}}
+    for mode in modes:
+        print(f"[bench_sglang_serving] {mode} ...", flush=True)
+        try:
+            with ServerProcess(server_args(mode, model, args), log_path=logs / f"{mode}.log") as server:
+                results["modes"][mode] = bench(server, model, args, logs / f"{mode}.jsonl")
+                if mode != "dense":
+                    stats = server.oasis_stats()
+                    results["modes"][mode]["captured_decode_passes"] = stats.get("captured_decode_passes")
+                    results["modes"][mode]["decode_steps"] = stats.get("decode_steps")
+        except Exception as exc:  # a failed server or run: record it and go on
+            results["modes"][mode] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+    dense = results["modes"].get("dense", {}).get("mean_tpot_ms")
+    for mode in modes[1:]:
+        tpot = results["modes"][mode].get("mean_tpot_ms")
+        results[f"tpot_ratio_{mode}"] = tpot / dense if tpot and dense else None
+    rows = []
+    for mode in modes:
+        r = results["modes"][mode]
+        ratio = results.get(f"tpot_ratio_{mode}", 1.0 if mode == "dense" else None)
+        rows.append([mode, *(r.get(name, "-") for name in FIELDS), "-" if ratio is None else f"{ratio:.2f}",
+                     r.get("error", "")[:60]])  # fmt: skip
+    print_table(["mode", *FIELDS, "tpot_vs_dense", "error"], rows)
+    results["settings"] = {
+        "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
+        "concurrency": args.concurrency, "top_k": args.top_k, "num_layers": args.num_layers or 30, "dtype": args.dtype,
+    }  # fmt: skip
+    results["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
+    results["machine"] = machine_info()
+    args.json.parent.mkdir(parents=True, exist_ok=True)
+    args.json.write_text(json.dumps(results, indent=2) + "\n")
+    print(f"wrote {args.json}")
+    return 1 if any("error" in results["modes"][mode] for mode in modes) else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

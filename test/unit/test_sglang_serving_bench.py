@@ -1,0 +1,27 @@
+"""The pure pieces of benchmark/bench_sglang_serving.py: the servers it compares differ only where they
+should (no server is started here; the benchmark itself runs SGLang's bench_serving against real ones)."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
+
+from bench_sglang_serving import MODES, server_args
+
+
+def test_sparse_servers_differ_only_in_the_decode_step() -> None:
+    args = argparse.Namespace(num_prompts=4, input_len=3000, output_len=128, dtype="float32", top_k=32)
+    argv = {mode: server_args(mode, Path("/m"), args) for mode in MODES}
+    assert argv["dense"][argv["dense"].index("--oasis-mode") + 1] == "dense"
+    assert "--oasis-top-k" not in argv["dense"] and "--oasis-decode-step" not in argv["dense"]
+    eager, captured = argv["sparse_eager"], argv["sparse_captured"]
+    assert eager[eager.index("--oasis-decode-step") + 1] == "eager"
+    assert captured[captured.index("--oasis-decode-step") + 1] == "captured"
+    assert [a for a in eager if a != "eager"] == [a for a in captured if a != "captured"]
+    assert eager[eager.index("--oasis-top-k") + 1] == "32"
+    # every server holds the whole run's KV: 4 x (3000 + 128) tokens and a margin
+    for mode, tokens in (("dense", "--max-total-tokens"), ("sparse_eager", "--oasis-host-kv-tokens")):
+        assert int(argv[mode][argv[mode].index(tokens) + 1]) >= 4 * 3128
