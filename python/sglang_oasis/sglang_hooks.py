@@ -148,7 +148,7 @@ def draft_extend_backend(original: Callable[..., Any], factory: Any, *args: Any,
     prefill_backend, _decode_backend = attention_backends()
     if (factory.draft_attn_backend or prefill_backend) != BACKEND_NAME:
         return original(factory, *args, **kwargs)
-    from sglang_oasis.attention.oasis_backend import DraftAttnBackend
+    from sglang_oasis.attention.draft_backend import DraftAttnBackend
 
     backend = DraftAttnBackend(factory.draft_model_runner)
     backend.prefill_attention_backend_str = BACKEND_NAME

@@ -57,13 +57,8 @@ class CapturedStep:
     ) -> None:  # fmt: skip
         if tier.padding_slot is None:
             raise ValueError("a captured decode step needs the device tier's padding slot")
-        self.tier, self.kv_pool, self.req_to_token, self.slots, self.stats = (
-            tier,
-            kv_pool,
-            req_to_token,
-            slots,
-            stats,
-        )
+        self.tier, self.kv_pool, self.req_to_token = tier, kv_pool, req_to_token
+        self.slots, self.stats = slots, stats
         self.shape = StepShape.of(config, tier.active.span, tier.working_sets.num_slots, tier.padding_slot)
         self.sparse_layers = list(sparse_layers)
         self.record_layer = record_layer

@@ -31,6 +31,7 @@ from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 from sglang_oasis.attention.batch_view import BatchView, extend_prefix_lens, extend_seq_lens
 from sglang_oasis.attention.block_prefetcher import INJECT_ENV
 from sglang_oasis.attention.captured_step import CapturedStep
+from sglang_oasis.attention.draft_backend import DraftAttnBackend
 from sglang_oasis.attention.extend_attention import CachedPrefixExtend
 from sglang_oasis.attention.gauges import Gauges, held_by
 from sglang_oasis.attention.kv_intake import KVIntake
@@ -44,7 +45,6 @@ from sglang_oasis.attention.sparse_attention import SparseAttention
 from sglang_oasis.attention.strict_mode import StrictMode
 from sglang_oasis.attention.transfer_failures import TransferFailures
 from sglang_oasis.config import OasisConfig
-from sglang_oasis.disaggregation.pd_partial import register_draft_pool
 from sglang_oasis.memory.device_tier import DeviceTier
 from sglang_oasis.stats import OasisStats
 
@@ -310,11 +310,3 @@ def create_oasis_backend(model_runner: Any) -> TorchNativeAttnBackend:
     inject = os.environ.get(INJECT_ENV)
     faults = FaultInjection(int(inject) if inject else None)
     return OasisAttnBackend(model_runner, config, faults, StrictMode.from_env())
-
-
-class DraftAttnBackend(TorchNativeAttnBackend):
-    """Dense attention for the draft model of ``--oasis-lookahead eagle3`` (one layer, its own KV)."""
-
-    def __init__(self, model_runner: Any) -> None:
-        super().__init__(model_runner)
-        register_draft_pool(model_runner.token_to_kv_pool)  # PD remote fetching moves it whole

@@ -1,0 +1,23 @@
+"""``DraftAttnBackend``: dense attention for the EAGLE-3 draft model of ``--oasis-lookahead eagle3``.
+
+The draft model (one layer) attends densely over its own small KV cache, SGLang's torch_native way; the
+oasis backend's factory gives it to a draft worker, and hook 1 (``sglang_hooks.draft_extend_backend``) to
+the draft's extend. Its own file so that the hooks need not import the oasis backend (which imports the
+parts that read the hooks' listener names).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
+
+from sglang_oasis.disaggregation.pd_partial import register_draft_pool
+
+
+class DraftAttnBackend(TorchNativeAttnBackend):
+    """Dense attention for the draft model of ``--oasis-lookahead eagle3`` (one layer, its own KV)."""
+
+    def __init__(self, model_runner: Any) -> None:
+        super().__init__(model_runner)
+        register_draft_pool(model_runner.token_to_kv_pool)  # PD remote fetching moves it whole
