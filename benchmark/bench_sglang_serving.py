@@ -4,7 +4,8 @@ server and sparse servers, one after another, and their TPOT ratios.
 Each server (SmolLM2, ``--num-layers`` truncates it; ``--dtype``, float32 by default) gets SGLang's
 ``bench_serving --backend sglang --dataset-name random-ids`` with ``--num-prompts`` prompts of exactly
 ``--input-len`` random token ids and ``--output-len`` output tokens (EOS ignored), ``--concurrency`` at once,
-one warm-up request first (the captured step compiles there and at the first batches). Modes:
+after ``--warmup-runs`` untimed runs of the same shape with other prompts (default 1: the captured step
+compiles each batch and block bucket it meets at first use, tens of seconds of a run otherwise). Modes:
 
 - ``dense``: dense SGLang, the baseline;
 - ``sparse_eager``: sparse, K = ``--top-k`` (default 32) blocks of 16, the eager decode step;
@@ -50,13 +51,15 @@ def server_args(mode: str, model: Path, args: argparse.Namespace) -> list[str]:
             "--oasis-decode-step", step]  # fmt: skip
 
 
-def bench(server: ServerProcess, model: Path, args: argparse.Namespace, out: Path) -> dict[str, Any]:
+def bench(
+    server: ServerProcess, model: Path, args: argparse.Namespace, out: Path, seed: int = 1
+) -> dict[str, Any]:
     command = [
         sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", server.url,
         "--model", str(model), "--tokenizer", str(model), "--dataset-name", "random-ids",
         "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
         "--random-range-ratio", "1", "--num-prompts", str(args.num_prompts), "--max-concurrency",
-        str(args.concurrency), "--warmup-requests", "1", "--seed", "1", "--disable-tqdm", "--output-file", str(out),
+        str(args.concurrency), "--warmup-requests", "1", "--seed", str(seed), "--disable-tqdm", "--output-file", str(out),
     ]  # fmt: skip
     done = subprocess.run(command, env=child_env({"HF_HUB_OFFLINE": "1"}), capture_output=True, text=True)
     if done.returncode != 0 or not out.exists():
@@ -79,6 +82,7 @@ def main() -> int:
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--warmup-runs", type=int, default=1, help="untimed runs first (other prompts)")
     args = parser.parse_args()
     modes = [mode for mode in MODES if mode in args.modes.split(",")]
     model = prepare_default_model(args.num_layers)
@@ -89,6 +93,8 @@ def main() -> int:
         print(f"[bench_sglang_serving] {mode} ...", flush=True)
         try:
             with ServerProcess(server_args(mode, model, args), log_path=logs / f"{mode}.log") as server:
+                for run in range(args.warmup_runs):  # other prompts, the same shapes: compiled before timing
+                    bench(server, model, args, logs / f"{mode}-warmup{run}.jsonl", seed=100 + run)
                 results["modes"][mode] = bench(server, model, args, logs / f"{mode}.jsonl")
                 if mode != "dense":
                     stats = server.oasis_stats()
@@ -110,6 +116,7 @@ def main() -> int:
     results["settings"] = {
         "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
         "concurrency": args.concurrency, "top_k": args.top_k, "num_layers": args.num_layers or 30, "dtype": args.dtype,
+        "warmup_runs": args.warmup_runs,
     }  # fmt: skip
     results["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     results["machine"] = machine_info()

@@ -71,6 +71,7 @@ KNOWN_BENCHMARKS = (
     "bench_pd",
     "bench_acceptance",
     "bench_soak",
+    "bench_sglang_serving",
 )
 FULL = Scale(
     bench_args={
@@ -83,6 +84,7 @@ FULL = Scale(
         "bench_pd": [],
         "bench_acceptance": ["--pd"],
         "bench_soak": [],
+        "bench_sglang_serving": [],
     },
     bench_timeout_s=3 * 3600,
     passkey_contexts=(1000, 2000, 4000, 7000),
@@ -96,6 +98,9 @@ QUICK_CAPACITY = ["--num-layers", "6", "--context-tokens", "1024", "--output-tok
 QUICK_FETCH_CAP = [
     "--num-layers", "6", "--context-tokens", "1024", "--agreement-tokens", "64", "--ratios", "0.05,0.25,1.0",
     "--passkey-depths", "0.3,0.7",
+]  # fmt: skip
+QUICK_SERVING = [
+    "--num-layers", "6", "--input-len", "1024", "--output-len", "32", "--num-prompts", "2", "--concurrency", "2",
 ]  # fmt: skip
 QUICK = Scale(
     bench_args={
@@ -117,6 +122,7 @@ QUICK = Scale(
             "--new-tokens",
             "8,24",
         ],
+        "bench_sglang_serving": QUICK_SERVING,
     },
     bench_timeout_s=900,
     passkey_contexts=(1000, 2000),
