@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from sglang_oasis.attention.batch_view import BatchView
+from sglang_oasis.attention.block_prefetcher import JobResult
 from sglang_oasis.attention.decode_program import (
     COUNTS,
     LayerState,
@@ -53,7 +54,7 @@ def powers_of_two(low: int, high: int) -> tuple[int, ...]:
 class CapturedStep:
     def __init__(
         self, config: Any, tier: DeviceTier, kv_pool: Any, req_to_token: torch.Tensor, slots: RequestSlots,
-        stats: OasisStats, sparse_layers: Sequence[int], record_layer: int,
+        stats: OasisStats, sparse_layers: Sequence[int],
     ) -> None:  # fmt: skip
         if tier.padding_slot is None:
             raise ValueError("a captured decode step needs the device tier's padding slot")
@@ -61,7 +62,6 @@ class CapturedStep:
         self.slots, self.stats = slots, stats
         self.shape = StepShape.of(config, tier.active.span, tier.working_sets.num_slots, tier.padding_slot)
         self.sparse_layers = list(sparse_layers)
-        self.record_layer = record_layer
         self.batch_buckets = powers_of_two(1, tier.num_request_slots)
         blocks = req_to_token.shape[1] // config.block_size
         self.block_buckets = powers_of_two(MIN_BLOCK_BUCKET, blocks)
@@ -77,6 +77,7 @@ class CapturedStep:
         self.counts = torch.zeros((0, len(COUNTS)), dtype=torch.int64)
         self.pending = False  # a decode pass began that may run captured; its first sparse layer plans it
         self.finish_pending: Callable[[], None] = lambda: None  # eager prefetch jobs still running
+        self.account: Callable[[JobResult], None] = lambda result: None  # ``Selector.account``
         self.before_select: Callable[[BatchView, int | None, list[int]], None] | None = None
         # False while the server runs what the program does not cover (strict mode, fault injection,
         # remote reads): every pass then runs eagerly
@@ -87,15 +88,13 @@ class CapturedStep:
     @classmethod
     def for_backend(cls, backend: Any) -> CapturedStep:
         """The captured step of an ``OasisAttnBackend``, over its device tier, pool and counters."""
-        sparse = [
-            layer for layer in range(backend.token_to_kv_pool.layer_num) if layer not in backend.dense_layers
-        ]
         step = cls(
             backend.config, backend.tier, backend.token_to_kv_pool, backend.req_to_token_pool.req_to_token,
-            backend.slots, backend.stats, sparse, backend.selector.record_layer,
+            backend.slots, backend.stats, backend.sparse_layers,
         )  # fmt: skip
         selector = backend.selector
         step.finish_pending, step.before_select = selector.finish_pending, selector.before_select
+        step.account = selector.account
         step.summarised = backend.summarised
         step.covers = lambda: backend.strict is None and selector.faults.prompt_len is None and (
             selector.prefetcher.remote is None
@@ -141,8 +140,7 @@ class CapturedStep:
         if self.before_select is not None:  # retraction's snapshot of the tables the step will change
             self.before_select(batch, None, seq_lens.tolist())
         summaries = self.tier.summaries
-        started = locs[locs % block == 0] // block  # pages this step's token starts
-        summaries.epoch[started.to(torch.int64)] += 1
+        summaries.restart_epochs(locs)  # once per pass, as the eager step does at the epoch layer
         plan = StepPlan.build(
             batch.slots, seq_lens, locs, self.req_to_token, batch.req_index, batch.step, self.shape,
             bucket(bs, self.batch_buckets), bucket(full, self.block_buckets),
@@ -163,9 +161,7 @@ class CapturedStep:
         covered = self.tier.working_sets.covered[slots][:, layers]  # [bs, layers]
         position = (seq_lens - 1)[:, None]
         starts = covered * self.shape.block_size
-        active = self.tier.active
-        held = (starts >= active.start[slots][:, layers]) & (position <= active.end[slots][:, layers])
-        held |= starts >= position
+        held = self.tier.active.holds(slots[:, None], torch.tensor(layers), starts, position)
         short = position - starts + 1 <= self.shape.span
         fresh = (seq_lens // self.shape.block_size)[:, None] - covered <= 1
         return bool((held & short & fresh).all())
@@ -215,27 +211,27 @@ class CapturedStep:
         return out[:bs].reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
 
     def _fold(self, batch_rows: int) -> None:
-        """The pass's counts into the server's counters and each request's figures (one read per pass)."""
+        """The pass's counts, as one finished selection job of every sparse layer, into the server's
+        counters and each request's figures (``Selector.account``, one read per pass)."""
         counts = dict(zip(COUNTS, self.counts[:batch_rows].t(), strict=True))
-        layers = len(self.sparse_layers)
-        host = counts["loads"] - counts["from_active"]
-        stats, plan = self.stats, self.plan
+        plan = self.plan
         assert plan is not None
-        stats.add("selections", batch_rows * layers)
-        stats.add("scored_selections", int(counts["scored"].sum()))
-        stats.add("selection_changes", int(counts["loads"].sum()))
-        stats.add("blocks_just_filled", int(counts["fresh"].sum()))
-        stats.add("blocks_from_active", int(counts["from_active"].sum()))
-        stats.add("blocks_deferred", int(counts["deferred"].sum()))
-        stats.add("captured_decode_passes")
         if int(counts["overflow"].sum()):  # the plan's bound on fresh blocks failed: a bug, say it loudly
             logger.error(
                 "oasis: a captured step had more loads than its %d copies per head", self.shape.copies
             )
-        slots = plan.slots[:batch_rows].tolist()
+        host = counts["loads"] - counts["from_active"]
         loads = []
-        for slot, n in zip(slots, host.tolist(), strict=True):
+        for slot, n in zip(plan.slots[:batch_rows].tolist(), host.tolist(), strict=True):
             owner = self.tier.owner(slot)
             if n and owner is not None:
                 loads.append((owner[0], owner[1], n))
-        stats.add_loads(int(host.sum()), loads, self.tier.working_sets.bytes_per_block, at_decode=True)
+        layers = len(self.sparse_layers)
+        total = {name: int(values.sum()) for name, values in counts.items()}
+        self.account(JobResult(
+            layer_id=self.sparse_layers[-1], admission=False, selections=batch_rows * layers, loads=total["loads"],
+            fresh=total["fresh"], from_active=total["from_active"], scored=total["scored"],
+            deferred=total["deferred"], heads=batch_rows * layers * self.tier.shape.num_kv_heads, select_ns=0,
+            transfer_ns=0, failed={}, host_loads=tuple(loads),
+        ))  # fmt: skip
+        self.stats.add("captured_decode_passes")

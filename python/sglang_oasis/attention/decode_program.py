@@ -45,9 +45,9 @@ from typing import Any, NamedTuple
 import torch
 
 from sgl_kernel_oasis import score_paged_blocks, sparse_decode_attention
-from sglang_oasis.memory.working_set import BLOCK_ID_SPAN
+from sglang_oasis.memory.headwise_map import EMPTY
+from sglang_oasis.memory.working_set import BLOCK_ID_SPAN, stable_ranks
 
-EMPTY = -1  # ``WorkingSetPool.slot_block``'s "no block"
 INT64_MAX = torch.iinfo(torch.int64).max
 # Per row, what ``decode_layer`` returns in its counts (columns).
 COUNTS = ("loads", "fresh", "from_active", "deferred", "scored", "overflow")
@@ -230,7 +230,7 @@ def decode_layer(
     missing = selected & ~resident
     fresh = index[None, None, :] >= covered[:, None, None]  # filled up since the last selection
     capped = missing & ~fresh
-    rank = _ranks(torch.where(capped, -priority, float("inf")))
+    rank = stable_ranks(torch.where(capped, -priority, float("inf")))
     cap = _fetch_cap(shape, top_k)
     admitted = capped & (rank < cap[:, None, None])
     deferred = (capped & ~admitted).sum(dim=(1, 2))
@@ -246,7 +246,7 @@ def decode_layer(
     now_selected = (blocks != EMPTY) & selected.gather(-1, blocks.clamp(0, num_blocks - 1))
     spare = (blocks != EMPTY) & ~now_selected  # a working set shrunk below its slots gives them back
     excess = (blocks != EMPTY).sum(dim=-1, keepdim=True) - capacity[:, None, None]
-    dropped = spare & (_ranks(torch.where(spare, last * BLOCK_ID_SPAN + blocks, INT64_MAX)) < excess)
+    dropped = spare & (stable_ranks(torch.where(spare, last * BLOCK_ID_SPAN + blocks, INT64_MAX)) < excess)
     blocks = blocks.masked_fill(dropped, EMPTY)
     last = last.masked_fill(dropped, EMPTY)
     state.slot_block.index_put_((slots,), blocks)
@@ -290,13 +290,6 @@ def decode_layer(
         dim=1,
     )
     return out, counts
-
-
-def _ranks(key: torch.Tensor) -> torch.Tensor:
-    """Each entry's rank along the last dim by ascending ``key`` (stable: ties by index)."""
-    order = key.argsort(dim=-1, stable=True)
-    index = torch.arange(key.shape[-1]).expand_as(order).contiguous()
-    return torch.empty_like(order).scatter(-1, order, index)
 
 
 def _fetch_cap(shape: StepShape, top_k: torch.Tensor) -> torch.Tensor:

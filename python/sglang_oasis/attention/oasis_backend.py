@@ -75,8 +75,8 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
         tier.cap_running_requests(model_runner)
         self.summaries, self.working_sets, self.pinned = tier.summaries, tier.working_sets, tier.pinned  # fmt: skip
         self.dense_layers = frozenset(config.dense_layers)
-        sparse_layers = [layer for layer in range(pool.layer_num) if layer not in self.dense_layers]
-        self.summaries.epoch_layer = sparse_layers[0] if sparse_layers else -1
+        self.sparse_layers = [layer for layer in range(pool.layer_num) if layer not in self.dense_layers]
+        self.summaries.epoch_layer = self.sparse_layers[0] if self.sparse_layers else -1
         self.stats = OasisStats.attach(args.port)
         self.failures = TransferFailures()
         self.slots = RequestSlots(self.tier, self.req_to_token_pool, self.block_size)

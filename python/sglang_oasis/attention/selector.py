@@ -190,7 +190,7 @@ class Selector:
             top_k=top_k[slots, layer_id].clone(),
         )
         for result in self.pipeline.submit(layer_id, lambda: self.prefetcher.run(job)):
-            self._account(result)
+            self.account(result)
 
     def _cap(self, layer_id: int, top_k: torch.Tensor) -> int | torch.Tensor | None:
         """The decode step's fetch cap: ``--oasis-fetch-ratio`` x each working set's top-K at the layer
@@ -277,15 +277,15 @@ class Selector:
     def finish_pending(self) -> None:
         """Wait for every layer's pending selection and transfer."""
         for result in self.pipeline.drain():
-            self._account(result)
+            self.account(result)
 
     def wait(self, layer_id: int) -> None:
         """Wait for the layer's pending job (its next attention reads the working sets it loads)."""
         for result in self.pipeline.wait(layer_id):
-            self._account(result)
+            self.account(result)
         self.stats.add("foreground_wait_us", self.pipeline.take_waited_ns() // 1000)
 
-    def _account(self, result: JobResult) -> None:
+    def account(self, result: JobResult) -> None:
         """Fold a finished job into the counters, the adaptive cap and the failures (foreground only:
         the counters are not thread-safe)."""
         host_loads = result.loads - result.from_active  # blocks that just filled up: from the device

@@ -71,8 +71,11 @@ class ActiveBlocks:
         per_slot = self.span // self.block_size
         return slots * per_slot + blocks % per_slot
 
-    def holds(self, slots: torch.Tensor, layer: int, first: torch.Tensor, end: torch.Tensor) -> torch.Tensor:
-        """``[bs]`` bool: positions ``[first, end)`` of each slot are held (an empty range always is)."""
+    def holds(
+        self, slots: torch.Tensor, layer: int | torch.Tensor, first: torch.Tensor, end: torch.Tensor
+    ) -> torch.Tensor:
+        """``[bs]`` bool: positions ``[first, end)`` of each slot are held (an empty range always is); with
+        ``slots`` ``[bs, 1]`` and ``layer`` a ``[layers]`` tensor, ``[bs, layers]`` for every layer at once."""
         held = (first >= self.start[slots, layer]) & (end <= self.end[slots, layer])
         return held | (first >= end)
 

@@ -44,10 +44,15 @@ class BlockSummaryStore:
 
     def update(self, layer: int, locations: torch.Tensor, keys: torch.Tensor) -> None:
         """Fold newly written keys (``[n, kv_heads, head_dim]`` at pool ``locations`` ``[n]``) in."""
-        if layer == self.epoch_layer and locations.numel():
+        if layer == self.epoch_layer:
+            self.restart_epochs(locations)
+        ops.update_page_summaries(self.kmin[layer], self.kmax[layer], locations, keys, self.block_size)
+
+    def restart_epochs(self, locations: torch.Tensor) -> None:
+        """Bump the epoch of every page whose first token is among the written ``locations``."""
+        if locations.numel():
             starts = locations[locations % self.block_size == 0].cpu().to(torch.int64) // self.block_size
             self.epoch[starts] += 1
-        ops.update_page_summaries(self.kmin[layer], self.kmax[layer], locations, keys, self.block_size)
 
     def lookup(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kmin, kmax)`` of the given pages: each ``[len(pages), kv_heads, head_dim]``."""

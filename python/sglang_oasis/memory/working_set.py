@@ -27,6 +27,13 @@ from sglang_oasis.memory.headwise_map import EMPTY
 BLOCK_ID_SPAN = 1 << 24
 
 
+def stable_ranks(key: torch.Tensor) -> torch.Tensor:
+    """Each entry's rank along the last dim by ascending ``key`` (stable: ties by index)."""
+    order = key.argsort(dim=-1, stable=True)
+    index = torch.arange(key.shape[-1]).expand_as(order).contiguous()
+    return torch.empty_like(order).scatter_(-1, order, index)
+
+
 class TransferPlan(NamedTuple):
     """Blocks to copy into working sets: load i puts logical block ``blocks[i]`` of batch row
     ``batch_rows[i]`` into slot ``slots[i]`` of KV head ``heads[i]``; ``deferred`` counts predicted
@@ -174,8 +181,7 @@ class WorkingSetPool:
             )
             capped = missing & ~fresh
             order_key = -priority.float() if priority is not None else torch.zeros(missing.shape)
-            order = torch.where(capped, order_key, float("inf")).argsort(dim=-1, stable=True)
-            rank = torch.empty_like(order).scatter_(-1, order, index.expand_as(order).contiguous())
+            rank = stable_ranks(torch.where(capped, order_key, float("inf")))
             admitted = capped & (rank < (cap.view(-1, 1, 1) if isinstance(cap, torch.Tensor) else cap))
             deferred = int((capped & ~admitted).sum())
             missing = missing & (fresh | admitted)
@@ -197,10 +203,7 @@ class WorkingSetPool:
             spare = (blocks != EMPTY) & ~now_selected
             excess = (blocks != EMPTY).sum(-1, keepdim=True) - capacity[:, None, None]  # [bs, H, 1]
             spare_key = torch.where(spare, last * BLOCK_ID_SPAN + blocks, torch.iinfo(torch.int64).max)
-            order = spare_key.argsort(dim=-1, stable=True)
-            slot_index = torch.arange(blocks.shape[-1]).expand_as(order).contiguous()
-            rank = torch.empty_like(order).scatter_(-1, order, slot_index)
-            dropped = spare & (rank < excess)
+            dropped = spare & (stable_ranks(spare_key) < excess)
             blocks = blocks.masked_fill(dropped, EMPTY)
             last = last.masked_fill(dropped, EMPTY)
         self.slot_block[reqs, layer] = blocks
