@@ -42,32 +42,13 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from sglang_oasis.attention.decode_program import decode_layer
 from sglang_oasis.attention.oasis_backend import OasisAttnBackend
 from sglang_oasis.config import OasisConfig
+from sglang_oasis_testing.stand_in_pool import StandInPool
 
 BLOCK, KV_HEADS, Q_HEADS, DIM, LAYERS, POOL = 16, 3, 9, 64, 2, 32768
 ROW_TOKENS = 2048  # pool tokens per request row
 COMPILED: dict[
     str, Any
 ] = {}  # compile backend -> the compiled decode_layer (its graphs shared by every backend)
-
-
-class StandInPool:
-    """Per-layer K/V tensors with the slice of SGLang's MHATokenToKVPool the backend uses."""
-
-    size, page_size, layer_num, head_num, head_dim, dtype = POOL, BLOCK, LAYERS, KV_HEADS, DIM, torch.float32
-
-    def __init__(self) -> None:
-        self.k = [torch.randn(POOL + 2 * BLOCK, KV_HEADS, DIM) for _ in range(LAYERS)]
-        self.v = [torch.randn(POOL + 2 * BLOCK, KV_HEADS, DIM) for _ in range(LAYERS)]
-
-    def get_key_buffer(self, layer: int) -> torch.Tensor:
-        return self.k[layer]
-
-    def get_value_buffer(self, layer: int) -> torch.Tensor:
-        return self.v[layer]
-
-    def set_kv_buffer(self, layer: Any, loc: Any, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer.layer_id][loc.loc] = k.view(-1, KV_HEADS, DIM)
-        self.v[layer.layer_id][loc.loc] = v.view(-1, KV_HEADS, DIM)
 
 
 class OpCounter(TorchDispatchMode):
@@ -96,7 +77,7 @@ def backend(top_k: int, context: int, batch: int, captured: str | None) -> Oasis
         req_to_token_pool=SimpleNamespace(
             req_to_token=req_to_token, req_generation=torch.zeros(rows, dtype=torch.int64), free_slots=[]
         ),
-        token_to_kv_pool=StandInPool(),
+        token_to_kv_pool=StandInPool(POOL, BLOCK, LAYERS, KV_HEADS, DIM),
         server_args=SimpleNamespace(port=0, enable_metrics=False, max_running_requests=batch),
     )
     config = OasisConfig(

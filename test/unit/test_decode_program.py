@@ -29,6 +29,7 @@ from sync_guard import HostSyncError, SyncGuard
 from sglang_oasis.attention.decode_program import COUNTS, LayerState, StepPlan, StepShape, decode_layer
 from sglang_oasis.attention.oasis_backend import OasisAttnBackend
 from sglang_oasis.config import OasisConfig
+from sglang_oasis_testing.stand_in_pool import StandInPool
 
 BLOCK, KV_HEADS, Q_HEADS, DIM, LAYERS, POOL = 16, 3, 9, 64, 2, 8192
 CONTEXTS = (300, 517, 1000)
@@ -37,28 +38,6 @@ SPARSE_LAYER = 1  # layer 0 is a dense layer
 BATCH_BUCKET, BLOCK_BUCKET = 4, 128
 STEPS = 40
 SCALE = DIM**-0.5
-
-
-class StandInPool:
-    """Per-layer K/V tensors with the slice of SGLang's MHATokenToKVPool the backend uses (seeded)."""
-
-    size, page_size, layer_num, head_num, head_dim, dtype = POOL, BLOCK, LAYERS, KV_HEADS, DIM, torch.float32
-
-    def __init__(self) -> None:
-        generator = torch.Generator().manual_seed(0)
-        shape = (POOL + 2 * BLOCK, KV_HEADS, DIM)
-        self.k = [torch.randn(shape, generator=generator) for _ in range(LAYERS)]
-        self.v = [torch.randn(shape, generator=generator) for _ in range(LAYERS)]
-
-    def get_key_buffer(self, layer: int) -> torch.Tensor:
-        return self.k[layer]
-
-    def get_value_buffer(self, layer: int) -> torch.Tensor:
-        return self.v[layer]
-
-    def set_kv_buffer(self, layer: Any, loc: Any, k: torch.Tensor, v: torch.Tensor) -> None:
-        self.k[layer.layer_id][loc.loc] = k.view(-1, KV_HEADS, DIM)
-        self.v[layer.layer_id][loc.loc] = v.view(-1, KV_HEADS, DIM)
 
 
 def layer(layer_id: int) -> SimpleNamespace:
@@ -80,7 +59,7 @@ def admitted(config: OasisConfig, own_k: dict[int, int], pins: dict[int, list[in
         req_to_token_pool=SimpleNamespace(
             req_to_token=req_to_token, req_generation=torch.zeros(len(REQS) + 1, dtype=torch.int64), free_slots=[]
         ),
-        token_to_kv_pool=StandInPool(),
+        token_to_kv_pool=StandInPool(POOL, BLOCK, LAYERS, KV_HEADS, DIM, seed=0),
         server_args=SimpleNamespace(port=0, enable_metrics=False, max_running_requests=len(REQS) + 1),
     )  # fmt: skip
     oasis = OasisAttnBackend(runner, config)
