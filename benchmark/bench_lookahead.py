@@ -38,7 +38,7 @@ import torch
 import torch.nn.functional as F
 
 from sgl_kernel_oasis import build_block_summaries, score_blocks_batched, select_top_blocks
-from sglang_oasis.lookahead.draft_head import (
+from sglang_oasis_training.draft_head import (
     DEFAULT_DRAFT_DIR,
     Eagle3DraftHead,
     apply_rope,

@@ -64,10 +64,13 @@ fi
 # The package itself, editable, redone whenever the checkout path, the packaging files or the set of
 # top-level packages change (an editable install maps the packages it found when it ran).
 stamp=$( (echo "$root"; cat "$root/pyproject.toml" "$root/setup.py" "$root/python/sglang_oasis_startup.pth"
-          cd "$root" && ls -d python/*/ sgl-kernel-oasis/python/*/) | sha256sum | cut -c1-16)
+          cat "$root/dev/pyproject.toml"; cd "$root" && ls -d python/*/ sgl-kernel-oasis/python/*/ dev/*/) \
+        | sha256sum | cut -c1-16)
 if [ "$(cat "$venv/.project-stamp" 2>/dev/null)" != "$stamp" ]; then
   log "installing sglang-oasis from $root"
   pip_quiet install --no-deps --no-build-isolation -e "$root"
+  # Test helpers and training code (dev/): in this venv, never in sglang-oasis's wheel.
+  pip_quiet install --no-deps --no-build-isolation -e "$root/dev"
   # Editable installs leave out the start-up hook that a regular wheel ships; put it in place.
   site=$("$venv/bin/python" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')
   cp "$root/python/sglang_oasis_startup.pth" "$site/"

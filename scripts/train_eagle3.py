@@ -46,7 +46,8 @@ import torch
 import torch.nn.functional as F
 
 from sglang_oasis.evaluation.passkey import essays_text
-from sglang_oasis.lookahead.draft_head import (
+from sglang_oasis.models.default_model import prepare_default_model
+from sglang_oasis_training.draft_head import (
     DraftHeadConfig,
     Eagle3DraftHead,
     apply_rope,
@@ -56,7 +57,6 @@ from sglang_oasis.lookahead.draft_head import (
     rope_cos_sin,
     save_draft_head,
 )
-from sglang_oasis.models.default_model import prepare_default_model
 
 STEP2_WEIGHT = 0.7
 IGNORE = -100
@@ -1011,7 +1011,7 @@ Data: {data["self_distilled_sequences"]} chat prompts answered greedily by the t
 {trained["top1_step1_and_step2"]:.3f} | {trained["expected_accept_len_1_step"]:.3f} | \
 {trained["expected_accept_len_2_steps"]:.3f} |
 
-Measured offline with `sglang_oasis.lookahead.draft_head` (the saved bf16 weights run in float32) against
+Measured offline with `sglang_oasis_training.draft_head` (the saved bf16 weights run in float32) against
 the bf16 target's greedy answers; see metrics.json.
 """
     served = metrics.get("served")

@@ -1,8 +1,9 @@
-"""Decode attention reads the device tier only (issue 24's strict mode, ``attention/strict_mode.py``).
+"""Decode attention reads the device tier only (strict mode, ``attention/strict_mode.py``).
 
 With K covering every block, a server that overwrites the host tier's copy of every block resident in a
 working set with garbage after each step still answers exactly as dense SGLang, and reads no tail from
-the host tier; a deliberately broken variant of it that reads the host tier (dense over SGLang's pool)
+the host tier; a deliberately broken variant of it that reads the host tier (dense over SGLang's pool;
+``sglang_oasis_testing/broken_variant.py``, an SGLang plugin of the dev package)
 answers differently, which proves the garbage reaches whatever reads the host tier.
 """
 
@@ -17,6 +18,7 @@ import torch
 
 from sglang_oasis.attention.strict_mode import STRICT_ENV
 from sglang_oasis.server_process import ServerProcess
+from sglang_oasis_testing.broken_variant import BROKEN_ENV
 
 pytestmark = pytest.mark.server
 
@@ -25,19 +27,19 @@ PROMPT_LENGTHS = [17, 100, 333, 600]
 NEW_TOKENS = 24
 
 
-def _serve(tiny_qwen3_dir: Path, tmp: pytest.TempPathFactory, strict: str) -> Iterator[ServerProcess]:
+def _serve(tiny_qwen3_dir: Path, tmp: pytest.TempPathFactory, broken: str) -> Iterator[ServerProcess]:
     args = [
         "--model-path", str(tiny_qwen3_dir), "--oasis-top-k", "64", "--dtype", "float32",
         "--oasis-host-kv-tokens", "6144", "--oasis-device-kv-tokens", "16384",
     ]  # fmt: skip
-    log = tmp.mktemp("logs") / f"tiny-qwen3-strict-{strict}.log"
-    with ServerProcess(args, log_path=log, env={STRICT_ENV: strict}) as server:
+    log = tmp.mktemp("logs") / f"tiny-qwen3-strict{broken and '-' + broken}.log"
+    with ServerProcess(args, log_path=log, env={STRICT_ENV: "1", BROKEN_ENV: broken}) as server:
         yield server
 
 
 @pytest.fixture(scope="module")
 def strict_server(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    yield from _serve(tiny_qwen3_dir, tmp_path_factory, "1")
+    yield from _serve(tiny_qwen3_dir, tmp_path_factory, "")
 
 
 @pytest.fixture(scope="module")

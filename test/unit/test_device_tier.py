@@ -13,7 +13,7 @@ from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.memory.device_layout import DeviceTierError, TierShape, layout
 from sglang_oasis.memory.device_tier import DeviceTier
-from sglang_oasis.memory.headwise_map import EMPTY
+from sglang_oasis.memory.working_set import EMPTY
 
 SHAPES = {
     "tiny": TierShape(

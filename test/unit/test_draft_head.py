@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from sglang_oasis.lookahead.draft_head import (
+from sglang_oasis_training.draft_head import (
     DEFAULT_DRAFT_DIR,
     DraftHeadConfig,
     Eagle3DraftHead,

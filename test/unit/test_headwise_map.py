@@ -5,7 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
-from sglang_oasis.memory.headwise_map import HeadwiseMap, Load
+from sglang_oasis_testing.headwise_reference import HeadwiseMap, Load
 
 
 def test_first_selection_fills_free_slots_in_order() -> None:

@@ -92,9 +92,8 @@ from sglang.srt.mem_cache.unified_cache.component_type import ComponentType
 from sglang.srt.mem_cache.unified_radix_cache import UnifiedRadixCache
 from sglang.srt.sampling.sampling_params import SamplingParams
 
-from sglang_oasis.memory.headwise_map import EMPTY
 from sglang_oasis.memory.summary_store import BlockSummaryStore
-from sglang_oasis.memory.working_set import WorkingSetPool
+from sglang_oasis.memory.working_set import EMPTY, WorkingSetPool
 
 PAGE = 16  # page size = block size
 POOL_PAGES = 24  # pages 1..24 (SGLang keeps page 0 as padding): small, so allocations evict

@@ -100,12 +100,14 @@ def test_bootstrap_names_the_debian_package_it_cannot_install(tmp_path: Path) ->
 
 
 def test_the_runtime_package_never_imports_the_test_helpers() -> None:
-    """``sglang_oasis_testing`` (tiny models, the in-process PD deployment, the staging peer) is for tests
-    and benchmarks; the runtime, ``launch_pd`` included, must run without it."""
+    """``sglang_oasis_testing`` (tiny models, the in-process PD deployment, the staging peer) and
+    ``sglang_oasis_training`` (the EAGLE-3 head in torch) are for tests, benchmarks and scripts (dev/);
+    the runtime, ``launch_pd`` included, must run without them."""
+    dev_import = re.compile(r"^\s*(from|import) sglang_oasis_(testing|training)\b", re.M)
     importers = [
         str(path.relative_to(ROOT))
         for path in (ROOT / "python" / "sglang_oasis").rglob("*.py")
-        if "sglang_oasis_testing" in path.read_text()
+        if dev_import.search(path.read_text())
     ]
     assert importers == []
     import subprocess
@@ -114,6 +116,25 @@ def test_the_runtime_package_never_imports_the_test_helpers() -> None:
     code = "import sys, sglang_oasis.launch_pd; print('sglang_oasis_testing' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "False"
+
+
+def test_the_wheel_holds_the_runtime_only(tmp_path: Path) -> None:
+    """``pip wheel .`` ships the runtime (with its model assets and start-up hook) and the kernels, and no
+    test helper, broken variant or training code."""
+    import subprocess
+    import sys
+    import zipfile
+
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        check=True, capture_output=True,
+    )  # fmt: skip
+    (wheel,) = tmp_path.glob("sglang_oasis-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    tops = {name.split("/")[0] for name in names if not name.split("/")[0].endswith(".dist-info")}
+    assert tops == {"sglang_oasis", "sgl_kernel_oasis", "sglang_oasis_startup.pth"}
+    assert not [name for name in names if re.search(r"testing|training|draft_head|headwise|broken", name)]
+    assert any(name.endswith("model.safetensors") for name in names)  # the shipped EAGLE-3 head
 
 
 def test_no_attention_file_is_a_god_object() -> None:

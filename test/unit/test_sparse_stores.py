@@ -7,9 +7,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sgl_kernel_oasis import build_block_summaries
-from sglang_oasis.memory.headwise_map import EMPTY, HeadwiseMap
 from sglang_oasis.memory.summary_store import BlockSummaryStore
-from sglang_oasis.memory.working_set import WorkingSetPool
+from sglang_oasis.memory.working_set import EMPTY, WorkingSetPool
+from sglang_oasis_testing.headwise_reference import HeadwiseMap
 
 B = 4
 

@@ -45,8 +45,7 @@ from typing import Any, NamedTuple
 import torch
 
 from sgl_kernel_oasis import score_paged_blocks, sparse_decode_attention
-from sglang_oasis.memory.headwise_map import EMPTY
-from sglang_oasis.memory.working_set import BLOCK_ID_SPAN, stable_ranks
+from sglang_oasis.memory.working_set import BLOCK_ID_SPAN, EMPTY, stable_ranks
 
 INT64_MAX = torch.iinfo(torch.int64).max
 # Per row, what ``decode_layer`` returns in its counts (columns).

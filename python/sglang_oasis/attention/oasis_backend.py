@@ -238,13 +238,8 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
             self.attention.count_host_read("tail_bytes_host_to_device", self.batch.reqs, new)
             k, v = pool.get_key_buffer(layer_id)[loc], pool.get_value_buffer(layer_id)[loc]
         q_rows = q.reshape(-1, layer.tp_q_head_num, layer.qk_head_dim)
-        if self.strict is not None and self.strict.read_host_pool:  # the deliberately broken variant
-            out = super().forward_decode(q, k, v, layer, forward_batch, save_kv_cache=False)
-        else:
-            kv_shape = (len(loc), self.num_kv_heads, -1)
-            out = self.attention.decode(
-                self.batch, q_rows, layer, seq_lens, k.view(kv_shape), v.view(kv_shape)
-            )
+        kv_shape = (len(loc), self.num_kv_heads, -1)
+        out = self.attention.decode(self.batch, q_rows, layer, seq_lens, k.view(kv_shape), v.view(kv_shape))
         if self.recall.due():  # before the host copy is poisoned, before the working set changes
             self.recall.sample_safely(self.batch, layer_id, q_rows, seq_lens.tolist(), layer.scaling)
         self._poison_if_strict(layer_id)

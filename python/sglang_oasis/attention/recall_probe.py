@@ -38,7 +38,7 @@ import torch
 
 from sglang_oasis.attention.batch_view import BatchView
 from sglang_oasis.memory.device_tier import DeviceTier
-from sglang_oasis.memory.headwise_map import EMPTY
+from sglang_oasis.memory.working_set import EMPTY
 from sglang_oasis.stats import MAX_RECALL_LAYERS, OasisStats
 
 logger = logging.getLogger(__name__)

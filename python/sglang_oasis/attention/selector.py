@@ -26,8 +26,8 @@ from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.attention.transfer_failures import TransferFailures
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.memory.device_tier import DeviceTier
-from sglang_oasis.memory.headwise_map import EMPTY
 from sglang_oasis.memory.prefetch_pipeline import PrefetchPipeline
+from sglang_oasis.memory.working_set import EMPTY
 from sglang_oasis.stats import OasisStats
 
 logger = logging.getLogger(__name__)

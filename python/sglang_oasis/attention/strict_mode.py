@@ -9,37 +9,33 @@
   stays the same proves nothing read them back. Meant for K covering every block: with K < N an evicted
   block selected again is reloaded from the host tier, garbage and all.
 
-``SGLANG_OASIS_STRICT_DEVICE=read-host-pool``: the same garbage, and a deliberately broken decode
-attention for sparse layers that reads the host tier's copy instead (dense over SGLang's pool). Its
-output must change: that proves the garbage reaches anything that reads the host tier.
+The deliberately broken decode attention that proves the garbage reaches anything reading the host
+tier is test code (``sglang_oasis_testing/broken_variant.py``, not shipped).
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any, NamedTuple
+from typing import Any
 
 import torch
 
 from sglang_oasis.attention.batch_view import BatchView
-from sglang_oasis.memory.headwise_map import EMPTY
-from sglang_oasis.memory.working_set import WorkingSetPool
+from sglang_oasis.memory.working_set import EMPTY, WorkingSetPool
 
 STRICT_ENV = "SGLANG_OASIS_STRICT_DEVICE"
 GARBAGE = 100.0  # large keys dominate any softmax that reads them; large values move any output
 
 
-class StrictMode(NamedTuple):
-    read_host_pool: bool = False  # the deliberately broken variant
-
+class StrictMode:
     @classmethod
     def from_env(cls) -> StrictMode | None:
         value = os.environ.get(STRICT_ENV, "")
         if value in ("", "0"):
             return None
-        if value not in ("1", "read-host-pool"):
-            raise ValueError(f"{STRICT_ENV}={value!r}: expected 1 or read-host-pool")
-        return cls(read_host_pool=value == "read-host-pool")
+        if value != "1":
+            raise ValueError(f"{STRICT_ENV}={value!r}: expected 1 (or 0, off)")
+        return cls()
 
     @staticmethod
     def poison_resident_blocks(

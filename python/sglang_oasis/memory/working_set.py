@@ -20,7 +20,8 @@ from typing import NamedTuple
 import torch
 
 from sgl_kernel_oasis import ops
-from sglang_oasis.memory.headwise_map import EMPTY
+
+EMPTY = -1  # a slot that holds no block (in slot tables and selections)
 
 # Block ids are below this (2**24 blocks: contexts of 268M tokens at 16 per block), so victims order by
 # last_selected * BLOCK_ID_SPAN + block id: by last selection, ties by block id.
@@ -143,7 +144,7 @@ class WorkingSetPool:
         """Decide, for a whole batch in tensor ops, which selected blocks to load into which slots, and
         record the new mapping (``load`` then copies the data).
 
-        ``HeadwiseMap.plan`` is the readable per-head reference this must agree with
+        ``HeadwiseMap.plan`` (sglang_oasis_testing.headwise_reference) is the readable per-head reference this must agree with
         (``test/unit/test_sparse_stores.py`` checks it on random selections, caps and priorities).
 
         Args:

@@ -29,7 +29,7 @@ from typing import NamedTuple
 
 import torch
 
-EMPTY = -1  # tensor encoding of "no block" (the Python API uses None)
+from sglang_oasis.memory.working_set import EMPTY  # the Python API here uses None
 
 
 class Load(NamedTuple):

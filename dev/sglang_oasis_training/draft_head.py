@@ -25,9 +25,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-DEFAULT_DRAFT_DIR = (
-    Path(__file__).resolve().parent.parent / "models" / "drafts" / "smollm2-135m-instruct-eagle3"
-)
+from sglang_oasis.models.default_model import DRAFT_DIR
+
+DEFAULT_DRAFT_DIR = DRAFT_DIR  # the head shipped for the default model
 WEIGHTS_FILE = "model.safetensors"
 
 
