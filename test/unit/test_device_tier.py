@@ -180,7 +180,9 @@ def _hold_blocks(slots: RequestSlots, slot: int, req: int, blocks: int) -> None:
     ws.slot_block[slot, 0, 0, :blocks] = torch.arange(blocks)
     ws.k[slot, 0, 0, :blocks] = float(req)
     pages = slots.req_pool.req_to_token[req, 0 : 10 * 4 : 4].to(torch.int64)[None] // 4
-    slots.record(torch.tensor([slot]), pages, torch.tensor([10]), torch.zeros(200, dtype=torch.int64))
+    slots.prefixes.record(
+        torch.tensor([slot]), pages, torch.tensor([10]), torch.zeros(200, dtype=torch.int64)
+    )
 
 
 def test_a_warm_start_takes_over_a_finished_donor_and_copies_a_running_one() -> None:

@@ -8,7 +8,7 @@ import threading
 import pytest
 import torch
 
-from sglang_oasis.memory.prefetch_pipeline import PrefetchPipeline
+from sglang_oasis.attention.prefetch_pipeline import PrefetchPipeline
 
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run by benchmark/gpu_check.sh)")
 

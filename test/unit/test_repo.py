@@ -121,12 +121,19 @@ def test_the_runtime_package_never_imports_the_test_helpers() -> None:
 def test_the_wheel_holds_the_runtime_only(tmp_path: Path) -> None:
     """``pip wheel .`` ships the runtime (with its model assets and start-up hook) and the kernels, and no
     test helper, broken variant or training code."""
+    import shutil
     import subprocess
     import sys
     import zipfile
 
+    source = tmp_path / "source"  # a copy: setuptools builds in the source tree (build/, egg-info)
+    skip = shutil.ignore_patterns("__pycache__", "*.egg-info", "build")
+    for name in ("python", "sgl-kernel-oasis"):
+        shutil.copytree(ROOT / name, source / name, ignore=skip)
+    for name in ("pyproject.toml", "setup.py", "README.md"):
+        shutil.copy(ROOT / name, source / name)
     subprocess.run(
-        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(ROOT)],
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w", str(tmp_path), str(source)],
         check=True, capture_output=True,
     )  # fmt: skip
     (wheel,) = tmp_path.glob("sglang_oasis-*.whl")
@@ -135,6 +142,21 @@ def test_the_wheel_holds_the_runtime_only(tmp_path: Path) -> None:
     assert tops == {"sglang_oasis", "sgl_kernel_oasis", "sglang_oasis_startup.pth"}
     assert not [name for name in names if re.search(r"testing|training|draft_head|headwise|broken", name)]
     assert any(name.endswith("model.safetensors") for name in names)  # the shipped EAGLE-3 head
+
+
+def test_where_things_are_names_files_that_exist() -> None:
+    """design.md's "Where things are" table: every mechanism row names files, and each one exists."""
+    text = (ROOT / "docs/design.md").read_text()
+    table = text.split("## Where things are", 1)[1].split("\n## ", 1)[0]
+    rows = [
+        line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| Mechanism")
+    ]
+    assert len(rows) >= 15
+    for row in rows:
+        paths = re.findall(r"`([\w./-]+/[\w./-]*)`", row)
+        assert paths, row
+        missing = [path for path in paths if not (ROOT / path).exists()]
+        assert missing == [], row
 
 
 def test_no_attention_file_is_a_god_object() -> None:

@@ -145,7 +145,7 @@ class CapturedStep:
             batch.slots, seq_lens, locs, self.req_to_token, batch.req_index, batch.step, self.shape,
             bucket(bs, self.batch_buckets), bucket(full, self.block_buckets),
         )  # fmt: skip
-        self.slots.record(batch.slots, plan.pages[:bs, :full], seq_lens // block, summaries.epoch)
+        self.slots.prefixes.record(batch.slots, plan.pages[:bs, :full], seq_lens // block, summaries.epoch)
         if self.summarised is not None:  # the step folds its token into every sparse layer's summaries
             self.summarised[batch.req_index[:, None], torch.tensor(self.sparse_layers)] = seq_lens[:, None]
         self.plan, self.rows = plan, bs

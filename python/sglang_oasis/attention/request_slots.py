@@ -1,13 +1,13 @@
-"""Which device request slot each request holds, and warm starts.
+"""Which device request slot each request holds (warm starts: ``radix_sharing.py``).
 
 SGLang names a request by its ``req_pool_indices`` row and bumps the row's generation at every
 allocation; the device tier (``memory/device_tier.py``) has fewer request slots than SGLang has rows. A
 request takes a slot at its first forward pass here (an extend, or the first decode of a PD arrival):
 
 - cold: a free slot, or the least recently claimed slot of a finished request, emptied;
-- warm start: when its cached prefix starts with blocks a slot recorded (same host pages at unchanged
-  page epochs, as of that slot's last selection), it starts from that slot's resident blocks below the
-  shared length: the donor slot itself when its request has finished, else a copy of it.
+- warm start: when its cached prefix starts with blocks a slot recorded (``PrefixRecords``), it starts
+  from that slot's resident blocks below the shared length: the donor slot itself when its request has
+  finished, else a copy of it.
 
 A slot whose request SGLang has freed stays as it is (a donor for later requests) until it is claimed
 again; nothing polls for finished requests.
@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 
 import torch
 
+from sglang_oasis.attention.radix_sharing import PrefixRecords
 from sglang_oasis.memory.device_tier import DeviceTier
 
 
@@ -37,11 +38,7 @@ class RequestSlots:
         self.working_sets = tier.working_sets
         self.req_pool = req_pool  # SGLang's ReqToTokenPool: req_to_token, req_generation, free_slots
         self.block_size = block_size
-        max_blocks = req_pool.req_to_token.shape[1] // block_size + 1
-        # Per request slot: the page and page epoch of each full block as of its last selection at the
-        # recording layer (-1 past its blocks), what warm starts match prefixes against.
-        self.pages = torch.full((tier.num_request_slots, max_blocks), -1, dtype=torch.int64)
-        self.epochs = torch.zeros((tier.num_request_slots, max_blocks), dtype=torch.int64)
+        self.prefixes = PrefixRecords(tier, req_pool.req_to_token, block_size)  # what warm starts match
 
     def finished(self) -> Callable[[int, int], bool]:
         """``finished(req, generation)``: SGLang has freed that request (its row is free or reused)."""
@@ -63,7 +60,7 @@ class RequestSlots:
         """A newly claimed slot has no window pins, no recorded pages and no active tokens yet."""
         self.tier.pinned[slot] = -1
         self.tier.active.reset(slot)
-        self.pages[slot] = -1
+        self.prefixes.forget(slot)
 
     def admit(
         self,
@@ -73,12 +70,11 @@ class RequestSlots:
         warm_start: bool,
     ) -> Admission:
         """Slots for the batch's new requests ``(req, generation, cached prefix tokens)``: warm starts
-        where a donor shares their prefix (``warm_start``), cold otherwise. ``epoch`` is the summaries'
-        page epochs; ``failed(req, generation)`` names requests whose transfer failed: their slots
-        may map blocks that never arrived and donate nothing."""
+        where a donor shares their prefix (``warm_start``, ``radix_sharing.py``), cold otherwise. ``epoch``
+        is the summaries' page epochs; ``failed(req, generation)`` names requests whose transfer failed."""
         warm = reused = 0
         for req, generation, prefix in new:
-            donor = self._donor(req, prefix, epoch, failed) if warm_start else None
+            donor = self.prefixes.donor(req, prefix, epoch, failed) if warm_start else None
             if donor is None:
                 self.claim(req, generation)
                 continue
@@ -91,40 +87,3 @@ class RequestSlots:
             self._forget_records(slot)
             warm += 1
         return Admission(len(new), warm, reused)
-
-    def _donor(
-        self, req: int, prefix: int, epoch: torch.Tensor, failed: Callable[[int, int], bool]
-    ) -> tuple[int, int] | None:
-        """``(donor slot, shared blocks)``: the slot whose recorded leading pages match the most of
-        ``req``'s cached prefix blocks (same pages, unchanged epochs); None if none matches."""
-        block = self.block_size
-        shared_max = prefix // block
-        if shared_max == 0:
-            return None
-        pages = self.req_pool.req_to_token[req, 0 : shared_max * block : block].cpu().to(torch.int64) // block
-        epochs = epoch[pages]
-        # Candidates first by their first block (cheap), then the shared length over those only.
-        first = ((self.pages[:, 0] == pages[0]) & (self.epochs[:, 0] == epochs[0])).nonzero().flatten()
-        candidates = []
-        for slot in first.tolist():
-            owner = self.tier.owner(slot)
-            if owner is not None and not failed(*owner):
-                candidates.append(slot)
-        if not candidates:
-            return None
-        index = torch.tensor(candidates, dtype=torch.int64)
-        same = (self.pages[index, :shared_max] == pages) & (self.epochs[index, :shared_max] == epochs)
-        shared = same.to(torch.int64).cumprod(dim=1).sum(dim=1)
-        best = int(shared.argmax())
-        return candidates[best], int(shared[best])
-
-    def record(
-        self, slots: torch.Tensor, pages: torch.Tensor, full: torch.Tensor, epoch: torch.Tensor
-    ) -> None:
-        """After a selection at the recording layer: the batch's slots (``[bs]``) hold blocks of these
-        host ``pages`` (``[bs, N]``; ``full`` ``[bs]`` of them are full) at their current epochs."""
-        num_blocks = pages.shape[1]
-        host_pages = pages.cpu()
-        self.pages[slots] = -1
-        self.pages[slots, :num_blocks] = torch.where(torch.arange(num_blocks) < full[:, None], host_pages, -1)
-        self.epochs[slots, :num_blocks] = epoch[host_pages]

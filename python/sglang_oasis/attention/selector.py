@@ -21,12 +21,12 @@ import torch
 from sgl_kernel_oasis import window_block_mass
 from sglang_oasis.attention.batch_view import BatchView
 from sglang_oasis.attention.block_prefetcher import BlockPrefetcher, JobResult, SelectionJob
+from sglang_oasis.attention.prefetch_pipeline import PrefetchPipeline
 from sglang_oasis.attention.recall_probe import on_ladder, window_top_k
 from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.attention.transfer_failures import TransferFailures
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.memory.device_tier import DeviceTier
-from sglang_oasis.memory.prefetch_pipeline import PrefetchPipeline
 from sglang_oasis.memory.working_set import EMPTY
 from sglang_oasis.stats import OasisStats
 
@@ -166,7 +166,7 @@ class Selector:
         req_to_token = self.req_to_token_pool.req_to_token
         pages = req_to_token[reqs, 0 : num_blocks * block : block].to(torch.int64) // block  # [bs, N]
         if layer_id == self.record_layer:  # for warm starts of later requests sharing these pages
-            self.slots.record(slots, pages, full, self.summaries.epoch)
+            self.slots.prefixes.record(slots, pages, full, self.summaries.epoch)
         pinned = None
         if self.window_blocks:
             if admission:  # the window's best blocks stay selected until the request's next extend
