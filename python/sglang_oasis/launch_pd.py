@@ -129,8 +129,8 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 
 # The router's recovery from a restarted server, unless --router-args sets them. Its own defaults (a
 # health check every 60 s, 2 good ones to mark a worker healthy again, an open circuit tried again after
-# 60 s) refused every request for ~2 minutes after the launcher had restarted a prefill server (measured
-# with bench_soak --pd-faults: "No available prefill workers (all circuits open or unhealthy)").
+# 60 s) refuse every request for ~2 minutes after a prefill server restarts ("No available prefill
+# workers (all circuits open or unhealthy)").
 ROUTER_RECOVERY = (("--health-check-interval-secs", "5"), ("--cb-timeout-duration-secs", "10"))
 
 
@@ -171,8 +171,8 @@ def start_cluster(args: argparse.Namespace, server_args: list[str]) -> PDCluster
         for server in servers.values():
             server.wait_ready(args.startup_timeout)
         # The router's ports (its own with --port 0, and its metrics port) are chosen only now, right
-        # before it binds them: chosen ~50 s earlier, one was once taken meanwhile by a port the starting
-        # servers opened ("Address already in use").
+        # before it binds them: a port chosen before the servers start (~50 s) can be taken meanwhile by
+        # one a starting server opens ("Address already in use").
         router = ServerProcess(
             router_argv(prefill.url, bootstrap, decode.url, free_port(), args.router_args),
             log_dir / "router.log", host=args.host, port=args.port or None,

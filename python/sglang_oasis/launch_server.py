@@ -159,7 +159,7 @@ def sparse_mode_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[st
         )
     if backend is None:
         extra += ["--attention-backend", "oasis"]
-    for option in PARALLEL_OPTIONS:  # issue 25: per-rank selection, agreed failures, per-rank stats
+    for option in PARALLEL_OPTIONS:  # more ranks need per-rank selection, agreed failures, per-rank stats
         value = option_value(sglang_argv, option)
         if value is not None and value.isdigit() and int(value) > 1:
             raise LaunchError(

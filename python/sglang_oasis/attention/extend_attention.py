@@ -5,8 +5,8 @@ after ``p`` cached ones as a causal attention over all ``p + n`` query rows, the
 uninitialised, and keeps the last ``n``: ``(p + n)^2`` work for ``n (p + n)`` useful. Every radix-cache
 hit pays it (a new turn of a conversation; in sparse mode each request that finds its prompt cached still
 recomputes the prefill window's last tokens, hook 5), as does each chunk of a chunked prefill: 32 new
-tokens after 2K cached took 87 ms per layer where 3.7 ms suffice (2-core AMD EPYC, float32, SmolLM2's
-9 query / 3 KV heads).
+tokens after 2K cached take 87 ms per layer where 3.7 ms suffice (2 CPU cores, float32, SmolLM2's 9
+query / 3 KV heads).
 
 ``extend_attention`` computes rows ``a .. p + n`` only, with the causal mask shifted by ``a``, and
 returns the last ``n``. The result is bitwise SGLang's: PyTorch's CPU flash kernel reduces each query row

@@ -53,9 +53,9 @@ class Gauges:
 
     @classmethod
     def stop_all(cls) -> None:
-        """Stop every refresh thread still running: before an interpreter that made backends in-process
-        (the unit tests) exits, so that no daemon thread is inside a torch op when it tears down (that
-        aborts the process: "terminate called without an active exception")."""
+        """Stop every refresh thread still running. An interpreter that made backends in-process (the
+        unit tests) calls it before it exits: a daemon thread inside a torch op while the interpreter
+        tears down aborts the process ("terminate called without an active exception")."""
         for gauges in list(cls._running):
             gauges.stop()
 

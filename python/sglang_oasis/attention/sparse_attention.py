@@ -33,8 +33,8 @@ def slot_spans(slot_rows: torch.Tensor, step: int = SPAN_STEP) -> torch.Tensor:
     """``[bs]``: how many working-set slots each request's decode attention reads (``slot_rows`` ``[bs,
     kv_heads, slots]``, -1 where empty): up to its last occupied slot on any KV head, rounded up to
     ``step``, at most every slot. A function of the request's own slots, so its attention has the same
-    shape alone or in any batch; a K = 16 request on a server that reserves 128 blocks per head no longer
-    attends ~130 empty slots (masked, but computed)."""
+    shape alone or in any batch; a K = 16 request on a server that reserves 128 blocks per head does not
+    attend ~130 empty slots (masked, but computed)."""
     slots = slot_rows.shape[-1]
     occupied = (slot_rows >= 0).any(dim=1)  # [bs, slots]
     last = torch.where(occupied, torch.arange(1, slots + 1), 0).amax(dim=-1)

@@ -2,15 +2,15 @@
 
 A checkpoint stored in float32 is served in float16 by SGLang's ``--dtype auto`` rule. On a CPU without
 native half-precision matrix arithmetic, torch computes float16 and bfloat16 matrix products by
-converting to float32 on the fly, ~3.5x slower than plain float32 (measured on an AVX2 EPYC: a 3.4K-token
-prompt on SmolLM2-135M took 181 s in float16 and 51 s in float32). So the launcher serves float32 unless
-the CPU has native support for a half type: AMX (``amx_bf16`` / ``amx_fp16``) or AVX-512 with BF16 /
-FP16 instructions.
+converting to float32 on the fly, ~3.5x slower than plain float32 (on an AVX2 CPU a 3.4K-token prompt on
+SmolLM2-135M takes 181 s in float16 and 51 s in float32). So the launcher serves float32 unless the CPU
+has native support for a half type: AMX (``amx_bf16`` / ``amx_fp16``) or AVX-512 with BF16 / FP16
+instructions.
 
 The thread count is the number of cores this process may use (CPU affinity and a cgroup CPU quota both
-bound it), split across model ranks. Measured on a 2-core EPYC (``benchmark/bench_cpu_serving.py
---threads 2,1``, ``docs/results.md``): 2 threads prefill 1.6-1.9x faster than 1, and decode is faster at
-4K contexts (batch 1 and 8) and slower at 1K; prefill dominates a long prompt's time, so every core it is.
+bound it), split across model ranks. Prefill dominates a long prompt's time and scales with threads (on
+2 cores, 2 threads prefill 1.6-1.9x faster than 1, while decode gains at 4K contexts and loses at 1K:
+``benchmark/bench_cpu_serving.py --threads 2,1``), so every core it is.
 """
 
 from __future__ import annotations
