@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 
 class BatchView(NamedTuple):
@@ -60,7 +63,7 @@ class BatchView(NamedTuple):
         return cls([], none, none, [], 0, torch.zeros(0, dtype=torch.bool))
 
 
-def extend_prefix_lens(forward_batch: Any) -> list[int]:
+def extend_prefix_lens(forward_batch: ForwardBatch) -> list[int]:
     """Each request's cached prefix tokens in an extend batch (SGLang's ``ForwardBatch``)."""
     if forward_batch.extend_prefix_lens_cpu is not None:
         return [int(n) for n in forward_batch.extend_prefix_lens_cpu]
@@ -69,6 +72,9 @@ def extend_prefix_lens(forward_batch: Any) -> list[int]:
     return [0] * len(forward_batch.seq_lens)
 
 
-def extend_seq_lens(forward_batch: Any) -> list[int]:
+def extend_seq_lens(forward_batch: ForwardBatch) -> list[int]:
     """Each request's new tokens in an extend batch (SGLang's ``ForwardBatch``): its rows of q, k and v."""
-    return [int(n) for n in (forward_batch.extend_seq_lens_cpu or forward_batch.extend_seq_lens.tolist())]
+    if forward_batch.extend_seq_lens_cpu:
+        return [int(n) for n in forward_batch.extend_seq_lens_cpu]
+    assert forward_batch.extend_seq_lens is not None  # SGLang's ForwardBatch: None outside extends
+    return [int(n) for n in forward_batch.extend_seq_lens.tolist()]

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -22,6 +22,9 @@ from sgl_kernel_oasis import ops, select_top_blocks
 from sglang_oasis.memory.active_blocks import ActiveBlocks
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.memory.working_set import TransferPlan, WorkingSetPool
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 logger = logging.getLogger(__name__)
 
@@ -69,6 +72,16 @@ class JobResult(NamedTuple):
     host_loads: tuple[tuple[int, int, int], ...] = ()  # (req row, generation, blocks read from the host)
 
 
+class RemoteBlocks(Protocol):
+    """Where blocks still on another node are read from before a load (remote partial fetching's decode
+    side, ``disaggregation/pd_partial.py``'s ``DecodeFetcher``)."""
+
+    def ensure(self, layer: int, wanted: dict[int, torch.Tensor]) -> dict[int, str]:
+        """Read ``wanted`` (request row -> blocks) of ``layer`` into the host tier where they are not yet;
+        returns the rows whose reads failed, with a message."""
+        ...
+
+
 class BlockPrefetcher:
     """Runs selection jobs against the working sets, the summaries and the host tier (SGLang's pool)."""
 
@@ -77,7 +90,7 @@ class BlockPrefetcher:
         working_sets: WorkingSetPool,
         summaries: BlockSummaryStore,
         active: ActiveBlocks,
-        kv_pool: Any,
+        kv_pool: MHATokenToKVPool,
         sink_blocks: int,
         num_kv_heads: int,
     ) -> None:
@@ -90,7 +103,7 @@ class BlockPrefetcher:
         # Prefill node of remote partial fetching: slot -> layer -> [kv_heads, N] admission selection.
         self.record_admissions: dict[int, dict[int, torch.Tensor]] | None = None
         # Decode node of remote partial fetching: reads blocks still on the prefill node before loads.
-        self.remote: Any = None
+        self.remote: RemoteBlocks | None = None
 
     def run(self, job: SelectionJob) -> JobResult:
         """Prediction -> selection -> transfer for one layer of a batch (runs in the pipeline). An error
@@ -210,7 +223,7 @@ class BlockPrefetcher:
         k_buffer, v_buffer = pool.get_key_buffer(job.layer_id), pool.get_value_buffer(job.layer_id)
         failed: dict[int, str] = {}
         if self.remote is not None and plan.num_loads:
-            plan, failed = self._read_remote(job, plan)
+            plan, failed = self._read_remote(job, plan, self.remote)
         try:
             self._check_injected(job, plan.batch_rows)
             self.working_sets.load(plan, job.slots, job.layer_id, job.pages, k_buffer, v_buffer)
@@ -230,7 +243,9 @@ class BlockPrefetcher:
                 failed[req] = f"layer {job.layer_id}: {type(error).__name__}: {error}"
         return failed
 
-    def _read_remote(self, job: SelectionJob, plan: TransferPlan) -> tuple[TransferPlan, dict[int, str]]:
+    def _read_remote(
+        self, job: SelectionJob, plan: TransferPlan, remote: RemoteBlocks
+    ) -> tuple[TransferPlan, dict[int, str]]:
         """Remote partial fetching: the planned blocks still on the prefill node are read into the host
         tier first (all requests of the batch at once). Requests whose reads fail are returned and their
         loads dropped from the plan."""
@@ -238,7 +253,7 @@ class BlockPrefetcher:
         wanted = {req: plan.blocks[plan.batch_rows == row] for row, req in enumerate(reqs)}
         wanted = {req: blocks for req, blocks in wanted.items() if blocks.numel()}
         try:
-            failed: dict[int, str] = self.remote.ensure(job.layer_id, wanted)
+            failed = remote.ensure(job.layer_id, wanted)
         except Exception as error:  # never the process: every request of the batch with reads fails
             logger.exception("oasis: remote reads of layer %d failed", job.layer_id)
             failed = {req: f"remote KV read for layer {job.layer_id} failed: {error}" for req in wanted}

@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -38,6 +38,15 @@ from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.memory.device_tier import DeviceTier
 from sglang_oasis.stats import OasisStats
 
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    from sglang_oasis.attention.selector import Selector
+    from sglang_oasis.attention.strict_mode import StrictMode
+    from sglang_oasis.config import OasisConfig
+
 logger = logging.getLogger(__name__)
 
 MIN_BLOCK_BUCKET = 64
@@ -51,10 +60,25 @@ def powers_of_two(low: int, high: int) -> tuple[int, ...]:
     return tuple(out)
 
 
+class StepParts(Protocol):
+    """What the captured step takes from the oasis backend (``OasisAttnBackend``, which imports this file)."""
+
+    config: OasisConfig
+    tier: DeviceTier
+    token_to_kv_pool: MHATokenToKVPool
+    req_to_token_pool: ReqToTokenPool
+    slots: RequestSlots
+    stats: OasisStats
+    sparse_layers: list[int]
+    selector: Selector
+    summarised: torch.Tensor
+    strict: StrictMode | None
+
+
 class CapturedStep:
     def __init__(
-        self, config: Any, tier: DeviceTier, kv_pool: Any, req_to_token: torch.Tensor, slots: RequestSlots,
-        stats: OasisStats, sparse_layers: Sequence[int],
+        self, config: OasisConfig, tier: DeviceTier, kv_pool: MHATokenToKVPool, req_to_token: torch.Tensor,
+        slots: RequestSlots, stats: OasisStats, sparse_layers: Sequence[int],
     ) -> None:  # fmt: skip
         if tier.padding_slot is None:
             raise ValueError("a captured decode step needs the device tier's padding slot")
@@ -86,7 +110,7 @@ class CapturedStep:
         self.summarised: torch.Tensor | None = None
 
     @classmethod
-    def for_backend(cls, backend: Any) -> CapturedStep:
+    def for_backend(cls, backend: StepParts) -> CapturedStep:
         """The captured step of an ``OasisAttnBackend``, over its device tier, pool and counters."""
         step = cls(
             backend.config, backend.tier, backend.token_to_kv_pool, backend.req_to_token_pool.req_to_token,
@@ -107,8 +131,8 @@ class CapturedStep:
         self.plan, self.pending = None, plain_decode and self.covers()
 
     def run(
-        self, batch: BatchView, forward_batch: Any, layer: Any, q: torch.Tensor, k: torch.Tensor | None,
-        v: torch.Tensor | None,
+        self, batch: BatchView, forward_batch: ForwardBatch, layer: RadixAttention, q: torch.Tensor,
+        k: torch.Tensor | None, v: torch.Tensor | None,
     ) -> torch.Tensor | None:  # fmt: skip
         """A sparse layer's decode, captured when the pass is (its first sparse layer plans it); None: the
         layer runs eagerly."""
@@ -116,7 +140,7 @@ class CapturedStep:
             return None
         return self.decode(layer, q, k, v)
 
-    def ready(self, batch: BatchView, forward_batch: Any) -> bool:
+    def ready(self, batch: BatchView, forward_batch: ForwardBatch) -> bool:
         """At a sparse layer of the pass: whether it runs captured (its first plans the pass)."""
         if self.pending:
             self.pending = False
@@ -166,7 +190,9 @@ class CapturedStep:
         fresh = (seq_lens // self.shape.block_size)[:, None] - covered <= 1
         return bool((held & short & fresh).all())
 
-    def decode(self, layer: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor | None:
+    def decode(
+        self, layer: RadixAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor | None:
         """One sparse layer (SGLang's ``RadixAttention``) of the planned pass: SGLang's ``q``, ``k``, ``v``
         rows of the batch's requests; returns the attention output as SGLang's decode does (None: the
         program failed: the layer runs eagerly, and every later pass; a failure to compile, the likely

@@ -40,12 +40,18 @@ not hold.
 from __future__ import annotations
 
 import math
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from sgl_kernel_oasis import score_paged_blocks, sparse_decode_attention
 from sglang_oasis.memory.working_set import BLOCK_ID_SPAN, EMPTY, stable_ranks
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from sglang_oasis.config import OasisConfig
+    from sglang_oasis.memory.device_tier import DeviceTier
 
 INT64_MAX = torch.iinfo(torch.int64).max
 # Per row, what ``decode_layer`` returns in its counts (columns).
@@ -64,7 +70,7 @@ class StepShape(NamedTuple):
     padding_slot: int  # request slot padding rows (and masked copies) write into
 
     @classmethod
-    def of(cls, config: Any, span: int, slots_per_head: int, padding_slot: int) -> StepShape:
+    def of(cls, config: OasisConfig, span: int, slots_per_head: int, padding_slot: int) -> StepShape:
         """From ``OasisConfig``: ``copies`` = the largest fetch cap + 1 (a decode step fills at most one
         block per request), or every slot without a cap."""
         if config.fetch_ratio >= 1:
@@ -96,7 +102,7 @@ class LayerState(NamedTuple):
     active_end: torch.Tensor
 
     @classmethod
-    def of(cls, tier: Any, kv_pool: Any, layer: int) -> LayerState:
+    def of(cls, tier: DeviceTier, kv_pool: MHATokenToKVPool, layer: int) -> LayerState:
         ws, active, summaries = tier.working_sets, tier.active, tier.summaries
         return cls(
             kv_pool.get_key_buffer(layer), kv_pool.get_value_buffer(layer), summaries.kmin[layer],

@@ -8,16 +8,19 @@ parts that read the hooks' listener names).
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 from sglang_oasis.disaggregation.pd_partial import register_draft_pool
 
+if TYPE_CHECKING:
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
 
 class DraftAttnBackend(TorchNativeAttnBackend):
     """Dense attention for the draft model of ``--oasis-lookahead eagle3`` (one layer, its own KV)."""
 
-    def __init__(self, model_runner: Any) -> None:
+    def __init__(self, model_runner: ModelRunner) -> None:
         super().__init__(model_runner)
         register_draft_pool(model_runner.token_to_kv_pool)  # PD remote fetching moves it whole

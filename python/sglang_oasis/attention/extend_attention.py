@@ -19,8 +19,6 @@ request goes SGLang's way (nothing to save).
 
 from __future__ import annotations
 
-from typing import Any
-
 import torch
 from torch.nn.functional import scaled_dot_product_attention
 
@@ -65,7 +63,7 @@ def extend_attention(
         keys, values = k_cache[tokens].movedim(0, 1), v_cache[tokens].movedim(0, 1)
         if keys.dtype != rows.dtype:
             keys, values = keys.to(rows.dtype), values.to(rows.dtype)
-        mask: Any = None
+        mask: torch.Tensor | None = None
         if first:
             mask = (
                 torch.arange(seq_len, device=rows.device)[None, :]

@@ -9,10 +9,19 @@ import logging
 import threading
 import weakref
 from collections.abc import Callable
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, ClassVar, Protocol
 
 from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.stats import OasisStats
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.allocator.base import BaseTokenToKVPoolAllocator
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from sglang_oasis.attention.pd_node import PDNode
+    from sglang_oasis.attention.retraction import Retractions
+    from sglang_oasis.attention.selector import Selector
+    from sglang_oasis.attention.transfer_failures import TransferFailures
 
 logger = logging.getLogger(__name__)
 
@@ -21,8 +30,8 @@ class Gauges:
     _running: ClassVar[weakref.WeakSet[Gauges]] = weakref.WeakSet()
 
     def __init__(
-        self, slots: RequestSlots, kv_pool: Any, allocator: Any, stats: OasisStats, export: bool,
-        held: Callable[[], dict[str, int]] | None = None,
+        self, slots: RequestSlots, kv_pool: MHATokenToKVPool, allocator: BaseTokenToKVPoolAllocator | None,
+        stats: OasisStats, export: bool, held: Callable[[], dict[str, int]] | None = None,
     ) -> None:  # fmt: skip
         self.slots = slots
         self.held = held  # the held_* gauges: what a leak would leave once the server is idle
@@ -82,7 +91,17 @@ class Gauges:
             self._stopped.wait(period_s)
 
 
-def held_by(backend: Any) -> dict[str, int]:
+class HoldingParts(Protocol):
+    """The oasis backend's parts that hold something per request (``OasisAttnBackend``, which imports this
+    file)."""
+
+    pd: PDNode
+    selector: Selector
+    failures: TransferFailures
+    retractions: Retractions
+
+
+def held_by(backend: HoldingParts) -> dict[str, int]:
     """The ``held_*`` gauges of an oasis backend's parts (read from the gauges thread: sizes only)."""
     pd, pipeline = backend.pd, backend.selector.pipeline
     return {

@@ -9,7 +9,7 @@ which a request's keys are in the summaries.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -18,9 +18,14 @@ from sglang_oasis.attention.sparse_attention import SparseAttention
 from sglang_oasis.memory.active_blocks import concat_ranges
 from sglang_oasis.memory.device_tier import DeviceTier
 
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
 
 class KVIntake:
-    def __init__(self, tier: DeviceTier, attention: SparseAttention, kv_pool: Any, request_rows: int) -> None:
+    def __init__(
+        self, tier: DeviceTier, attention: SparseAttention, kv_pool: MHATokenToKVPool, request_rows: int
+    ) -> None:
         self.summaries = tier.summaries
         self.active = tier.active
         self.attention = attention

@@ -50,14 +50,20 @@ from sglang_oasis.stats import OasisStats
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
-    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch, ForwardMode
+    from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
 
 class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
+    # SGLang declares them KVCache and ReqToTokenPool | None: this backend serves MHA pools (``head_num``)
+    token_to_kv_pool: MHATokenToKVPool
+    req_to_token_pool: ReqToTokenPool
+
     def __init__(
-        self, model_runner: Any, config: OasisConfig, faults: FaultInjection | None = None,
+        self, model_runner: ModelRunner, config: OasisConfig, faults: FaultInjection | None = None,
         strict: StrictMode | None = None,
     ) -> None:  # fmt: skip
         super().__init__(model_runner)
@@ -126,7 +132,7 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
         self.begin_batch(mode, reqs, seq_lens, prefix_lens, rids, batch_params(rids), retraction_keys(rids))
 
     def begin_batch(
-        self, mode: Any, reqs: list[int], seq_lens: list[int], prefix_lens: list[int] | None,
+        self, mode: ForwardMode, reqs: list[int], seq_lens: list[int], prefix_lens: list[int] | None,
         rids: list[str] | None = None, params: list[dict[str, Any] | None] | None = None,
         keys: list[str | None] | None = None,
     ) -> None:  # fmt: skip
@@ -189,7 +195,8 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
 
     # --- attention -------------------------------------------------------------------------------
 
-    def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):
+    # ignore[override]: SGLang's base passes a layer's extra **kwargs on; torch_native (our base) takes none
+    def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):  # type: ignore[override]
         if forward_batch.forward_mode.is_target_verify():
             return self.forward_verify(q, k, v, layer, forward_batch, save_kv_cache)
         layer_id = layer.layer_id
@@ -207,6 +214,7 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
         else:  # nothing new to fold in (KVIntake.extend records it otherwise)
             self.summarised[self.batch.req_index, layer_id] = seq_lens_cpu
         q_rows = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
+        assert forward_batch.extend_seq_lens is not None  # SGLang's ForwardBatch: None outside extends
         last = torch.cumsum(forward_batch.extend_seq_lens, 0) - 1  # last new token of each request
         seq_lens = forward_batch.seq_lens.tolist()
         if not self.batch.admission and k is not None:  # re-prefilled retracted requests: their sparse step
@@ -215,7 +223,7 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
         self.selector.select(self.batch, layer_id, q_rows[last], seq_lens, prior)
         return out
 
-    def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):
+    def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):  # type: ignore[override]
         layer_id = layer.layer_id
         if layer.is_cross_attention or layer_id in self.dense_layers:
             if not layer.is_cross_attention:  # attends every committed token, read from the host tier
@@ -295,7 +303,7 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
             StrictMode.poison_resident_blocks(self.working_sets, table, pool, self.batch, layer_id)
 
 
-def create_oasis_backend(model_runner: Any) -> TorchNativeAttnBackend:
+def create_oasis_backend(model_runner: ModelRunner) -> TorchNativeAttnBackend:
     """The target model gets the sparse backend; a draft model (EAGLE-3 lookahead) attends densely over
     its own small KV cache. Fault injection and strict device mode for tests are read here, once
     (``INJECT_ENV``, ``STRICT_ENV``)."""

@@ -23,7 +23,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Generic, NamedTuple, TypeVar
+from typing import Generic, NamedTuple, TypeVar
 
 import torch
 
@@ -31,7 +31,8 @@ T = TypeVar("T")
 
 
 class _Pending(NamedTuple, Generic[T]):
-    future: Future[tuple[T, Any]]  # the job's result and, on CUDA, the event recorded after it
+    # the job's result and, on CUDA, the event recorded after it
+    future: Future[tuple[T, torch.cuda.Event | None]]
     job: Callable[[], T]  # kept until waited for: its tensors must outlive the side stream's use
 
 
@@ -49,7 +50,7 @@ class PrefetchPipeline(Generic[T]):
         return self._executor is not None
 
     @property
-    def side_stream(self) -> Any:
+    def side_stream(self) -> torch.cuda.Stream | None:
         """The CUDA stream jobs run on (None on CPU and in sync mode)."""
         return self._stream
 
@@ -58,7 +59,7 @@ class PrefetchPipeline(Generic[T]):
         pending (waited for first, so one layer never has two jobs in flight)."""
         earlier = self.wait(layer)
         if self._executor is None:
-            future: Future[tuple[T, Any]] = Future()
+            future: Future[tuple[T, torch.cuda.Event | None]] = Future()
             future.set_result((job(), None))
         else:
             ready = None
@@ -69,11 +70,12 @@ class PrefetchPipeline(Generic[T]):
         self._pending[layer] = _Pending(future, job)
         return earlier
 
-    def _run(self, job: Callable[[], T], ready: Any) -> tuple[T, Any]:
+    def _run(self, job: Callable[[], T], ready: torch.cuda.Event | None) -> tuple[T, torch.cuda.Event | None]:
         """Worker side: on CUDA the job's kernels go to the side stream, after the foreground's work up
         to submission, and an event marks their end."""
         if self._stream is None:
             return job(), None
+        assert ready is not None  # ``submit`` records one whenever there is a side stream
         with torch.cuda.stream(self._stream):
             self._stream.wait_event(ready)
             result = job()

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -40,6 +40,9 @@ from sglang_oasis.attention.batch_view import BatchView
 from sglang_oasis.memory.device_tier import DeviceTier
 from sglang_oasis.memory.working_set import EMPTY
 from sglang_oasis.stats import MAX_RECALL_LAYERS, OasisStats
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
@@ -83,8 +86,8 @@ class RecallProbe:
         self,
         every: int,
         tier: DeviceTier,
-        req_to_token_pool: Any,
-        kv_pool: Any,
+        req_to_token_pool: ReqToTokenPool,
+        kv_pool: MHATokenToKVPool,
         top_k: int,
         stats: OasisStats,
         target: float = 0.0,

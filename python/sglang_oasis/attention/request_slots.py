@@ -16,12 +16,15 @@ again; nothing polls for finished requests.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
 from sglang_oasis.attention.radix_sharing import PrefixRecords
 from sglang_oasis.memory.device_tier import DeviceTier
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
 
 class Admission(NamedTuple):
@@ -33,10 +36,10 @@ class Admission(NamedTuple):
 
 
 class RequestSlots:
-    def __init__(self, tier: DeviceTier, req_pool: Any, block_size: int) -> None:
+    def __init__(self, tier: DeviceTier, req_pool: ReqToTokenPool, block_size: int) -> None:
         self.tier = tier
         self.working_sets = tier.working_sets
-        self.req_pool = req_pool  # SGLang's ReqToTokenPool: req_to_token, req_generation, free_slots
+        self.req_pool = req_pool  # req_to_token, req_generation, free_slots
         self.block_size = block_size
         self.prefixes = PrefixRecords(tier, req_pool.req_to_token, block_size)  # what warm starts match
 

@@ -19,9 +19,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from sglang_oasis.attention.batch_view import BatchView
 
 logger = logging.getLogger(__name__)
 
@@ -38,7 +43,9 @@ class SavedKV(NamedTuple):
         return sum(t.nbytes for t in self.keys) + sum(t.nbytes for t in self.values)
 
     @classmethod
-    def of(cls, kv_pool: Any, row: torch.Tensor, start: int, end: int, kept: int, rid: str) -> SavedKV | None:
+    def of(
+        cls, kv_pool: MHATokenToKVPool, row: torch.Tensor, start: int, end: int, kept: int, rid: str
+    ) -> SavedKV | None:
         """Copies of positions ``[start, end)`` of a request (``row``: its req-to-token row) at every layer
         of ``kv_pool``; None when there are none, or when they and the ``kept`` bytes exceed
         ``SAVED_KV_BYTES``."""
@@ -59,7 +66,7 @@ class SavedKV(NamedTuple):
 
 
 def put_back(
-    saved: Mapping[tuple[int, int], SavedKV], batch: Any, layer_id: int, prefix_lens: list[int],
+    saved: Mapping[tuple[int, int], SavedKV], batch: BatchView, layer_id: int, prefix_lens: list[int],
     extend_lens: list[int], k: torch.Tensor | None, v: torch.Tensor | None, kv_heads: int,
 ) -> tuple[torch.Tensor | None, torch.Tensor | None, int]:  # fmt: skip
     """An extend's new K and V at ``layer_id`` (rows: each request's ``extend_lens`` new tokens after its

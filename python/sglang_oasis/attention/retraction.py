@@ -39,7 +39,7 @@ from __future__ import annotations
 import logging
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -55,6 +55,10 @@ from sglang_oasis.memory.working_set import EMPTY, TransferPlan
 from sglang_oasis.sglang_hooks import RETRACT_LISTENER
 from sglang_oasis.stats import OasisStats
 
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
 logger = logging.getLogger(__name__)
 
 
@@ -67,7 +71,7 @@ class SavedSelection(NamedTuple):
     top_k: torch.Tensor  # [layers]
     pinned: torch.Tensor  # [layers, kv_heads, window blocks]
     prompt_len: int | None  # as the selector knew it (fault injection picks requests by it)
-    probe: Any  # RecallProbe.state_of(...)
+    probe: tuple[int, dict[int, int]]  # RecallProbe.state_of(...)
     kv: SavedKV | None  # its decode steps' K and V (re-prefill only)
 
 
@@ -236,7 +240,7 @@ class Retractions:
         self,
         batch: BatchView,
         layer_id: int,
-        forward_batch: Any,
+        forward_batch: ForwardBatch,
         k: torch.Tensor | None,
         v: torch.Tensor | None,
     ) -> tuple[torch.Tensor | None, torch.Tensor | None]:
@@ -255,8 +259,8 @@ class Retractions:
         return k, v
 
     def attend_resumed(
-        self, batch: BatchView, layer: Any, q_rows: torch.Tensor, last: torch.Tensor, k: torch.Tensor,
-        v: torch.Tensor, out: torch.Tensor, seq_lens: torch.Tensor,
+        self, batch: BatchView, layer: RadixAttention, q_rows: torch.Tensor, last: torch.Tensor,
+        k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, seq_lens: torch.Tensor,
     ) -> None:  # fmt: skip
         """An extend's re-prefilled retracted requests (its rows that are not admissions), at ``layer``:
         their blocks are loaded from the pages the extend just wrote, and each one's last row attends as

@@ -14,7 +14,7 @@ from __future__ import annotations
 import logging
 import math
 from collections.abc import Callable
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -29,6 +29,10 @@ from sglang_oasis.config import OasisConfig
 from sglang_oasis.memory.device_tier import DeviceTier
 from sglang_oasis.memory.working_set import EMPTY
 from sglang_oasis.stats import OasisStats
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
@@ -73,8 +77,8 @@ class Selector:
         config: OasisConfig,
         tier: DeviceTier,
         slots: RequestSlots,
-        kv_pool: Any,
-        req_to_token_pool: Any,
+        kv_pool: MHATokenToKVPool,
+        req_to_token_pool: ReqToTokenPool,
         record_layer: int,
         stats: OasisStats,
         failures: TransferFailures,
@@ -243,7 +247,7 @@ class Selector:
     def window_prior(
         self,
         batch: BatchView,
-        layer: Any,
+        layer: RadixAttention,
         q_rows: torch.Tensor,
         last_rows: list[int],
         extend_lens: list[int],

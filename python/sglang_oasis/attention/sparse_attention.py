@@ -15,7 +15,7 @@ committed token (counted in ``dense_layer_bytes_host_to_device``).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
@@ -24,6 +24,11 @@ from sglang_oasis.attention.batch_view import BatchView
 from sglang_oasis.memory.active_blocks import concat_ranges
 from sglang_oasis.memory.device_tier import DeviceTier
 from sglang_oasis.stats import OasisStats
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 # A request's decode attention reads its working-set slots up to its last occupied one, rounded up to this.
 SPAN_STEP = 8
@@ -44,9 +49,7 @@ def slot_spans(slot_rows: torch.Tensor, step: int = SPAN_STEP) -> torch.Tensor:
 class Tail(NamedTuple):
     """What one layer's attention reads besides the working sets, for a batch."""
 
-    k: (
-        torch.Tensor
-    )  # [tokens, kv_heads, head_dim]: the layer's active blocks (+ host tokens, see ``advance``)
+    k: torch.Tensor  # [tokens, kv_heads, head_dim]: the layer's active blocks (+ host tokens: ``advance``)
     v: torch.Tensor
     locs: torch.Tensor  # [bs, tail + new] rows of ``k``: the committed tail, then the step's new tokens
     valid: torch.Tensor  # [bs, tail] which tail rows are real
@@ -56,8 +59,8 @@ class SparseAttention:
     def __init__(
         self,
         tier: DeviceTier,
-        req_to_token_pool: Any,
-        kv_pool: Any,
+        req_to_token_pool: ReqToTokenPool,
+        kv_pool: MHATokenToKVPool,
         block_size: int,
         stats: OasisStats,
         strict: bool = False,
@@ -170,7 +173,7 @@ class SparseAttention:
             raise RuntimeError(f"oasis strict device mode: decode attention read {what} from the host tier")
 
     def headwise(
-        self, batch: BatchView, q_rows: torch.Tensor, layer: Any, tail: Tail, valid: torch.Tensor
+        self, batch: BatchView, q_rows: torch.Tensor, layer: RadixAttention, tail: Tail, valid: torch.Tensor
     ) -> torch.Tensor:
         """``[bs, rows, q_heads, dim]`` queries over each KV head's working set (read in place through
         the head-wise mapping) and the tail (row r sees the tokens ``valid[:, r]`` marks): the Triton
@@ -215,7 +218,7 @@ class SparseAttention:
         self,
         batch: BatchView,
         q: torch.Tensor,
-        layer: Any,
+        layer: RadixAttention,
         seq_lens: torch.Tensor,
         k: torch.Tensor,
         v: torch.Tensor,
@@ -234,8 +237,8 @@ class SparseAttention:
         return self.headwise(batch, q[:, None], layer, tail, valid[:, None, :])[:, 0]
 
     def verify(
-        self, batch: BatchView, q_rows: torch.Tensor, layer: Any, seq_lens: torch.Tensor, k: torch.Tensor,
-        v: torch.Tensor, tree: torch.Tensor,
+        self, batch: BatchView, q_rows: torch.Tensor, layer: RadixAttention, seq_lens: torch.Tensor,
+        k: torch.Tensor, v: torch.Tensor, tree: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """Verify rows ``[bs, rows, q_heads, dim]`` of a sparse layer (row r at position ``seq_len + r``;
         ``k``, ``v`` ``[bs * rows, kv_heads, dim]``): the working set, the active tail, then the rows' own
@@ -277,8 +280,8 @@ class SparseAttention:
         return starts, lengths, lengths + new > self.active.span
 
     def dense_verify(
-        self, batch: BatchView, q_rows: torch.Tensor, layer: Any, seq_lens: torch.Tensor, draft_locs: torch.Tensor,
-        tree: torch.Tensor,
+        self, batch: BatchView, q_rows: torch.Tensor, layer: RadixAttention, seq_lens: torch.Tensor,
+        draft_locs: torch.Tensor, tree: torch.Tensor,
     ) -> torch.Tensor:  # fmt: skip
         """Verify rows of a dense layer: every committed token, then the draft rows' (tree mask)."""
         layer_id = layer.layer_id
@@ -302,7 +305,7 @@ class SparseAttention:
         return sparse_decode_attention(q_rows, keys, values, valid, layer.scaling)
 
     @staticmethod
-    def tree_mask(forward_batch: Any, batch: int, rows: int) -> torch.Tensor:
+    def tree_mask(forward_batch: ForwardBatch, batch: int, rows: int) -> torch.Tensor:
         """``[batch, rows, rows]``: which verify rows each row attends (a chain unless the drafter sent a
         qlen-only tree mask)."""
         spec_info = getattr(forward_batch, "spec_info", None)

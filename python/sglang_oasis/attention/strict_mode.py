@@ -16,12 +16,15 @@ tier is test code (``sglang_oasis_testing/broken_variant.py``, not shipped).
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from sglang_oasis.attention.batch_view import BatchView
 from sglang_oasis.memory.working_set import EMPTY, WorkingSetPool
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 STRICT_ENV = "SGLANG_OASIS_STRICT_DEVICE"
 GARBAGE = 100.0  # large keys dominate any softmax that reads them; large values move any output
@@ -41,7 +44,7 @@ class StrictMode:
     def poison_resident_blocks(
         working_sets: WorkingSetPool,
         req_to_token: torch.Tensor,
-        kv_pool: Any,
+        kv_pool: MHATokenToKVPool,
         batch: BatchView,
         layer_id: int,
     ) -> int:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -44,6 +44,10 @@ from sglang_oasis.memory.device_layout import (
 )
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.memory.working_set import WorkingSetPool
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.model_executor.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 
@@ -85,7 +89,12 @@ class DeviceTier:
 
     @classmethod
     def for_pool(
-        cls, kv_pool: Any, config: OasisConfig, max_running: int | None, req_to_token_pool: Any, device: Any
+        cls,
+        kv_pool: MHATokenToKVPool,
+        config: OasisConfig,
+        max_running: int | None,
+        req_to_token_pool: ReqToTokenPool,
+        device: torch.device | str,
     ) -> DeviceTier:
         """The device tier of ``--oasis-device-kv-tokens`` x the KV bytes per token of SGLang's pool (the
         host tier), with request slots for ``--max-running-requests`` (None: at most SGLang's request
@@ -109,7 +118,7 @@ class DeviceTier:
         limit = int(max_running) if max_running is not None else int(req_to_token_pool.req_to_token.shape[0])
         return cls(shape, layout(budget, shape, limit), kv_pool.dtype, device, config.top_k)
 
-    def cap_running_requests(self, model_runner: Any) -> None:
+    def cap_running_requests(self, model_runner: ModelRunner) -> None:
         """SGLang's scheduler runs at most ``model_runner.max_running_requests`` requests (it reads it once
         the model runner, attention backend included, is built): no more than this tier has request slots
         for, whatever started the server, so a request that finds none waits in SGLang's queue. The
