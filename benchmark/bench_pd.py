@@ -13,7 +13,14 @@ Per context it records the bytes moved to the decode node (SGLang's ``sglang:kv_
 prefill server plus the decode node's ``remote_*_bytes``), time to first token and end-to-end latency
 through the router, and how many generated tokens equal dense PD's. Ratios are against ``dense``.
 
+With ``--handoff-delay-s S`` it measures instead whether a slow prefill node holds up the decode node: in
+one ``sparse-rpf`` deployment whose prefill node answers the hand-offs of one prompt length S seconds late
+(``SGLANG_OASIS_INJECT_HANDOFF_DELAY``), a request decodes alone, then again while such a slow arrival
+waits for its hand-off; the ratio is its TPOT over the tokens decoded in the wait against the same tokens
+alone (goal: at most 1.2; an arrival's network I/O runs off the scheduler thread).
+
     python benchmark/bench_pd.py --json pd.json [--contexts 1024 2048 4096 --new-tokens 32 --top-k 32]
+    python benchmark/bench_pd.py --json pd_slow.json --handoff-delay-s 5
 """
 
 from __future__ import annotations
@@ -80,6 +87,66 @@ def serve(
     return rows
 
 
+def slow_handoff(args: argparse.Namespace, model_dir: Path, prompts: list[list[int]], log_dir: Path) -> dict:
+    """TPOT of a running request alone, and while an arrival waits ``args.handoff_delay_s`` for its
+    hand-off (the tokens it decoded inside that wait, against the same token indices alone)."""
+    import threading
+
+    from common import oasis_stats, stream_generate
+    from sglang_oasis.disaggregation.pd_partial import HANDOFF_DELAY_ENV
+    from sglang_oasis_testing.pd_launch import PDLaunch
+
+    running, slow = prompts[0], prompts[-1][: len(prompts[-1]) - 1]  # a length no other prompt has
+    new_tokens = 256  # long enough to decode through the whole wait
+    server_args = [
+        "--model-path", str(model_dir), "--dtype", "float32", "--oasis-top-k", str(args.top_k),
+        "--oasis-host-kv-tokens", "32768", "--oasis-device-kv-tokens", "65536",
+    ]  # fmt: skip
+    env = {HANDOFF_DELAY_ENV: f"{len(slow)}:{args.handoff_delay_s}"}
+    with PDLaunch(server_args, log_dir / "slow-handoff", env=env) as pd:
+        router, prefill = pd.info["url"], pd.info["prefill"]["url"]
+        stream_generate(router, running[:64], 4)  # warm-up
+        alone = stream_generate(router, running, new_tokens)
+        arrival: dict[str, Any] = {}
+        during: dict[str, Any] = {}
+        thread = threading.Thread(
+            target=lambda: during.update(stream=stream_generate(router, running, new_tokens))
+        )
+        thread.start()
+        time.sleep(1.0)  # the running request is decoding
+        staged = oasis_stats(prefill)["staged_requests"]
+        slow_thread = threading.Thread(target=lambda: arrival.update(stream=stream_generate(router, slow, 4)))
+        slow_thread.start()
+        while oasis_stats(prefill)["staged_requests"] == staged:
+            time.sleep(0.02)
+        waiting_from = time.monotonic()  # prefilled and staged: from here on it only waits for its hand-off
+        slow_thread.join()
+        thread.join()
+        waiting_to = arrival["stream"].token_times[0]
+    stream = during["stream"]
+    started = stream.token_times[0]
+    until = min(waiting_to, waiting_from + args.handoff_delay_s)
+    inside = [i for i, t in enumerate(stream.token_times) if waiting_from < t < until]
+    if len(inside) < 2:
+        raise RuntimeError(
+            f"the running request decoded {len(inside)} tokens during the wait: use more tokens"
+        )
+    first, last = inside[0], inside[-1]
+    tpot_during = (stream.token_times[last] - stream.token_times[first]) / (last - first)
+    tpot_alone = (alone.token_times[last] - alone.token_times[first]) / (last - first)
+    return {
+        "handoff_delay_s": args.handoff_delay_s,
+        "running_context_tokens": len(running),
+        "slow_context_tokens": len(slow),
+        "tokens_during_wait": len(inside),
+        "tpot_alone_ms": 1000 * tpot_alone,
+        "tpot_during_wait_ms": 1000 * tpot_during,
+        "tpot_ratio": tpot_during / tpot_alone,
+        "slow_request_ttft_s": waiting_to - started,
+        "same_output": stream.output_ids == alone.output_ids,
+    }
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--json", type=Path, required=True)
@@ -87,6 +154,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--top-k", type=int, default=32, help="blocks of 16 tokens per KV head")
     parser.add_argument("--num-layers", type=int, default=6, help="SmolLM2 layers served (30: all)")
+    parser.add_argument("--handoff-delay-s", type=float, default=0.0,
+                        help="measure a slow prefill node's effect on running requests instead (see above)")  # fmt: skip
     args = parser.parse_args(argv)
     sys.path.insert(0, str(Path(__file__).parent))
     from common import essay_prompts, machine_info, print_table
@@ -95,6 +164,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     model_dir = prepare_default_model(num_layers=args.num_layers)
     prompts = [essay_prompts(model_dir, len(args.contexts), n)[i] for i, n in enumerate(args.contexts)]
     started = time.monotonic()
+    if args.handoff_delay_s > 0:
+        with tempfile.TemporaryDirectory(prefix="bench-pd-") as logs:
+            result = slow_handoff(args, model_dir, prompts, Path(logs))
+        print_table(list(result), [list(result.values())])
+        report = {"benchmark": "bench_pd", "date": time.strftime("%Y-%m-%d"), "machine": machine_info(),
+                  "args": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+                  "wall_s": time.monotonic() - started, "slow_handoff": result}  # fmt: skip
+        args.json.write_text(json.dumps(report, indent=2) + "\n")
+        return report
     rows: list[dict] = []
     with tempfile.TemporaryDirectory(prefix="bench-pd-") as logs:
         for name in CONFIGS:

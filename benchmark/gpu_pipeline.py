@@ -28,9 +28,9 @@ import torch
 
 from sgl_kernel_oasis import ops
 from sglang_oasis.attention.block_prefetcher import BlockPrefetcher, JobResult, SelectionJob
+from sglang_oasis.attention.prefetch_pipeline import PrefetchPipeline
 from sglang_oasis.memory.device_layout import TierShape, layout
 from sglang_oasis.memory.device_tier import DeviceTier
-from sglang_oasis.attention.prefetch_pipeline import PrefetchPipeline
 from sglang_oasis.memory.working_set import EMPTY, WorkingSetPool
 
 

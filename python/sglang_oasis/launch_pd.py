@@ -181,6 +181,7 @@ def start_cluster(args: argparse.Namespace, server_args: list[str]) -> PDCluster
         )  # fmt: skip
         started.insert(0, router)
         router.spawn().wait_ready(args.startup_timeout)
+        introduce(router)
     except (ServerStartError, KeyboardInterrupt, SystemExit):
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -188,6 +189,16 @@ def start_cluster(args: argparse.Namespace, server_args: list[str]) -> PDCluster
             process.stop()
         raise
     return PDCluster(prefill, decode, router, bootstrap)
+
+
+def introduce(router: ServerProcess) -> None:
+    """One short request through the pair: a decode node that fetches introduces itself to the prefill
+    node by asking for its hand-off (the handshake of remote partial fetching: until then the prefill
+    node sends it requests whole), so the first real request is already staged."""
+    try:
+        router.generate(list(range(1, 33)), 2, timeout_s=120)
+    except Exception as error:  # the pair serves all the same: its first requests go whole
+        print(f"[sglang-oasis] the warm-up request through the router failed: {error}", flush=True)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -34,7 +34,7 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
    indices are host tensors already) and so is the second
    (``SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX=0``; the regular send then carries the prefix).
 7. Remote partial fetching under PD disaggregation (``disaggregation/pd_partial.py``; sparse mode with
-   ``--oasis-remote-fetch``). SGLang's KV sender has no notion of a partial payload, so four places:
+   ``--oasis-remote-fetch``). SGLang's KV sender has no notion of a partial payload, so these places:
    - ``SchedulerDisaggregationPrefillMixin.send_kv_chunk`` (prefill): the only place that knows a
      send's request (its slot, prompt length and the decode node's cached prefix); the hook hands them
      to the request's Mooncake sender.
@@ -45,17 +45,21 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
    - ``CommonKVBootstrapServer._setup_routes`` (prefill's HTTP process): adds ``GET/PUT
      /oasis/remote_fetch_endpoint``, where the prefill scheduler registers its hand-off URL and decode
      nodes look it up (decode nodes know a request's bootstrap address, nothing else of the prefill).
+   - ``DecodeTransferQueue._pollers`` (decode): a request whose SGLang transfer has completed polls
+     ``Transferring`` until its admission blocks are read (hand-off and Mooncake reads on an admission
+     worker, ``DecodeFetcher.admission_done``), so no network I/O runs on the scheduler thread and the
+     running requests decode meanwhile (SGLang wraps its pollers the same way for HiCache restores).
    - ``DecodeTransferQueue._commit_transfer_to_req`` (decode): after SGLang commits a transferred
-     request, its admission blocks are read (``DecodeFetcher.admit``); a failure aborts the request
+     request, its admission is applied (``DecodeFetcher.admit``); a failure aborts the request
      the way SGLang aborts a corrupted transfer. With the decode radix cache on, the queue's tree
      cache's ``checkpoint`` (which inserts a finished request) is wrapped on that instance so a
      request's still-remote blocks are read before its KV becomes a shared prefix; if that fails the
      request is not inserted.
    A request over ``--oasis-remote-fetch-max-staged-mib`` goes whole (SGLang's own transfer); its
    hand-off then carries only its first selection, which the decode node loads from the KV that arrived.
-   A decode server without remote fetching (dense mode or ``--oasis-remote-fetch false``, or fetching
-   off because of ``--tp-size`` > 1 or another transfer backend) refuses at the same commit, by name,
-   requests whose prefill node staged them (their KV never arrives whole).
+   A prefill node stages only for a decode node that fetches: one that has asked it for a hand-off,
+   naming its SGLang transfer session (the handshake); any other decode node (plain SGLang, dense mode,
+   ``--oasis-remote-fetch false``, fetching off) and each fetching one's first requests get them whole.
    - ``DecodeReqToTokenPool.free`` (decode): where SGLang frees a finished (or aborted) request's row,
      the one moment the decode node knows a request is done with its remote blocks; SGLang has no
      release callback (only ``register_on_alloc_rows``). The hook tells the pool's listener
@@ -107,10 +111,23 @@ import functools
 import logging
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 from sglang_oasis.attention.request_options import NotedRequest, check, note_requests
 from sglang_oasis.config import OasisConfig
+
+if TYPE_CHECKING:  # SGLang's own types, for mypy (the hooks are checked against SGLang's signatures)
+    import torch
+    from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
+    from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
+    from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.sampling.sampling_params import SamplingParams
+    from sglang.srt.speculative.draft_utils import DraftBackendFactory
 
 DRAFT_EXTEND_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend"
 VERIFY_GREEDY_TARGET = "sglang.kernels.ops.speculative.spec_tree.verify_tree_greedy_func"
@@ -124,6 +141,7 @@ PREFILL_SEND_TARGET = "sglang.srt.disaggregation.prefill.SchedulerDisaggregation
 SEND_INDICES_TARGET = "sglang.srt.disaggregation.common.conn.CommonKVSender._prepare_send_indices"
 BOOTSTRAP_ROUTES_TARGET = "sglang.srt.disaggregation.common.conn.CommonKVBootstrapServer._setup_routes"
 DECODE_COMMIT_TARGET = "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req"
+DECODE_POLLERS_TARGET = "sglang.srt.disaggregation.decode.DecodeTransferQueue._pollers"
 DECODE_FREE_TARGET = "sglang.srt.disaggregation.decode.DecodeReqToTokenPool.free"
 FREED_ROW_LISTENER = "oasis_on_free_row"  # attribute of a DecodeReqToTokenPool: called with each freed row
 BACKUP_TARGET = "sglang.srt.mem_cache.common.backup_kv_cache"
@@ -141,7 +159,9 @@ REJECTED_DRAFT = -1  # no token id: never equal to the target's prediction
 logger = logging.getLogger(__name__)
 
 
-def draft_extend_backend(original: Callable[..., Any], factory: Any, *args: Any, **kwargs: Any) -> Any:
+def draft_extend_backend(
+    original: Callable[..., Any], factory: DraftBackendFactory, *args: Any, **kwargs: Any
+) -> AttentionBackend | None:
     """AROUND hook: the draft model's extend backend when the configured backend is oasis."""
     from sglang.srt.runtime_context import attention_backends
 
@@ -156,7 +176,9 @@ def draft_extend_backend(original: Callable[..., Any], factory: Any, *args: Any,
     return backend
 
 
-def reject_drafts(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def reject_drafts(
+    original: Callable[..., Any], *args: Any, **kwargs: Any
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """AROUND hook for ``--oasis-draft-policy reject``: verify against candidates with no draft tokens."""
     position = 3  # (predicts, accept_index, accept_token_num, candidates, ...)
     if len(args) > position:
@@ -166,14 +188,16 @@ def reject_drafts(original: Callable[..., Any], *args: Any, **kwargs: Any) -> An
     return original(*args, **kwargs)
 
 
-def _without_drafts(candidates: Any) -> Any:
+def _without_drafts(candidates: torch.Tensor) -> torch.Tensor:
     """``[batch, n]`` verify tokens: column 0 (the real token) kept, every draft replaced."""
     kept = candidates.clone()
     kept[:, 1:] = REJECTED_DRAFT
     return kept
 
 
-def last_loc_on_cpu(original: Callable[..., Any], req_to_token: Any, *args: Any, **kwargs: Any) -> Any:
+def last_loc_on_cpu(
+    original: Callable[..., Any], req_to_token: torch.Tensor, *args: Any, **kwargs: Any
+) -> torch.Tensor:
     """AROUND hook: SGLang's torch ``get_last_loc`` for CPU tensors, its own dispatch otherwise."""
     if req_to_token.device.type != "cpu":
         return original(req_to_token, *args, **kwargs)
@@ -183,25 +207,26 @@ def last_loc_on_cpu(original: Callable[..., Any], req_to_token: Any, *args: Any,
 
 
 def cap_prefix_match(
-    window: int, original: Callable[..., Any], req: Any, input_len: int, *args: Any, **kwargs: Any
-) -> Any:
+    window: int, original: Callable[..., Any], req: Req, input_len: int, *args: Any, **kwargs: Any
+) -> int:
     """AROUND hook: a prefix match leaves at least the prefill window's ``window`` tokens to compute."""
     return max(0, min(original(req, input_len, *args, **kwargs), input_len - window))
 
 
 def abort_failed_transfers(
-    original: Callable[..., Any], scheduler: Any, batch: Any, *args: Any, **kwargs: Any
-) -> Any:
+    original: Callable[..., Any], scheduler: Scheduler, batch: ScheduleBatch, *args: Any, **kwargs: Any
+) -> None:
     """AROUND hook: abort the in-flight requests whose working-set transfers failed, then process the
     batch's result as usual."""
-    backend: Any = getattr(getattr(scheduler.tp_worker, "model_runner", None), "attn_backend", None)
+    backend = getattr(getattr(scheduler.tp_worker, "model_runner", None), "attn_backend", None)
     failures = getattr(backend, "failures", None)  # attention/transfer_failures.py
     if failures:
         from http import HTTPStatus
 
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
 
-        generations = scheduler.req_to_token_pool.req_generation
+        # SGLang declares the scheduler's pool ``object`` (mem_cache/kv_cache_builder.py); it is this one
+        generations = cast("ReqToTokenPool", scheduler.req_to_token_pool).req_generation
         # With the overlap scheduler the failing request may belong to the batch before this one.
         inflight = {id(req): req for req in [*scheduler.collect_inflight_reqs(), *getattr(batch, "reqs", [])]}
         for req in inflight.values():
@@ -215,7 +240,7 @@ def abort_failed_transfers(
     return original(scheduler, batch, *args, **kwargs)
 
 
-def _backend(scheduler: Any) -> Any:
+def _backend(scheduler: Scheduler) -> AttentionBackend | None:
     return getattr(getattr(getattr(scheduler, "tp_worker", None), "model_runner", None), "attn_backend", None)
 
 
@@ -234,8 +259,14 @@ def mark_staged_send(
     if stager is not None and stager.ready.is_set() and _is_mooncake_sender(sender):
         whole = getattr(sender, "_oasis_whole", False)  # decided at its first send
         if not whole and getattr(sender, "_oasis_stager", None) is None:
-            whole = sender._oasis_whole = not stager.has_room(len(req.origin_input_ids))
-            if whole:  # staging it would pass the cap: backpressure, SGLang sends it all
+            # The handshake: only a decode node known to fetch gets a partial payload (its first
+            # requests go whole; their hand-off GET names its session).
+            sessions = sender.kv_mgr.transfer_infos.get(int(sender.bootstrap_room), {})
+            if not stager.fetch(sessions):
+                whole = sender._oasis_whole = True
+                stager.backend.stats.add("staging_unknown_decoder_sends")
+            elif not stager.has_room(len(req.origin_input_ids)):
+                whole = sender._oasis_whole = True  # staging it would pass the cap: SGLang sends it all
                 stager.backend.stats.add("staging_whole_sends")
                 logger.warning(
                     "oasis: staging is full (--oasis-remote-fetch-max-staged-mib); request %s goes whole",
@@ -324,18 +355,60 @@ def remote_fetch_routes(original: Callable[..., Any], server: Any) -> Any:
     return result
 
 
+def wait_for_admissions(original: Callable[..., Any], queue: Any) -> Any:
+    """AROUND hook (decode): SGLang polls each transferring request through these pollers; a request
+    whose own transfer has completed stays ``Transferring`` until its admission (hand-off and Mooncake
+    reads, on ``DecodeFetcher``'s admission worker) is over, so the scheduler thread never waits on the
+    network while the running requests decode."""
+    pollers = original(queue)
+    remote = _pd_part(queue.scheduler, "remote")
+    if remote is None:
+        return pollers
+    generations = queue.scheduler.req_to_token_pool.req_generation
+    return [
+        _AdmissionGate(poller, entry, remote, generations)
+        for poller, entry in zip(pollers, queue.queue, strict=True)
+    ]
+
+
+class _AdmissionGate:
+    """A request's poller whose ``Success`` waits for its admission (``wait_for_admissions``)."""
+
+    def __init__(self, poller: Any, decode_req: Any, remote: Any, generations: Any) -> None:
+        self.poller, self.req, self.remote, self.generations = poller, decode_req.req, remote, generations
+        # this node's SGLang transfer session, which the prefill node sees as the request's destination
+        kv_mgr = getattr(decode_req.kv_receiver, "kv_mgr", None)
+        self.session = None if kv_mgr is None else str(kv_mgr.get_session_id())
+
+    def poll(self) -> Any:
+        from sglang.srt.disaggregation.base.conn import KVPoll
+
+        state = self.poller.poll()
+        req = self.req
+        if state != KVPoll.Success or not _fetches(req):
+            return state
+        slot = int(req.kv.req_pool_idx)
+        generation, port, room = int(self.generations[slot]), int(req.bootstrap_port), int(req.bootstrap_room)
+        done = self.remote.admission_done(slot, generation, req.bootstrap_host, port, room, self.session)
+        return state if done else KVPoll.Transferring
+
+
+def _fetches(req: Any) -> bool:
+    """Whether a transferred request is admitted by remote fetching (a real PD arrival, not aborted)."""
+    return not (
+        req.finished()
+        or getattr(req, "bootstrap_room", None) is None
+        or getattr(req, "bootstrap_host", None) == _fake_bootstrap_host()
+    )
+
+
 def fetch_admission_blocks(original: Callable[..., Any], queue: Any, decode_req: Any) -> Any:
-    """AROUND hook (decode): after SGLang commits a transferred request, read what its first working sets
-    need from the prefill node (see hook 7)."""
+    """AROUND hook (decode): after SGLang commits a transferred request, admit it with what its first
+    working sets need from the prefill node (read by then: ``wait_for_admissions``; see hook 7)."""
     result = original(queue, decode_req)
     remote = _pd_part(queue.scheduler, "remote")
     req = decode_req.req
-    if remote is None:  # fetching is off on this node (--tp-size > 1, another transfer backend)
-        _refuse_if_staged(req)
-        return result
-    if req.finished() or getattr(req, "bootstrap_room", None) is None:
-        return result
-    if getattr(req, "bootstrap_host", None) == _fake_bootstrap_host():
+    if remote is None or not _fetches(req):  # no fetching here: the prefill node sent it whole
         return result
     from sglang_oasis.disaggregation.pd_partial import RemoteFetchError
 
@@ -362,45 +435,6 @@ def fetch_admission_blocks(original: Callable[..., Any], queue: Any, decode_req:
     if staged:
         _complete_before_caching(queue.tree_cache, remote)
     return result
-
-
-def refuse_staged_requests(original: Callable[..., Any], queue: Any, decode_req: Any) -> Any:
-    """AROUND hook (a decode server without remote partial fetching): a request from a prefill node that
-    staged its KV (so sent only its last page) fails with a message naming the mismatch, instead of
-    decoding over KV that never arrived."""
-    result = original(queue, decode_req)
-    _refuse_if_staged(decode_req.req)
-    return result
-
-
-def _refuse_if_staged(req: Any) -> None:
-    """Abort ``req`` if its prefill node staged its KV (so sent only its last page): this decode node
-    does not fetch, and would decode over KV that never arrived."""
-    host, port = getattr(req, "bootstrap_host", None), getattr(req, "bootstrap_port", None)
-    if req.finished() or host is None or port is None or host == _fake_bootstrap_host():
-        return
-    from sglang_oasis.disaggregation.pd_partial import prefill_stages
-
-    stages = prefill_stages(host, int(port))
-    if stages is False:
-        return
-    from http import HTTPStatus
-
-    from sglang.srt.disaggregation.utils import prepare_abort
-
-    req.skip_radix_cache_insert = True
-    why = (
-        "stages KV for remote partial fetching (sends only what the decode node reads)"
-        if stages
-        else "does not answer whether it staged this request's KV (its bootstrap server is unreachable)"
-    )  # never decode over KV that may not have arrived
-    prepare_abort(
-        req,
-        f"oasis: the prefill node at {host}:{port} {why} but this decode server does not fetch it: start "
-        "both servers with --oasis-mode sparse and the same --oasis-remote-fetch (fetching also needs "
-        "--tp-size 1 and the mooncake transfer backend on the decode server)",
-        status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
-    )
 
 
 def _fake_bootstrap_host() -> str | None:
@@ -437,7 +471,9 @@ def _complete_before_caching(tree_cache: Any, remote: Any) -> None:
     tree_cache._oasis_wrapped = True
 
 
-def release_freed_rows(original: Callable[..., Any], pool: Any, req: Any, *args: Any, **kwargs: Any) -> Any:
+def release_freed_rows(
+    original: Callable[..., Any], pool: DecodeReqToTokenPool, req: Req, *args: Any, **kwargs: Any
+) -> None:
     """``DecodeReqToTokenPool.free``: after SGLang frees ``req``'s row, tell the pool's listener."""
     row = getattr(getattr(req, "kv", None), "req_pool_idx", None)
     result = original(pool, req, *args, **kwargs)
@@ -451,8 +487,13 @@ def release_freed_rows(original: Callable[..., Any], pool: Any, req: Any, *args:
 
 
 def complete_before_backup(
-    original: Callable[..., Any], req: Any, tree_cache: Any, req_to_token_pool: Any, *args: Any, **kwargs: Any
-) -> Any:
+    original: Callable[..., Any],
+    req: Req,
+    tree_cache: BasePrefixCache,
+    req_to_token_pool: ReqToTokenPool,
+    *args: Any,
+    **kwargs: Any,
+) -> bool:
     """``backup_kv_cache``: a retracted request's still-remote blocks are read before its KV is backed
     up; False (SGLang aborts the request) when they cannot be. Then the backend keeps the request's
     selection state for its resume (``attention/retraction.py``)."""
@@ -472,7 +513,7 @@ def complete_before_backup(
     return saved
 
 
-def keep_before_release(original: Callable[..., Any], *args: Any, **kwargs: Any) -> Any:
+def keep_before_release(original: Callable[..., Any], *args: Any, **kwargs: Any) -> bool:
     """``release_req`` (keyword arguments only): a request released unfinished is being retracted; the
     backend keeps its selection state first (a PD decode node keeps only backed-up ones, hook 7: the
     others are sent again by the prefill node)."""
@@ -482,7 +523,7 @@ def keep_before_release(original: Callable[..., Any], *args: Any, **kwargs: Any)
     return original(*args, **kwargs)
 
 
-def _keep_retracted(req_to_token_pool: Any, req: Any, backed_up: bool) -> None:
+def _keep_retracted(req_to_token_pool: ReqToTokenPool, req: Req, backed_up: bool) -> None:
     """Tell the pool's retraction listener (the oasis backend) that ``req`` is retracted: its row, a key
     stamped on the request object (hook 9 hands it to the backend when the request comes back; a new
     request reusing the rid has none), the tokens its resume will hold (prompt and output), and whether its
@@ -500,8 +541,8 @@ def _keep_retracted(req_to_token_pool: Any, req: Any, backed_up: bool) -> None:
 
 
 def carry_request_params(
-    original: Callable[..., Any], cls: Any, batch: Any, *args: Any, **kwargs: Any
-) -> Any:
+    original: Callable[..., Any], cls: type[ForwardBatch], batch: ScheduleBatch, *args: Any, **kwargs: Any
+) -> ForwardBatch:
     """``ForwardBatch.init_new`` (hook 9): note each request's ``custom_params`` by rid for the attention
     backend (``request_options.note_requests``), and the key its retraction was kept by, if any, before
     the forward batch it is about to run is built."""
@@ -514,16 +555,20 @@ def carry_request_params(
     return original(cls, batch, *args, **kwargs)
 
 
-def report_request_figures(original: Callable[..., Any], scheduler: Any, *args: Any, **kwargs: Any) -> Any:
+def report_request_figures(
+    original: Callable[..., Any], scheduler: Scheduler, *args: Any, **kwargs: Any
+) -> type[SchedulerOutputStreamer]:
     """``Scheduler.get_output_streamer_class`` (hook 10): SGLang's output streamer class, extended to
     send each finished request's figures (``RequestLedger.take``) with its last output."""
     base = original(scheduler, *args, **kwargs)
     if getattr(scheduler, "rust_server", None) is not None:
         return base  # the Rust egress takes no additional fields (SGLang refuses them at start-up)
 
-    def build_additional_customized_info(streamer: Any, reqs: list[Any]) -> dict[str, list[Any]]:
+    def build_additional_customized_info(
+        streamer: SchedulerOutputStreamer, reqs: list[Req]
+    ) -> dict[str, list]:
         ledger = getattr(getattr(_backend(scheduler), "stats", None), "requests", None)
-        values: list[Any] = []
+        values: list[list[dict[str, Any]]] = []
         for req in reqs:
             figures = ledger.take(str(req.rid)) if ledger is not None and req.finished() else None
             values.append([] if figures is None else [figures])
@@ -538,8 +583,8 @@ def report_request_figures(original: Callable[..., Any], scheduler: Any, *args: 
 
 
 def check_request_options(
-    config: OasisConfig, original: Callable[..., Any], params: Any, *args: Any, **kwargs: Any
-) -> Any:
+    config: OasisConfig, original: Callable[..., Any], params: SamplingParams, *args: Any, **kwargs: Any
+) -> None:
     """``SamplingParams.verify`` (hook 12): SGLang's checks, then the request's ``oasis_*`` options; a
     ``ValueError`` (HTTP 400) names what is wrong."""
     result = original(params, *args, **kwargs)
@@ -561,8 +606,6 @@ def register(config: OasisConfig) -> None:
     """Register the hooks this configuration needs (SGLang applies them after all plugins load)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-    if config.mode != "sparse" or not config.remote_fetch:
-        HookRegistry.register(DECODE_COMMIT_TARGET, refuse_staged_requests, HookType.AROUND)
     if config.mode != "sparse":
         return
     HookRegistry.register(DRAFT_EXTEND_TARGET, draft_extend_backend, HookType.AROUND)
@@ -578,6 +621,7 @@ def register(config: OasisConfig) -> None:
         HookRegistry.register(PREFILL_SEND_TARGET, mark_staged_send, HookType.AROUND)
         HookRegistry.register(SEND_INDICES_TARGET, send_last_page_only, HookType.AROUND)
         HookRegistry.register(BOOTSTRAP_ROUTES_TARGET, remote_fetch_routes, HookType.AROUND)
+        HookRegistry.register(DECODE_POLLERS_TARGET, wait_for_admissions, HookType.AROUND)
         HookRegistry.register(DECODE_COMMIT_TARGET, fetch_admission_blocks, HookType.AROUND)
         HookRegistry.register(DECODE_FREE_TARGET, release_freed_rows, HookType.AROUND)
     HookRegistry.register(BACKUP_TARGET, complete_before_backup, HookType.AROUND)  # PD decode only

@@ -60,8 +60,11 @@ COUNTERS = {
     "remote_requests": "PD decode node: requests admitted by remote partial fetching",
     "staging_whole_sends": "PD prefill node: requests sent whole because staging them would pass "
     "--oasis-remote-fetch-max-staged-mib",
+    "staging_unknown_decoder_sends": "PD prefill node: requests sent whole because their decode node has "
+    "not asked for a hand-off yet (plain SGLang, no remote fetching, or its first requests)",
     "remote_whole_requests": "PD decode node: requests whose prefill node sent them whole (over its "
-    "--oasis-remote-fetch-max-staged-mib) with their first selection, loaded from the KV that arrived",
+    "--oasis-remote-fetch-max-staged-mib, or before it knew this node fetches) with their first "
+    "selection, loaded from the KV that arrived",
     "remote_admission_bytes": "PD decode node: KV bytes read from prefill nodes at admission (the union "
     "over KV heads of each request's first selection)",
     "remote_admission_blocks": "PD decode node: (block, layer) pairs read at admission (K and V of every "

@@ -22,6 +22,7 @@ from typing import Any
 
 import pytest
 
+from sglang_oasis.disaggregation.pd_partial import HANDOFF_DELAY_ENV
 from sglang_oasis.server_process import GenerateError, ServerProcess
 from sglang_oasis_testing.pd_launch import PDLaunch
 
@@ -34,6 +35,7 @@ PROMPTS = {"short": 300, "long": 1100}  # tokens
 # are staged; an OVER_CAP-token prompt (5000 x 9216 B of KV x 17/16 with its summaries: 46.7 MiB) goes whole.
 STAGING_CAP_MIB, OVER_CAP = 44, 5000
 FAULT_PROMPT = 1500  # tokens: the servers fail decode-time KV transfers of prompts this long (injected)
+SLOW_PROMPT, SLOW_S = 2222, 8.0  # the prefill node answers hand-offs of prompts this long this late
 TOP_K, BLOCK = 32, 16
 LAYERS, KV_HEADS, HEAD_DIM, ITEMSIZE = 6, 3, 64, 4  # SmolLM2's first 6 layers, float32
 BLOCK_BYTES = BLOCK * KV_HEADS * HEAD_DIM * ITEMSIZE  # one block of K (or V) of one layer
@@ -74,6 +76,7 @@ def pd(smollm2_6l_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
         env={
             "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60",
             "SGLANG_OASIS_INJECT_TRANSFER_FAILURE": str(FAULT_PROMPT),
+            HANDOFF_DELAY_ENV: f"{SLOW_PROMPT}:{SLOW_S}",
         },
     )
     try:
@@ -189,6 +192,36 @@ def test_a_prompt_over_the_staging_cap_goes_whole_and_answers_as_without_pd(
     sent, count = pd.transferred_mb()  # SGLang carried the whole KV: 5000 tokens x 9216 bytes
     assert count - sent_before[1] == 1 and (sent - sent_before[0]) * 2**20 >= OVER_CAP * 9216
     assert after_prefill["staged_bytes"] == 0
+
+
+def test_a_slow_handoff_holds_only_its_own_request(pd: PDLaunch, sparse_reference: ServerProcess) -> None:
+    """The prefill node answers the hand-off of a ``SLOW_PROMPT``-token prompt ``SLOW_S`` late. Its
+    admission (hand-off, Mooncake reads) runs off the decode scheduler's thread, so a request sent after
+    it is admitted, decodes its 24 tokens and answers while the slow one still waits for its hand-off
+    (before, the scheduler thread sat in the hand-off's HTTP call and the quick request waited behind
+    it); then the slow one answers as the same sparse server without PD."""
+    slow, quick = prompt(SLOW_PROMPT, 51), prompt(PROMPTS["short"], 52)
+    expected = {"slow": sparse_reference.generate(slow, 4)["output_ids"],
+                "quick": sparse_reference.generate(quick, 24)["output_ids"]}  # fmt: skip
+    got: dict[str, Any] = {}
+    done: dict[str, float] = {}
+
+    def send(name: str, ids: list[int], new_tokens: int) -> None:
+        got[name] = pd.router.generate(ids, new_tokens)["output_ids"]
+        done[name] = time.monotonic()
+
+    staged = pd.prefill.oasis_stats()["staged_requests"]
+    slow_thread = threading.Thread(target=send, args=("slow", slow, 4))
+    slow_thread.start()
+    deadline = time.monotonic() + 120
+    while pd.prefill.oasis_stats()["staged_requests"] == staged:  # its hand-off is waiting from here on
+        assert time.monotonic() < deadline, "the slow request was never staged"
+        time.sleep(0.05)
+    sent = time.monotonic()
+    send("quick", quick, 24)
+    slow_thread.join(timeout=120)
+    assert got == expected
+    assert done["quick"] < done["slow"], (done["quick"] - sent, done["slow"] - sent)
 
 
 def test_openai_chat_through_the_router(pd: PDLaunch, smollm2_dense_server: ServerProcess) -> None:

@@ -389,6 +389,30 @@ def test_the_handoff_routes_take_only_the_deployments_callers(monkeypatch: pytes
     assert call("DELETE", {TOKEN_HEADER: "s3cret"}) == 200 and stager.handoff(21) is None
 
 
+def test_a_prefill_node_stages_only_for_decode_sessions_that_asked_for_a_handoff() -> None:
+    """The handshake's prefill side: a decode node that fetches names its transfer session when it GETs
+    a hand-off; from then on requests to it (and only to it) may be staged. A GET that names none, or a
+    refused one, registers nothing."""
+    import urllib.request
+
+    from sglang_oasis.disaggregation.pd_partial import DECODE_SESSION_HEADER
+
+    stager = _stager(StagingBackend())
+    stager.hand_over_whole(room=31, slot=1, num_tokens=TOKENS, decode_prefix_len=0)
+    assert not stager.fetch(["10.0.0.2:17000"]) and not stager.fetch([])
+
+    def get(headers: dict[str, str]) -> None:
+        request = urllib.request.Request(f"{stager.url}/handoff/31", headers=headers)
+        with urllib.request.urlopen(request, timeout=30) as response:
+            assert response.status == 200
+
+    get({})
+    assert not stager.fetch(["10.0.0.2:17000"])
+    get({DECODE_SESSION_HEADER: "10.0.0.2:17000"})
+    assert stager.fetch(["10.0.0.2:17000"])
+    assert not stager.fetch(["10.0.0.2:17000", "10.0.0.3:17000"]) and not stager.fetch([])
+
+
 def test_releases_go_to_the_prefill_node_from_one_bounded_worker(monkeypatch: pytest.MonkeyPatch) -> None:
     """During a prefill outage releases cannot go through: they wait in one worker's queue of at most
     ``RELEASE_QUEUE``, and the rest are dropped (the prefill node's TTL expires them), instead of a thread

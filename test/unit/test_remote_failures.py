@@ -88,11 +88,9 @@ def test_an_unreachable_bootstrap_server_is_remembered(monkeypatch: pytest.Monke
 
     monkeypatch.setattr(pd_partial.urllib.request, "urlopen", unreachable)
     monkeypatch.setattr(pd_partial, "_unreachable", {})
-    monkeypatch.setattr(pd_partial, "_stages_answers", {})
     for _ in range(3):
         with pytest.raises(pd_partial.RemoteFetchError, match="unreachable"):
             pd_partial.handoff_endpoint("127.0.0.1", 9)
-        assert pd_partial.prefill_stages("127.0.0.1", 9) is None  # nobody can tell: refused, not trusted
     assert len(calls) == 1  # asked once; the rest were answered from memory
     monkeypatch.setattr(pd_partial, "UNREACHABLE_TTL_S", 0.0)
     with pytest.raises(pd_partial.RemoteFetchError):

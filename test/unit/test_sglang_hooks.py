@@ -18,11 +18,10 @@ import subprocess
 import sys
 import threading
 from collections import defaultdict
-from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from collections.abc import Callable
 from pathlib import Path
 from types import SimpleNamespace as NS
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import pytest
@@ -163,13 +162,50 @@ def test_hook_6_cpu_disaggregation(monkeypatch: pytest.MonkeyPatch) -> None:
 # Hook 7 (remote partial fetching under PD disaggregation): one test per target.
 
 
-def test_hook_7_prefill_send_kv_chunk() -> None:
+def test_hook_7_prefill_send_kv_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The handshake: a request is staged only when every decode session it goes to has asked for a
+    hand-off before; the others go whole (with a hand-off of their first selection, which a fetching
+    decode node asks for, and so introduces itself)."""
     from sglang.srt.disaggregation import prefill
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
     assert_params(hooks.PREFILL_SEND_TARGET, ["self", "req", "last_chunk", "end_idx"])
     # What the hook hands to the request's sender is read where SGLang's send reads it.
     send_source = source_of(prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk)
     assert "req.extend_end" in send_source and "req.disagg_decode_prefix_len" in send_source
+    # A request's destinations: the decode nodes' transfer sessions, known before its first send.
+    assert "self.transfer_infos[room][mooncake_session_id] = (" in source_of(MooncakeKVManager)
+
+    counted: dict[str, int] = defaultdict(int)
+    handed: list[int] = []
+    known = {"10.0.0.2:17000"}
+    stager = NS(
+        ready=threading.Event(), fetch=lambda sessions: bool(set(sessions)) and set(sessions) <= known,
+        has_room=lambda tokens: True, hand_over_whole=lambda room, *stage: handed.append(room),
+        backend=NS(stats=NS(add=lambda name, n=1: counted.__setitem__(name, counted[name] + n))),
+    )  # fmt: skip
+    stager.ready.set()
+    monkeypatch.setattr(hooks, "_pd_part", lambda scheduler, name: stager if name == "stager" else None)
+    monkeypatch.setattr(hooks, "_is_mooncake_sender", lambda sender: True)
+
+    def send(room: int, sessions: list[str]) -> Any:
+        sender = NS(bootstrap_room=room, kv_mgr=NS(transfer_infos={room: dict.fromkeys(sessions)}))
+        req = NS(disagg_kv_sender=sender, origin_input_ids=[1] * 40, rid=f"r{room}", kv=NS(req_pool_idx=3),
+                 extend_end=40, disagg_decode_prefix_len=16)  # fmt: skip
+        assert hooks.mark_staged_send(lambda *a, **k: "sent", NS(), req, last_chunk=True) == "sent"
+        return sender
+
+    fetching, unknown, mixed = (
+        send(1, ["10.0.0.2:17000"]),
+        send(2, ["10.0.0.3:17000"]),
+        send(3, [*known, "x:1"]),
+    )
+    assert fetching._oasis_stager is stager and fetching._oasis_stage == (3, 40, 16)
+    for whole in (unknown, mixed):
+        assert (
+            whole._oasis_whole and not hasattr(whole, "_oasis_stager") and not hasattr(whole, "_oasis_stage")
+        )
+    assert handed == [2, 3] and counted == {"staging_unknown_decoder_sends": 2}
 
 
 def test_hook_7_send_last_page_only() -> None:
@@ -225,59 +261,17 @@ def test_hook_7_bootstrap_routes() -> None:
     assert ENDPOINT_ROUTE in [route.resource.canonical for route in server.app.router.routes()]
 
 
-class BootstrapServers(NamedTuple):
-    staging_port: int  # a prefill node that stages KV (answers the hand-off route)
-    plain_port: int  # one that does not (404)
-    asked: list[int]  # the port of every request either server received
-
-
-@pytest.fixture
-def bootstrap_servers(monkeypatch: pytest.MonkeyPatch) -> Iterator[BootstrapServers]:
-    """Two prefill nodes' bootstrap servers, with the decode side's table of their answers empty."""
-    from sglang_oasis.disaggregation import pd_partial
-
-    monkeypatch.setattr(pd_partial, "_stages_answers", {})
-    asked: list[int] = []
-    staging: list[int] = []
-
-    class Bootstrap(BaseHTTPRequestHandler):
-        server: ThreadingHTTPServer
-
-        def do_GET(self) -> None:
-            port = self.server.server_port
-            asked.append(port)
-            stages = self.path.startswith(pd_partial.ENDPOINT_ROUTE) and port in staging
-            self.send_response(200 if stages else 404)
-            self.end_headers()
-            self.wfile.write(b'{"url": "http://127.0.0.1:1"}' if stages else b"{}")
-
-        def log_message(self, *args: Any) -> None:
-            pass
-
-    servers = [ThreadingHTTPServer(("127.0.0.1", 0), Bootstrap) for _ in range(2)]
-    for http in servers:
-        threading.Thread(target=http.serve_forever, args=(0.05,), daemon=True).start()  # quick shutdown
-    staging.append(servers[0].server_port)
-    try:
-        yield BootstrapServers(servers[0].server_port, servers[1].server_port, asked)
-    finally:
-        for http in servers:
-            http.shutdown()
-            http.server_close()
-
-
 def decode_request(port: int) -> NS:
     return NS(
-        req=NS(bootstrap_host="127.0.0.1", bootstrap_port=port, finished=lambda: False, return_logprob=False,
-               finished_reason=None, skip_radix_cache_insert=False)
+        req=NS(bootstrap_host="127.0.0.1", bootstrap_port=port, bootstrap_room=7, finished=lambda: False,
+               return_logprob=False, finished_reason=None, skip_radix_cache_insert=False)
     )  # fmt: skip
 
 
-def test_hook_7_decode_commit(bootstrap_servers: BootstrapServers) -> None:
-    """A decode server that does not fetch refuses requests from a staging prefill node, by name, asking
-    each prefill node once; so does a sparse one whose fetching turned itself off."""
+def test_hook_7_decode_commit() -> None:
+    """A decode server that does not fetch commits every request as SGLang does: the handshake keeps a
+    staging prefill node from sending it anything but whole requests (``test_hook_7_prefill_...``)."""
     from sglang.srt.disaggregation.decode import DecodeTransferQueue
-    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
     from sglang.srt.mem_cache.common import release_kv_cache
 
     assert_params(hooks.DECODE_COMMIT_TARGET, ["self", "decode_req"])
@@ -286,37 +280,59 @@ def test_hook_7_decode_commit(bootstrap_servers: BootstrapServers) -> None:
     # The queue's tree cache, and its checkpoint on release, that the radix-cache wrapper relies on.
     assert "self.tree_cache = tree_cache" in source_of(DecodeTransferQueue.__init__)
     assert "tree_cache.checkpoint(req, up_to=" in source_of(release_kv_cache)
-    assert FAKE_BOOTSTRAP_HOST == "2.2.2.2"
-
-    servers = bootstrap_servers
-    refused, accepted = decode_request(servers.staging_port), decode_request(servers.plain_port)
-    for decode_req in (refused, accepted):
-        assert hooks.refuse_staged_requests(lambda q, d: "committed", NS(), decode_req) == "committed"
-    reason = refused.req.finished_reason
-    assert reason is not None and "--oasis-remote-fetch" in reason.message and int(reason.status_code) == 500
-    assert accepted.req.finished_reason is None
-    # asked once per prefill node, not once per request
-    again = decode_request(servers.staging_port)
-    hooks.refuse_staged_requests(lambda q, d: "committed", NS(), again)
-    assert again.req.finished_reason is not None
-    assert sorted(servers.asked) == sorted([servers.staging_port, servers.plain_port])
-
-    # A sparse decode server whose fetching turned itself off (no fetcher: --tp-size 2, ...) refuses too.
-    off, whole = decode_request(servers.staging_port), decode_request(servers.plain_port)
-    queue = NS(scheduler=NS(tp_worker=NS(model_runner=NS(attn_backend=NS(remote=None)))))
-    for decode_req in (off, whole):
-        assert hooks.fetch_admission_blocks(lambda q, d: "committed", queue, decode_req) == "committed"
-    assert off.req.finished_reason is not None and "--tp-size 1" in off.req.finished_reason.message
+    queue = NS(scheduler=NS(tp_worker=NS(model_runner=NS(attn_backend=NS(pd=NS(remote=None))))))
+    whole = decode_request(9)
+    assert hooks.fetch_admission_blocks(lambda q, d: "committed", queue, whole) == "committed"
     assert whole.req.finished_reason is None
 
-    # A prefill node whose bootstrap server does not answer: nobody can tell whether it staged the
-    # request, so it is refused, not decoded over KV that may not have arrived (before: accepted).
-    from sglang_oasis.server_process import free_port
 
-    unknown = decode_request(free_port())  # nothing listens there
-    hooks.refuse_staged_requests(lambda q, d: "committed", NS(), unknown)
-    reason = unknown.req.finished_reason
-    assert reason is not None and "does not answer" in reason.message, reason
+def test_hook_7_decode_pollers() -> None:
+    """A transferred request polls ``Transferring`` until its admission is over; a request that is not
+    a PD arrival (fake transfer, finished) and every other state pass through; no fetcher: no gate. (The
+    real path, with a prefill node that answers late: ``test_pd.py::test_a_slow_handoff_...``.)"""
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.decode import DecodeTransferQueue
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
+
+    assert_params(hooks.DECODE_POLLERS_TARGET, ["self"])
+    assert "self._pollers()" in source_of(DecodeTransferQueue._poll_with_metadata_gate)
+    assert "poller.poll()" in source_of(
+        pkgutil.resolve_name("sglang.srt.disaggregation.utils._poll_with_failure_injection")
+    )
+
+    class Remote:
+        def __init__(self) -> None:
+            self.over: set[int] = set()
+            self.asked: list[tuple[int, int, str, int, int, str]] = []
+
+        def admission_done(
+            self, slot: int, generation: int, host: str, port: int, room: int, session: str
+        ) -> bool:
+            self.asked.append((slot, generation, host, port, room, session))
+            return slot in self.over
+
+    def entry(slot: int, state: KVPoll, host: str = "127.0.0.1", finished: bool = False) -> Any:
+        req = NS(kv=NS(req_pool_idx=slot), bootstrap_host=host, bootstrap_port=8998, bootstrap_room=100 + slot,
+                 finished=lambda: finished)  # fmt: skip
+        return NS(
+            req=req, kv_receiver=NS(poll=lambda: state, kv_mgr=NS(get_session_id=lambda: "10.0.0.2:17000"))
+        )
+
+    remote = Remote()
+    queue = NS(
+        queue=[entry(0, KVPoll.Success), entry(1, KVPoll.Transferring), entry(2, KVPoll.Success, FAKE_BOOTSTRAP_HOST),
+               entry(3, KVPoll.Success, finished=True), entry(4, KVPoll.Failed)],
+        scheduler=NS(req_to_token_pool=NS(req_generation=torch.tensor([5, 6, 7, 8, 9])),
+                     tp_worker=NS(model_runner=NS(attn_backend=NS(pd=NS(remote=remote))))),
+    )  # fmt: skip
+    original = lambda q: [e.kv_receiver for e in q.queue]  # noqa: E731
+    polls = [p.poll() for p in hooks.wait_for_admissions(original, queue)]
+    assert polls == [KVPoll.Transferring, KVPoll.Transferring, KVPoll.Success, KVPoll.Success, KVPoll.Failed]
+    assert remote.asked == [(0, 5, "127.0.0.1", 8998, 100, "10.0.0.2:17000")]  # this node's session named
+    remote.over.add(0)
+    assert hooks.wait_for_admissions(original, queue)[0].poll() == KVPoll.Success
+    queue.scheduler.tp_worker.model_runner.attn_backend.pd.remote = None
+    assert hooks.wait_for_admissions(original, queue) == original(queue)
 
 
 def test_hook_7_decode_free() -> None:

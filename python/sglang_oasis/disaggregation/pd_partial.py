@@ -44,6 +44,8 @@ import time
 import urllib.error
 import urllib.parse
 import urllib.request
+from collections.abc import Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any, Protocol
@@ -51,7 +53,7 @@ from typing import Any, Protocol
 import numpy as np
 import torch
 
-from sglang_oasis.disaggregation.remote_fetch import RemotePartialFetcher
+from sglang_oasis.disaggregation.remote_fetch import AdmissionReads, RemotePartialFetcher
 from sglang_oasis.disaggregation.staging import KVStagingArea, StagedKVLayout
 from sglang_oasis.disaggregation.transfer_engine import MooncakeEndpoint, RemoteReadError
 from sglang_oasis.memory.summary_store import BlockSummaryStore
@@ -63,6 +65,13 @@ ENDPOINT_ROUTE = "/oasis/remote_fetch_endpoint"  # on the prefill's bootstrap se
 HTTP_TIMEOUT_S = 10.0
 TOKEN_ENV = "SGLANG_OASIS_PD_TOKEN"  # a deployment's shared secret (launch_pd makes one)
 TOKEN_HEADER = "X-Oasis-PD-Token"
+# A decode node that fetches names its SGLang transfer session when it asks for a hand-off: the prefill
+# node stages only for decode sessions that did (the others, and each new one's first requests, go whole).
+DECODE_SESSION_HEADER = "X-Oasis-Decode-Session"
+# Fault injection (tests, bench_pd): "<prompt tokens>:<seconds>": hand-offs of prompts that long are
+# answered that late (a slow prefill node).
+HANDOFF_DELAY_ENV = "SGLANG_OASIS_INJECT_HANDOFF_DELAY"
+ADMISSION_WORKERS = 4  # admissions read at once (hand-off and Mooncake reads, off the scheduler thread)
 RELEASE_QUEUE = 1024  # hand-off releases waiting for the prefill node; beyond it they expire there (TTL)
 
 
@@ -96,8 +105,9 @@ def reachable(address: str, via: str) -> str:
     return rebuilt if url else rebuilt.removeprefix("//")
 
 
-def _open(address: str, method: str = "GET", data: bytes | None = None) -> Any:
-    request = urllib.request.Request(address, data=data, method=method, headers=_auth_headers())
+def _open(address: str, method: str = "GET", data: bytes | None = None, session: str | None = None) -> Any:
+    headers = _auth_headers() | ({DECODE_SESSION_HEADER: session} if session else {})
+    request = urllib.request.Request(address, data=data, method=method, headers=headers)
     return urllib.request.urlopen(request, timeout=HTTP_TIMEOUT_S)
 
 
@@ -231,27 +241,6 @@ def handoff_endpoint(bootstrap_host: str, bootstrap_port: int) -> str | None:
         raise RemoteFetchError(message) from None
 
 
-STAGES_ANSWER_TTL_S = 10.0  # how long a decode server trusts a prefill node's "I stage" / "I do not"
-_stages_answers: dict[tuple[str, int], tuple[bool, float]] = {}  # bootstrap address -> (stages, asked at)
-
-
-def prefill_stages(bootstrap_host: str, bootstrap_port: int) -> bool | None:
-    """Whether the prefill node at this bootstrap address stages KV for remote partial fetching; None:
-    its bootstrap server does not answer, so nobody can tell. Asked at most once per
-    ``STAGES_ANSWER_TTL_S`` per address (it runs on the decode scheduler's thread, once per arriving
-    request); an unreachable one is asked again only after ``UNREACHABLE_TTL_S``."""
-    key, now = (bootstrap_host, int(bootstrap_port)), time.monotonic()
-    cached = _stages_answers.get(key)
-    if cached is not None and now - cached[1] < STAGES_ANSWER_TTL_S:
-        return cached[0]
-    try:
-        stages = handoff_endpoint(bootstrap_host, bootstrap_port) is not None
-    except RemoteFetchError:
-        return None
-    _stages_answers[key] = (stages, now)
-    return stages
-
-
 # --- prefill node ------------------------------------------------------------------------------------
 
 
@@ -268,6 +257,10 @@ class PrefillStager:
         self.endpoint = MooncakeEndpoint(host)
         self.staging = KVStagingArea(self.endpoint, backend.block_size)
         self._handoffs: dict[int, tuple[bytes, float]] = {}  # room -> (json, staged at)
+        delay = os.environ.get(HANDOFF_DELAY_ENV, "").partition(":")
+        self._delay = (int(delay[0]), float(delay[2])) if delay[1] else None  # (prompt tokens, seconds)
+        self._slow_rooms: set[int] = set()
+        self._fetching: set[str] = set()  # decode sessions that asked for a hand-off: they fetch
         self._lock = threading.Lock()
         self._server = ThreadingHTTPServer((host, 0), self._handler())
         self._server.daemon_threads = True
@@ -367,6 +360,8 @@ class PrefillStager:
         body = Handoff(layout, selection, decode_prefix_len, draft, pinned, whole_tokens).to_json()
         with self._lock:
             self._handoffs[room] = (body, time.monotonic())
+            if self._delay is not None and self._delay[0] == num_tokens:
+                self._slow_rooms.add(room)
 
     def _stage(self, room: int, slot: int, num_tokens: int, decode_prefix_len: int) -> None:
         backend = self.backend
@@ -393,15 +388,28 @@ class PrefillStager:
     def release(self, room: int) -> bool:
         with self._lock:
             found = self._handoffs.pop(room, None) is not None
+            self._slow_rooms.discard(room)
         self.staging.release(str(room))
         self.staging.release(f"{room}/draft")
         self.backend.stats.set("staged_bytes", self.staging.nbytes)
         return found
 
-    def handoff(self, room: int) -> bytes | None:
+    def handoff(self, room: int, decode_session: str | None = None) -> bytes | None:
+        """Room ``room``'s hand-off; ``decode_session`` (the asking decode node's SGLang transfer session)
+        is remembered as one that fetches."""
         with self._lock:
             entry = self._handoffs.get(room)
+            if decode_session:
+                self._fetching.add(decode_session)
         return None if entry is None else entry[0]
+
+    def fetch(self, decode_sessions: Iterable[str]) -> bool:
+        """Whether every one of a request's decode sessions fetches (has asked for a hand-off before):
+        only then is the request staged. An unknown decode node (plain SGLang, a server without remote
+        fetching, or one not heard from yet) gets its requests whole, as SGLang sends them."""
+        sessions = set(decode_sessions)
+        with self._lock:
+            return bool(sessions) and sessions <= self._fetching
 
     def _handler(self) -> type[BaseHTTPRequestHandler]:
         stager = self
@@ -424,7 +432,9 @@ class PrefillStager:
             def do_GET(self) -> None:
                 room = self._room()
                 if room is not None:
-                    body = stager.handoff(room)
+                    if stager._delay is not None and room in stager._slow_rooms:  # HANDOFF_DELAY_ENV
+                        time.sleep(stager._delay[1])
+                    body = stager.handoff(room, self.headers.get(DECODE_SESSION_HEADER))
                     self._reply(200, body) if body is not None else self._reply(
                         404, b'{"error": "not staged"}'
                     )
@@ -461,9 +471,28 @@ class Arrival:
     summaries_read: bool = True  # False: its KV arrived whole; the summaries are caught up here
 
 
+@dataclass(frozen=True)
+class _Admitted:
+    """What an admission job read (on the admission worker), applied on the scheduler thread."""
+
+    url: str
+    room: int
+    handoff: Handoff
+    local_pages: torch.Tensor | None = None  # None: the request arrived whole
+    cached_blocks: int = 0
+    reads: AdmissionReads = dataclasses.field(default_factory=AdmissionReads)
+    draft_bytes: int = 0
+
+
 class DecodeFetcher:
     """Decode side: admits arriving requests by reading what their first working sets need, and keeps
-    their staging alive on the prefill node until they finish."""
+    their staging alive on the prefill node until they finish.
+
+    An admission's network I/O (the hand-off over HTTP, the Mooncake reads) runs on admission workers,
+    never on the scheduler thread: ``admission_done`` starts it when SGLang's own transfer of a request
+    has completed and says when it is over (SGLang's transfer queue keeps the request waiting meanwhile,
+    ``sglang_hooks.wait_for_admissions``, while the running requests decode), and ``admit`` applies it
+    at the request's commit."""
 
     def __init__(self, backend: FetchTarget, host: str) -> None:
         self.backend = backend
@@ -485,11 +514,14 @@ class DecodeFetcher:
         # RELEASE_QUEUE waiting: during a prefill outage the rest expire there by their TTL.
         self._releases: queue.Queue[tuple[str, int]] = queue.Queue(RELEASE_QUEUE)
         threading.Thread(target=self._release_worker, name="oasis-release", daemon=True).start()
+        # A few at once: one slow prefill node must not hold up the others' arrivals.
+        self._admitter = ThreadPoolExecutor(ADMISSION_WORKERS, thread_name_prefix="oasis-admit")
+        self._admitting: dict[int, tuple[int, Future[_Admitted | None]]] = {}  # slot -> (generation, job)
 
     def held(self) -> int:
         """Requests this node holds remote-fetch state for (fetch state, a staged hand-off, an arrival)."""
         with self._lock:
-            slots = set(self._staged) | set(self.arrivals)
+            slots = set(self._staged) | set(self.arrivals) | set(self._admitting)
         return len(slots | set(self.fetcher.requests))
 
     def _handoff_url(self, bootstrap_host: str, bootstrap_port: int, fresh: bool = False) -> str | None:
@@ -502,13 +534,15 @@ class DecodeFetcher:
                 url = self._endpoints[key] = reachable(url, bootstrap_host)
         return url
 
-    def _get_handoff(self, bootstrap_host: str, bootstrap_port: int, room: int) -> tuple[str, Handoff] | None:
+    def _get_handoff(
+        self, bootstrap_host: str, bootstrap_port: int, room: int, session: str | None
+    ) -> tuple[str, Handoff] | None:
         url = self._handoff_url(bootstrap_host, bootstrap_port)
         if url is None:
             return None
         for attempt in range(2):
             try:
-                with _open(f"{url}/handoff/{room}") as response:
+                with _open(f"{url}/handoff/{room}", session=session) as response:
                     return url, self._reachable(Handoff.from_json(response.read()), bootstrap_host)
             except urllib.error.HTTPError as error:
                 raise RemoteFetchError(f"no hand-off for bootstrap room {room} at {url}: {error}") from None
@@ -522,24 +556,73 @@ class DecodeFetcher:
                     return None
         return None
 
-    def admit(self, slot: int, generation: int, bootstrap_host: str, bootstrap_port: int, room: int) -> bool:
-        """Reads the hand-off of the request in ``slot`` and its admission blocks and summaries. Returns
-        False for a request that arrived whole; raises ``RemoteFetchError`` if it cannot be admitted."""
+    def admission_done(
+        self, slot: int, generation: int, bootstrap_host: str, bootstrap_port: int, room: int,
+        session: str | None = None,
+    ) -> bool:  # fmt: skip
+        """Starts the admission of the request in ``slot`` on the admission worker (once); True when it
+        is over (read, or failed: ``admit`` then raises). ``session``: this node's SGLang transfer session,
+        named to the prefill node, which then stages this node's requests (``PrefillStager.fetch``).
+        Called by SGLang's transfer queue's poll on the scheduler thread; never waits."""
+        with self._lock:
+            pending = self._admitting.get(slot)
+        if pending is not None and pending[0] == generation:
+            return pending[1].done()
         self.release_slot(slot)  # the slot's previous request, if its release is still pending
-        found = self._get_handoff(bootstrap_host, bootstrap_port, room)
-        if found is None:
+        job = self._admitter.submit(self._read_admission, slot, bootstrap_host, bootstrap_port, room, session)
+        with self._lock:
+            self._admitting[slot] = (generation, job)
+        return job.done()
+
+    def admit(
+        self, slot: int, generation: int, bootstrap_host: str, bootstrap_port: int, room: int,
+        session: str | None = None,
+    ) -> bool:  # fmt: skip
+        """Admits the request in ``slot``: its hand-off and its admission blocks and summaries (read by
+        the admission worker; waits for it if ``admission_done`` did not see it over). Returns False for
+        a request that arrived whole; raises ``RemoteFetchError`` if it cannot be admitted."""
+        self.admission_done(slot, generation, bootstrap_host, bootstrap_port, room, session)
+        with self._lock:
+            _, job = self._admitting.pop(slot)
+        admitted = job.result()  # raises the job's RemoteFetchError
+        if admitted is None:
             return False
+        handoff = admitted.handoff
+        stats = self.backend.stats
+        with self._lock:
+            self._staged[slot] = (generation, admitted.url, admitted.room)  # released as a staged one
+            if admitted.local_pages is None:  # sent whole (the prefill's staging cap): its first
+                self.arrivals[slot] = Arrival(  # selection, read locally
+                    generation, handoff.selection, handoff.num_tokens, handoff.pinned, summaries_read=False
+                )
+            else:
+                self.arrivals[slot] = Arrival(
+                    generation, handoff.selection, handoff.num_tokens, handoff.pinned
+                )
+        if admitted.local_pages is None:
+            stats.add("remote_whole_requests")
+            return False
+        stats.add("remote_requests")
+        for name, value in admitted.reads._asdict().items():
+            stats.add(f"remote_{name}", value)
+        stats.add("remote_draft_bytes", admitted.draft_bytes)
+        summaries = self.backend.summaries
+        summaries.epoch[admitted.local_pages[admitted.cached_blocks :]] += 1  # these pages now hold other KV
+        return True
+
+    def _read_admission(
+        self, slot: int, bootstrap_host: str, bootstrap_port: int, room: int, session: str | None
+    ) -> _Admitted | None:
+        """The admission worker's job: the hand-off, then the admission blocks and summaries into the
+        request's pages (allocated by SGLang, its alone until it is freed: ``release_slot`` waits)."""
+        found = self._get_handoff(bootstrap_host, bootstrap_port, room, session)
+        if found is None:
+            return None
         url, handoff = found
         self._check_handoff(handoff, slot)  # before anything is sized from it
         layout = handoff.layout
-        if layout is None:  # sent whole (the prefill's staging cap): its first selection, read locally
-            with self._lock:
-                self._staged[slot] = (generation, url, room)  # the hand-off is released as a staged one
-                self.arrivals[slot] = Arrival(
-                    generation, handoff.selection, handoff.num_tokens, handoff.pinned, summaries_read=False
-                )
-            self.backend.stats.add("remote_whole_requests")
-            return False
+        if layout is None:
+            return _Admitted(url, room, handoff)
         block = self.backend.block_size
         req_to_token = self.backend.req_to_token_pool.req_to_token
         local_pages = req_to_token[slot, 0 : layout.num_pages * block : block].to(torch.int64) // block
@@ -547,33 +630,14 @@ class DecodeFetcher:
         wanted = torch.zeros((layout.num_layers, layout.num_pages), dtype=torch.bool)
         wanted[:, : selection.shape[2]] = selection.any(dim=1)
         cached_blocks = handoff.decode_prefix_len // block
-        counters = self.fetcher.counters
-        before = (
-            counters.admission_bytes,
-            counters.summary_bytes,
-            counters.cached_blocks,
-            counters.admission_blocks,
-        )
         try:
-            self.fetcher.admit(slot, layout, local_pages, wanted, cached_blocks, have_last=True)
+            reads = self.fetcher.admit(slot, layout, local_pages, wanted, cached_blocks, have_last=True)
             draft_bytes = self._admit_draft(slot, handoff, local_pages, cached_blocks)
         except RemoteReadError as error:
             self.fetcher.release(slot)
             self._release_remote(url, room)
             raise RemoteFetchError(f"admission read failed: {error}") from None
-        with self._lock:
-            self._staged[slot] = (generation, url, room)
-            self.arrivals[slot] = Arrival(generation, selection, layout.num_tokens, handoff.pinned)
-        stats = self.backend.stats
-        stats.add("remote_requests")
-        stats.add("remote_admission_bytes", counters.admission_bytes - before[0])
-        stats.add("remote_summary_bytes", counters.summary_bytes - before[1])
-        stats.add("remote_cached_blocks", counters.cached_blocks - before[2])
-        stats.add("remote_admission_blocks", counters.admission_blocks - before[3])
-        stats.add("remote_draft_bytes", draft_bytes)
-        summaries = self.backend.summaries
-        summaries.epoch[local_pages[cached_blocks:]] += 1  # these pages now hold other KV
-        return True
+        return _Admitted(url, room, handoff, local_pages, cached_blocks, reads, draft_bytes)
 
     @staticmethod
     def _reachable(handoff: Handoff, bootstrap_host: str) -> Handoff:
@@ -618,11 +682,10 @@ class DecodeFetcher:
                 self.endpoint, *pool_buffers(local), self.backend.block_size
             )
         fetcher = self._draft_fetcher
-        before = fetcher.counters.admission_bytes
         everything = torch.ones((handoff.draft.num_layers, handoff.draft.num_pages), dtype=torch.bool)
-        fetcher.admit(slot, handoff.draft, local_pages, everything, cached_blocks, have_last=True)
+        reads = fetcher.admit(slot, handoff.draft, local_pages, everything, cached_blocks, have_last=True)
         fetcher.release(slot)  # all present: nothing to read later
-        return fetcher.counters.admission_bytes - before
+        return reads.admission_bytes
 
     def take_arrival(self, slot: int, generation: int) -> Arrival | None:
         with self._lock:
@@ -659,6 +722,14 @@ class DecodeFetcher:
         with self._lock:
             staged = self._staged.pop(slot, None)
             self.arrivals.pop(slot, None)
+            pending = self._admitting.pop(slot, None)
+        if pending is not None and not pending[1].cancel():  # its reads write into the slot's pages:
+            try:  # wait for them before SGLang hands the pages on
+                admitted = pending[1].result()
+            except RemoteFetchError:
+                admitted = None
+            if admitted is not None:
+                staged = (pending[0], admitted.url, admitted.room)
         self.fetcher.release(slot)
         if staged is not None:
             try:

@@ -30,6 +30,7 @@ import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 
@@ -44,6 +45,15 @@ class RemoteRequest:
     layout: StagedKVLayout
     local_pages: torch.Tensor  # [pages] local host-tier page of each logical block
     present: torch.Tensor  # bool [layers, pages]: the block's K and V are in the local host tier
+
+
+class AdmissionReads(NamedTuple):
+    """What one admission read (``RemotePartialFetcher.admit``)."""
+
+    admission_bytes: int = 0
+    summary_bytes: int = 0
+    cached_blocks: int = 0
+    admission_blocks: int = 0
 
 
 @dataclass
@@ -112,12 +122,12 @@ class RemotePartialFetcher:
         selected: torch.Tensor,
         cached_blocks: int = 0,
         have_last: bool = False,
-    ) -> None:
+    ) -> AdmissionReads:
         """Starts request ``req`` (its local pages ``[pages]`` already allocated): reads its summaries and
         the blocks ``selected`` (bool ``[layers, pages]``, the union over KV heads of its first selection)
         plus its last block, skipping the first ``cached_blocks`` (held locally through the radix cache)
         and, with ``have_last``, the last block (it came with SGLang's own transfer).
-        Raises ``RemoteReadError`` if a read fails (the request must then fail)."""
+        Returns what it read; raises ``RemoteReadError`` if a read fails (the request must then fail)."""
         self.check_layout(layout)
         if self.kmin is not None and layout.summary_address == 0:
             raise ValueError(f"the KV staged at {layout.session} has no summaries; this fetcher reads them")
@@ -132,9 +142,10 @@ class RemotePartialFetcher:
         if have_last:
             present[:, -1] = True
         request = RemoteRequest(layout, local_pages.to(torch.int64).cpu(), present)
+        cached = layout.num_layers * min(cached_blocks, pages)
         with self._lock:
             self.requests[req] = request
-            self.counters.cached_blocks += layout.num_layers * min(cached_blocks, pages)
+            self.counters.cached_blocks += cached
         wanted = selected.cpu().clone()
         wanted[:, -1] = True  # the active block: decode attends it in full
         wanted &= ~present
@@ -153,6 +164,7 @@ class RemotePartialFetcher:
             self.counters.admission_bytes += nbytes
             self.counters.admission_blocks += len(blocks)
             self._charge(req, nbytes + summary_bytes)
+        return AdmissionReads(nbytes, summary_bytes, cached, len(blocks))
 
     def _read_summaries(self, request: RemoteRequest, cached_blocks: int) -> int:
         if self.kmin is None or self.kmax is None:
