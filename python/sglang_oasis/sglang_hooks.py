@@ -111,14 +111,18 @@ import functools
 import logging
 import uuid
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from sglang_oasis.attention.request_options import NotedRequest, check, note_requests
 from sglang_oasis.config import OasisConfig
 
 if TYPE_CHECKING:  # SGLang's own types, for mypy (the hooks are checked against SGLang's signatures)
+    import numpy as np
+    import numpy.typing as npt
     import torch
-    from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
+    from sglang.srt.disaggregation.base.conn import KVPoll
+    from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer, CommonKVSender
+    from sglang.srt.disaggregation.decode import DecodeReqToTokenPool, DecodeRequest, DecodeTransferQueue
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.managers.scheduler import Scheduler
@@ -128,6 +132,8 @@ if TYPE_CHECKING:  # SGLang's own types, for mypy (the hooks are checked against
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.speculative.draft_utils import DraftBackendFactory
+
+    from sglang_oasis.disaggregation.pd_partial import DecodeFetcher, PrefillStager
 
 DRAFT_EXTEND_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend"
 VERIFY_GREEDY_TARGET = "sglang.kernels.ops.speculative.spec_tree.verify_tree_greedy_func"
@@ -244,18 +250,27 @@ def _backend(scheduler: Scheduler) -> AttentionBackend | None:
     return getattr(getattr(getattr(scheduler, "tp_worker", None), "model_runner", None), "attn_backend", None)
 
 
-def _pd_part(scheduler: Any, name: str) -> Any:
+def _pd_part(scheduler: Scheduler, name: str) -> object:
     """The oasis backend's PD stager (``"stager"``) or fetcher (``"remote"``); None on any other node."""
     return getattr(getattr(_backend(scheduler), "pd", None), name, None)
 
 
+def _stager(scheduler: Scheduler) -> PrefillStager | None:
+    return cast("PrefillStager | None", _pd_part(scheduler, "stager"))
+
+
+def _fetcher(scheduler: Scheduler) -> DecodeFetcher | None:
+    return cast("DecodeFetcher | None", _pd_part(scheduler, "remote"))
+
+
 def mark_staged_send(
-    original: Callable[..., Any], scheduler: Any, req: Any, last_chunk: bool = False, end_idx: Any = None
-) -> Any:
+    original: Callable[..., None], scheduler: Scheduler, req: Req, last_chunk: bool = False,
+    end_idx: int | None = None,
+) -> None:  # fmt: skip
     """AROUND hook (prefill): a request sent by remote partial fetching carries, on its Mooncake sender,
     the stager and (last chunk) what to stage."""
-    stager = _pd_part(scheduler, "stager")
-    sender: Any = getattr(req, "disagg_kv_sender", None)
+    stager = _stager(scheduler)
+    sender: Any = getattr(req, "disagg_kv_sender", None)  # carries our _oasis_* attributes
     if stager is not None and stager.ready.is_set() and _is_mooncake_sender(sender):
         whole = getattr(sender, "_oasis_whole", False)  # decided at its first send
         if not whole and getattr(sender, "_oasis_stager", None) is None:
@@ -275,8 +290,10 @@ def mark_staged_send(
         if not whole:
             sender._oasis_stager = stager
         if last_chunk:
-            tokens = end_idx if end_idx is not None else min(req.extend_end, len(req.origin_input_ids))
-            stage = (int(req.kv.req_pool_idx), int(tokens), int(req.disagg_decode_prefix_len))
+            prompt = len(req.origin_input_ids)
+            extend_end = prompt if req.extend_end is None else req.extend_end
+            tokens = end_idx if end_idx is not None else min(extend_end, prompt)
+            stage = (int(cast(int, req.kv.req_pool_idx)), int(tokens), int(req.disagg_decode_prefix_len))
             if not whole:
                 sender._oasis_stage = stage
             else:  # the decode node asks for its hand-off all the same: its first selection
@@ -284,31 +301,35 @@ def mark_staged_send(
                     stager.hand_over_whole(int(sender.bootstrap_room), *stage)
                 except Exception:  # the decode node then fails the request, naming the missing hand-off
                     logger.exception("oasis: handing over request %s's first selection failed", req.rid)
-    return original(scheduler, req, last_chunk=last_chunk, end_idx=end_idx)
+    original(scheduler, req, last_chunk=last_chunk, end_idx=end_idx)
 
 
-def _is_mooncake_sender(sender: Any) -> bool:
+def _is_mooncake_sender(sender: object) -> bool:
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVSender
 
     return isinstance(sender, MooncakeKVSender)
 
 
+SendIndices = tuple["npt.NDArray[np.int32]", slice, bool, bool]
+
+
 def send_last_page_only(
-    original: Callable[..., Any], sender: Any, kv_indices: Any, *args: Any, **kwargs: Any
-) -> Any:
+    original: Callable[..., SendIndices], sender: CommonKVSender, kv_indices: npt.NDArray[np.int32],
+    *args: Any, **kwargs: Any,
+) -> SendIndices:  # fmt: skip
     """AROUND hook (prefill): a staged request's chunks send nothing but its last page (see hook 7)."""
     kv_indices, index_slice, is_last, skip = original(sender, kv_indices, *args, **kwargs)
-    stager = getattr(sender, "_oasis_stager", None)
+    stager: PrefillStager | None = getattr(sender, "_oasis_stager", None)
     if skip or stager is None:
         return kv_indices, index_slice, is_last, skip
     if len(kv_indices):
-        sender._oasis_last_page = kv_indices[-1]
+        sender._oasis_last_page = kv_indices[-1]  # type: ignore[attr-defined]  # ours, on SGLang's sender
     if not is_last:
         return kv_indices[:0], slice(index_slice.stop, index_slice.stop), is_last, False
     room = int(sender.bootstrap_room)
     try:
-        stager.stage(room, *sender._oasis_stage)
-        last = sender._oasis_last_page
+        stager.stage(room, *getattr(sender, "_oasis_stage"))  # noqa: B009  # ours, on SGLang's sender
+        last = getattr(sender, "_oasis_last_page")  # noqa: B009
     except Exception as error:  # the request fails, the server goes on
         from sglang.srt.disaggregation.base.conn import KVPoll
 
@@ -316,25 +337,25 @@ def send_last_page_only(
         sender.kv_mgr.record_failure(
             room, f"oasis: staging the KV for remote partial fetching failed: {error}"
         )
-        sender.kv_mgr.update_status(room, KVPoll.Failed)
+        sender.kv_mgr.update_status(room, cast("KVPoll", KVPoll.Failed))  # SGLang's KVPoll: a class of ints
         return kv_indices[:0], index_slice, is_last, True
     end = index_slice.stop
     return _one_page(kv_indices, last), slice(end - 1, end), True, False
 
 
-def _one_page(kv_indices: Any, page: Any) -> Any:
+def _one_page(kv_indices: npt.NDArray[np.int32], page: int) -> npt.NDArray[np.int32]:
     import numpy as np
 
     return np.asarray([page], dtype=np.asarray(kv_indices).dtype)
 
 
-def remote_fetch_routes(original: Callable[..., Any], server: Any) -> Any:
+def remote_fetch_routes(original: Callable[..., None], server: CommonKVBootstrapServer) -> None:
     """AROUND hook (prefill bootstrap server): ``/oasis/remote_fetch_endpoint`` (see hook 7)."""
     from aiohttp import web
 
     from sglang_oasis.disaggregation.pd_partial import ENDPOINT_ROUTE, TOKEN_HEADER, authorized
 
-    result = original(server)
+    original(server)
     endpoints: dict[int, str] = {}
 
     async def handle(request: web.Request) -> web.Response:
@@ -352,72 +373,83 @@ def remote_fetch_routes(original: Callable[..., Any], server: Any) -> Any:
         return web.json_response({"url": url})
 
     server.app.router.add_route("*", ENDPOINT_ROUTE, handle)
-    return result
 
 
-def wait_for_admissions(original: Callable[..., Any], queue: Any) -> Any:
+def wait_for_admissions(original: Callable[..., list[_Poller]], queue: DecodeTransferQueue) -> list[_Poller]:
     """AROUND hook (decode): SGLang polls each transferring request through these pollers; a request
     whose own transfer has completed stays ``Transferring`` until its admission (hand-off and Mooncake
     reads, on ``DecodeFetcher``'s admission worker) is over, so the scheduler thread never waits on the
     network while the running requests decode."""
-    pollers = original(queue)
-    remote = _pd_part(queue.scheduler, "remote")
+    pollers = original(queue)  # SGLang's receivers, or wrappers of them: anything with poll()
+    remote = _fetcher(queue.scheduler)
     if remote is None:
         return pollers
-    generations = queue.scheduler.req_to_token_pool.req_generation
+    generations = cast("ReqToTokenPool", queue.scheduler.req_to_token_pool).req_generation
     return [
         _AdmissionGate(poller, entry, remote, generations)
         for poller, entry in zip(pollers, queue.queue, strict=True)
     ]
 
 
+class _Poller(Protocol):
+    """What SGLang's transfer queue polls: a KV receiver, or a wrapper of one (HiCache's, ours)."""
+
+    def poll(self) -> int: ...  # a KVPoll value
+
+
 class _AdmissionGate:
     """A request's poller whose ``Success`` waits for its admission (``wait_for_admissions``)."""
 
-    def __init__(self, poller: Any, decode_req: Any, remote: Any, generations: Any) -> None:
+    def __init__(
+        self, poller: _Poller, decode_req: DecodeRequest, remote: DecodeFetcher, generations: torch.Tensor
+    ) -> None:
         self.poller, self.req, self.remote, self.generations = poller, decode_req.req, remote, generations
-        # this node's SGLang transfer session, which the prefill node sees as the request's destination
-        kv_mgr = getattr(decode_req.kv_receiver, "kv_mgr", None)
-        self.session = None if kv_mgr is None else str(kv_mgr.get_session_id())
+        self.session = _session(decode_req)
 
-    def poll(self) -> Any:
+    def poll(self) -> int:  # a KVPoll value
         from sglang.srt.disaggregation.base.conn import KVPoll
 
-        state = self.poller.poll()
-        req = self.req
-        if state != KVPoll.Success or not _fetches(req):
+        state = int(self.poller.poll())
+        arrival = _arrival(self.req) if state == KVPoll.Success else None
+        if arrival is None:
             return state
-        slot = int(req.kv.req_pool_idx)
-        generation, port, room = int(self.generations[slot]), int(req.bootstrap_port), int(req.bootstrap_room)
-        done = self.remote.admission_done(slot, generation, req.bootstrap_host, port, room, self.session)
+        slot, host, port, room = arrival
+        done = self.remote.admission_done(slot, int(self.generations[slot]), host, port, room, self.session)
         return state if done else KVPoll.Transferring
 
 
-def _fetches(req: Any) -> bool:
-    """Whether a transferred request is admitted by remote fetching (a real PD arrival, not aborted)."""
-    return not (
-        req.finished()
-        or getattr(req, "bootstrap_room", None) is None
-        or getattr(req, "bootstrap_host", None) == _fake_bootstrap_host()
-    )
+def _session(decode_req: DecodeRequest) -> str | None:
+    """This node's SGLang transfer session, which the prefill node sees as the request's destination."""
+    kv_mgr = getattr(decode_req.kv_receiver, "kv_mgr", None)
+    return None if kv_mgr is None else str(kv_mgr.get_session_id())
 
 
-def fetch_admission_blocks(original: Callable[..., Any], queue: Any, decode_req: Any) -> Any:
+def _arrival(req: Req) -> tuple[int, str, int, int] | None:
+    """``(request slot, bootstrap host, port, room)`` of a transferred request that remote fetching
+    admits (a real PD arrival, not aborted); None for any other."""
+    slot, host, port, room = req.kv.req_pool_idx, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room
+    if req.finished() or None in (slot, host, port, room) or host == _fake_bootstrap_host():
+        return None
+    return int(cast(int, slot)), str(host), int(cast(int, port)), int(cast(int, room))
+
+
+def fetch_admission_blocks(
+    original: Callable[..., None], queue: DecodeTransferQueue, decode_req: DecodeRequest
+) -> None:
     """AROUND hook (decode): after SGLang commits a transferred request, admit it with what its first
     working sets need from the prefill node (read by then: ``wait_for_admissions``; see hook 7)."""
-    result = original(queue, decode_req)
-    remote = _pd_part(queue.scheduler, "remote")
+    original(queue, decode_req)
+    remote = _fetcher(queue.scheduler)
     req = decode_req.req
-    if remote is None or not _fetches(req):  # no fetching here: the prefill node sent it whole
-        return result
+    arrival = None if remote is None else _arrival(req)
+    if remote is None or arrival is None:  # no fetching here: the prefill node sent it whole
+        return
     from sglang_oasis.disaggregation.pd_partial import RemoteFetchError
 
-    slot = int(req.kv.req_pool_idx)
-    generation = int(queue.scheduler.req_to_token_pool.req_generation[slot])
+    slot, host, port, room = arrival
+    generation = int(cast("ReqToTokenPool", queue.scheduler.req_to_token_pool).req_generation[slot])
     try:
-        staged = remote.admit(
-            slot, generation, req.bootstrap_host, int(req.bootstrap_port), int(req.bootstrap_room)
-        )
+        staged = remote.admit(slot, generation, host, port, room, _session(decode_req))
     except Exception as error:  # the request fails, the server goes on
         if not isinstance(error, RemoteFetchError):
             logger.exception("oasis: admitting request %s failed", req.rid)
@@ -431,10 +463,9 @@ def fetch_admission_blocks(original: Callable[..., Any], queue: Any, decode_req:
             f"oasis: remote partial fetching failed ({error})",
             status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
         )
-        return result
+        return
     if staged:
         _complete_before_caching(queue.tree_cache, remote)
-    return result
 
 
 def _fake_bootstrap_host() -> str | None:
@@ -445,7 +476,7 @@ def _fake_bootstrap_host() -> str | None:
     return str(FAKE_BOOTSTRAP_HOST)
 
 
-def _complete_before_caching(tree_cache: Any, remote: Any) -> None:
+def _complete_before_caching(tree_cache: BasePrefixCache, remote: DecodeFetcher) -> None:
     """With the decode radix cache on, wrap this tree cache's ``checkpoint`` (once) so a finishing
     request's still-remote blocks are read before its KV is inserted (not inserted if that fails)."""
     from sglang.srt.runtime_context import get_disagg
@@ -456,7 +487,7 @@ def _complete_before_caching(tree_cache: Any, remote: Any) -> None:
         return
     checkpoint = tree_cache.checkpoint
 
-    def checkpoint_complete(req: Any, *args: Any, **kwargs: Any) -> Any:
+    def checkpoint_complete(req: Req, *args: Any, **kwargs: Any) -> object:
         slot = req.kv.req_pool_idx
         try:
             complete = slot is None or remote.complete(int(slot))
@@ -467,8 +498,8 @@ def _complete_before_caching(tree_cache: Any, remote: Any) -> None:
             return None  # never share KV with blocks missing
         return checkpoint(req, *args, **kwargs)
 
-    tree_cache.checkpoint = checkpoint_complete
-    tree_cache._oasis_wrapped = True
+    setattr(tree_cache, "checkpoint", checkpoint_complete)  # noqa: B010  # on this instance only
+    setattr(tree_cache, "_oasis_wrapped", True)  # noqa: B010
 
 
 def release_freed_rows(

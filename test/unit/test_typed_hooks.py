@@ -16,23 +16,6 @@ ROOT = Path(__file__).resolve().parents[2]
 PACKAGE = ROOT / "python" / "sglang_oasis"
 HOOKS = PACKAGE / "sglang_hooks.py"
 
-# Remote partial fetching (hook 7: PD disaggregation's prefill sends, bootstrap routes, decode admission)
-# keeps ``Any`` for now: that code is being reworked. Its objects are SGLang's disaggregation internals
-# (the Mooncake sender, the decode queue and its entries and pollers, the bootstrap server, numpy page
-# indices) and our PD parts (stager, fetcher), to be typed with it.
-PD_HOOKS = frozenset({
-    "_pd_part", "mark_staged_send", "_is_mooncake_sender", "send_last_page_only", "_one_page",
-    "remote_fetch_routes", "wait_for_admissions", "_AdmissionGate.__init__", "_AdmissionGate.poll", "_fetches",
-    "fetch_admission_blocks", "refuse_staged_requests", "_refuse_if_staged", "_complete_before_caching",
-    "_complete_before_caching.checkpoint_complete",
-})  # fmt: skip
-# Their named parameters annotated Any today (the scheduler, request, sender, queue, server, page-index and
-# PD-part parameters of the functions above), at most: lower it as they get their types.
-MAX_PD_ANY_PARAMETERS = 21
-# Files of the same rework, in the same state.
-PD_FILES = frozenset({
-    "disaggregation/pd_partial.py", "disaggregation/remote_fetch.py", "attention/pd_node.py", "launch_pd.py",
-})  # fmt: skip
 # Parameter names that hold SGLang objects (or our parts that wrap them) wherever they appear.
 SGLANG_OBJECTS = frozenset({
     "scheduler", "batch", "req", "reqs", "forward_batch", "model_runner", "kv_pool", "req_to_token_pool",
@@ -69,29 +52,22 @@ def _is_any(annotation: ast.expr | None) -> bool:
 
 
 def test_the_sglang_hooks_name_sglangs_types() -> None:
-    """Every hook outside remote partial fetching types what SGLang hands it (scheduler, batch, request,
-    pools, forward batch, ...) and what it returns; the PD hooks keep at most today's ``Any``."""
+    """Every hook types what SGLang hands it (scheduler, batch, request, pools, forward batch, the PD
+    sender, queue, bootstrap server, ...) and what it returns."""
     untyped = {
         name: found
         for name, function in _functions(ast.parse(HOOKS.read_text()))
         if (found := _untyped(function))
     }
-    outside = {name: found for name, found in untyped.items() if name not in PD_HOOKS}
-    assert outside == {}, f"sglang_hooks.py: annotated Any where SGLang has a type: {outside}"
-    pd_parameters = sum(len([arg for arg in found if arg != "return"]) for found in untyped.values())
-    assert pd_parameters <= MAX_PD_ANY_PARAMETERS, untyped
+    assert untyped == {}, f"sglang_hooks.py: annotated Any where SGLang has a type: {untyped}"
 
 
 def test_no_part_takes_an_sglang_object_as_any() -> None:
-    """Outside the PD rework, no parameter named for an SGLang object (or one of our parts) is ``Any``."""
+    """No parameter named for an SGLang object (or one of our parts) is ``Any``, anywhere."""
     found = []
     for path in sorted(PACKAGE.rglob("*.py")):
         relative = path.relative_to(PACKAGE).as_posix()
-        if relative in PD_FILES:
-            continue
         for name, function in _functions(ast.parse(path.read_text())):
-            if path == HOOKS and name in PD_HOOKS:
-                continue
             found += [f"{relative}:{name}({arg})" for arg in _untyped(function) if arg in SGLANG_OBJECTS]
     assert found == []
 

@@ -8,13 +8,14 @@ parts that read the hooks' listener names).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, cast
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
 from sglang_oasis.disaggregation.pd_partial import register_draft_pool
 
 if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.model_executor.model_runner import ModelRunner
 
 
@@ -23,4 +24,5 @@ class DraftAttnBackend(TorchNativeAttnBackend):
 
     def __init__(self, model_runner: ModelRunner) -> None:
         super().__init__(model_runner)
-        register_draft_pool(model_runner.token_to_kv_pool)  # PD remote fetching moves it whole
+        # PD remote fetching moves it whole; SGLang declares the abstract KVCache, a draft's is this one
+        register_draft_pool(cast("MHATokenToKVPool", model_runner.token_to_kv_pool))

@@ -18,7 +18,7 @@ then either
 from __future__ import annotations
 
 import logging
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -31,6 +31,10 @@ from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.sglang_hooks import BEFORE_BACKUP_LISTENER, FREED_ROW_LISTENER
 from sglang_oasis.stats import OasisStats
 
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+    from sglang.srt.server_args import ServerArgs
+
 logger = logging.getLogger(__name__)
 
 
@@ -40,7 +44,7 @@ class PDNode:
         config: OasisConfig,
         slots: RequestSlots,
         selector: Selector,
-        kv_pool: Any,
+        kv_pool: MHATokenToKVPool,
         summarised: torch.Tensor,
         stats: OasisStats,
         failures: TransferFailures,
@@ -65,7 +69,7 @@ class PDNode:
         self.disaggregated = False  # either node of a PD pair (``start``)
         self._admission_selections: dict[int, dict[int, torch.Tensor]] = {}  # req row -> layer -> [H, N]
 
-    def start(self, args: Any) -> None:
+    def start(self, args: ServerArgs) -> None:
         """Remote partial fetching's stager or fetcher, as SGLang's server ``args`` make this node."""
         mode = str(getattr(args, "disaggregation_mode", "null"))
         self.decode_node = mode == "decode"

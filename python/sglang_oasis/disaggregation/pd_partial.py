@@ -48,7 +48,7 @@ from collections.abc import Iterable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
-from typing import Any, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import numpy as np
 import torch
@@ -58,6 +58,9 @@ from sglang_oasis.disaggregation.staging import KVStagingArea, StagedKVLayout
 from sglang_oasis.disaggregation.transfer_engine import MooncakeEndpoint, RemoteReadError
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.stats import OasisStats
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
 
@@ -119,8 +122,8 @@ class StagingSource(Protocol):
     """What the prefill node's stager reads of the attention backend (``OasisAttnBackend``)."""
 
     block_size: int
-    req_to_token_pool: Any  # SGLang's ReqToTokenPool
-    token_to_kv_pool: Any  # SGLang's KV pool: the host tier
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: MHATokenToKVPool  # the host tier
     stats: OasisStats
 
     def finish_pending(self) -> None: ...
@@ -132,8 +135,8 @@ class FetchTarget(Protocol):
     """What the decode node's fetcher writes into: the host tier, the summaries, the counters."""
 
     block_size: int
-    req_to_token_pool: Any
-    token_to_kv_pool: Any
+    req_to_token_pool: ReqToTokenPool
+    token_to_kv_pool: MHATokenToKVPool
     summaries: BlockSummaryStore
     stats: OasisStats
 
@@ -141,16 +144,16 @@ class FetchTarget(Protocol):
 _DRAFT_POOL: list[Any] = []  # [pool] once this process's EAGLE-3 draft model has its attention backend
 
 
-def register_draft_pool(pool: Any) -> None:
+def register_draft_pool(pool: MHATokenToKVPool) -> None:
     """The draft model's KV pool of this process (its attention backend registers it)."""
     _DRAFT_POOL[:] = [pool]
 
 
-def draft_pool() -> Any | None:
+def draft_pool() -> MHATokenToKVPool | None:
     return _DRAFT_POOL[0] if _DRAFT_POOL else None
 
 
-def pool_buffers(pool: Any) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+def pool_buffers(pool: MHATokenToKVPool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
     """A KV pool's per-layer K and V buffers (``[tokens, kv_heads, head_dim]``), in layer order."""
     start = int(getattr(pool, "start_layer", 0) or 0)
     layers = range(start, start + pool.layer_num)
@@ -368,7 +371,7 @@ class PrefillStager:
         backend.finish_pending()  # the last extend's selection job may still be running
         locations = backend.req_to_token_pool.req_to_token[slot, :num_tokens].to(torch.int64)
 
-        def gathered(pool: Any) -> tuple[torch.Tensor, torch.Tensor]:
+        def gathered(pool: MHATokenToKVPool) -> tuple[torch.Tensor, torch.Tensor]:
             k_buffers, v_buffers = pool_buffers(pool)
             return (
                 torch.stack([buffer[locations].cpu() for buffer in k_buffers]),
