@@ -192,7 +192,9 @@ def test_hook_7_prefill_send_kv_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
         sender = NS(bootstrap_room=room, kv_mgr=NS(transfer_infos={room: dict.fromkeys(sessions)}))
         req = NS(disagg_kv_sender=sender, origin_input_ids=[1] * 40, rid=f"r{room}", kv=NS(req_pool_idx=3),
                  extend_end=40, disagg_decode_prefix_len=16)  # fmt: skip
-        assert hooks.mark_staged_send(lambda *a, **k: "sent", NS(), req, last_chunk=True) == "sent"
+        sent: list[Any] = []
+        hooks.mark_staged_send(lambda *a, **k: sent.append(a[1]), NS(), req, last_chunk=True)
+        assert sent == [req]  # SGLang's send runs, for every request
         return sender
 
     fetching, unknown, mixed = (
@@ -282,7 +284,9 @@ def test_hook_7_decode_commit() -> None:
     assert "tree_cache.checkpoint(req, up_to=" in source_of(release_kv_cache)
     queue = NS(scheduler=NS(tp_worker=NS(model_runner=NS(attn_backend=NS(pd=NS(remote=None))))))
     whole = decode_request(9)
-    assert hooks.fetch_admission_blocks(lambda q, d: "committed", queue, whole) == "committed"
+    committed: list[Any] = []
+    hooks.fetch_admission_blocks(lambda q, d: committed.append(d), queue, whole)
+    assert committed == [whole]
     assert whole.req.finished_reason is None
 
 
