@@ -592,16 +592,14 @@ class DecodeFetcher:
             return False
         handoff = admitted.handoff
         stats = self.backend.stats
+        # Sent whole (the prefill's staging cap, or before it knew this node fetches): its first
+        # selection is loaded from the KV that arrived, its summaries caught up here.
+        whole = admitted.local_pages is None
         with self._lock:
             self._staged[slot] = (generation, admitted.url, admitted.room)  # released as a staged one
-            if admitted.local_pages is None:  # sent whole (the prefill's staging cap): its first
-                self.arrivals[slot] = Arrival(  # selection, read locally
-                    generation, handoff.selection, handoff.num_tokens, handoff.pinned, summaries_read=False
-                )
-            else:
-                self.arrivals[slot] = Arrival(
-                    generation, handoff.selection, handoff.num_tokens, handoff.pinned
-                )
+            self.arrivals[slot] = Arrival(
+                generation, handoff.selection, handoff.num_tokens, handoff.pinned, summaries_read=not whole
+            )
         if admitted.local_pages is None:
             stats.add("remote_whole_requests")
             return False
