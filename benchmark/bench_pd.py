@@ -38,7 +38,7 @@ CONFIGS = {
     "sparse-full": ["--oasis-remote-fetch", "false"],
     "sparse-rpf": [],
 }
-REMOTE = ("remote_admission_bytes", "remote_summary_bytes", "remote_miss_bytes")
+REMOTE = ("remote_admission_bytes", "remote_summary_bytes", "remote_miss_bytes", "remote_completion_bytes")
 
 
 def serve(

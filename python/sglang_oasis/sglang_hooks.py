@@ -51,15 +51,20 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
      running requests decode meanwhile (SGLang wraps its pollers the same way for HiCache restores).
    - ``DecodeTransferQueue._commit_transfer_to_req`` (decode): after SGLang commits a transferred
      request, its admission is applied (``DecodeFetcher.admit``); a failure aborts the request
-     the way SGLang aborts a corrupted transfer. With the decode radix cache on, the queue's tree
-     cache's ``checkpoint`` (which inserts a finished request) is wrapped on that instance so a
-     request's still-remote blocks are read before its KV becomes a shared prefix; if that fails the
-     request is not inserted.
+     the way SGLang aborts a corrupted transfer. With the decode radix cache on, an admitted request's
+     still-remote blocks are then read in the background (``DecodeFetcher.complete_later``), and the
+     queue's tree cache's ``checkpoint`` (which inserts a request's KV as it starts decoding and when it
+     finishes) is wrapped on that instance so only KV that is whole locally becomes a shared prefix (a
+     request whose blocks are still arriving is not inserted; nothing is read on the scheduler thread).
    A request over ``--oasis-remote-fetch-max-staged-mib`` goes whole (SGLang's own transfer); its
    hand-off then carries only its first selection, which the decode node loads from the KV that arrived.
    A prefill node stages only for a decode node that fetches: one that has asked it for a hand-off,
    naming its SGLang transfer session (the handshake); any other decode node (plain SGLang, dense mode,
    ``--oasis-remote-fetch false``, fetching off) and each fetching one's first requests get them whole.
+   - ``MooncakeKVManager._publish_peer_registration`` (prefill): where a decode node's transfer session
+     registers with this prefill node, once per decode process. A session that registers again is a new
+     process (perhaps a restarted node that does not fetch, at the same address), so the stager forgets
+     it (``PrefillStager.forget``) until it asks for a hand-off itself.
    - ``DecodeReqToTokenPool.free`` (decode): where SGLang frees a finished (or aborted) request's row,
      the one moment the decode node knows a request is done with its remote blocks; SGLang has no
      release callback (only ``register_on_alloc_rows``). The hook tells the pool's listener
@@ -123,6 +128,7 @@ if TYPE_CHECKING:  # SGLang's own types, for mypy (the hooks are checked against
     from sglang.srt.disaggregation.base.conn import KVPoll
     from sglang.srt.disaggregation.common.conn import CommonKVBootstrapServer, CommonKVSender
     from sglang.srt.disaggregation.decode import DecodeReqToTokenPool, DecodeRequest, DecodeTransferQueue
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
     from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
     from sglang.srt.managers.schedule_batch import Req, ScheduleBatch
     from sglang.srt.managers.scheduler import Scheduler
@@ -145,6 +151,10 @@ HOST_INDICES_ATTRIBUTE = "supports_host_tensor_indices"
 EARLY_SEND_ENV = "SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX"
 PREFILL_SEND_TARGET = "sglang.srt.disaggregation.prefill.SchedulerDisaggregationPrefillMixin.send_kv_chunk"
 SEND_INDICES_TARGET = "sglang.srt.disaggregation.common.conn.CommonKVSender._prepare_send_indices"
+PEER_REGISTRATION_TARGET = (
+    "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._publish_peer_registration"
+)
+STAGER_ATTRIBUTE = "_oasis_stager"  # set by hook 7 on SGLang's Mooncake senders and their KV manager
 BOOTSTRAP_ROUTES_TARGET = "sglang.srt.disaggregation.common.conn.CommonKVBootstrapServer._setup_routes"
 DECODE_COMMIT_TARGET = "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req"
 DECODE_POLLERS_TARGET = "sglang.srt.disaggregation.decode.DecodeTransferQueue._pollers"
@@ -289,6 +299,7 @@ def mark_staged_send(
                 )
         if not whole:
             sender._oasis_stager = stager
+        setattr(sender.kv_mgr, STAGER_ATTRIBUTE, stager)  # for forget_reregistered_sessions
         if last_chunk:
             prompt = len(req.origin_input_ids)
             extend_end = prompt if req.extend_end is None else req.extend_end
@@ -302,6 +313,22 @@ def mark_staged_send(
                 except Exception:  # the decode node then fails the request, naming the missing hand-off
                     logger.exception("oasis: handing over request %s's first selection failed", req.rid)
     original(scheduler, req, last_chunk=last_chunk, end_idx=end_idx)
+
+
+def forget_reregistered_sessions(
+    original: Callable[..., str | None],
+    kv_mgr: MooncakeKVManager,
+    mooncake_session_id: str,
+    *args: Any,
+    **kwargs: Any,
+) -> str | None:
+    """AROUND hook (prefill): after SGLang records a decode session's registration, this node's stager
+    (if it has been used) stages for that session only once it asks for a hand-off again."""
+    result = original(kv_mgr, mooncake_session_id, *args, **kwargs)
+    stager: PrefillStager | None = getattr(kv_mgr, STAGER_ATTRIBUTE, None)
+    if stager is not None:
+        stager.forget(str(mooncake_session_id))
+    return result
 
 
 def _is_mooncake_sender(sender: object) -> bool:
@@ -464,8 +491,11 @@ def fetch_admission_blocks(
             status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
         )
         return
-    if staged:
-        _complete_before_caching(queue.tree_cache, remote)
+    from sglang.srt.runtime_context import get_disagg
+
+    if staged and get_disagg().disaggregation_decode_enable_radix_cache:
+        _share_only_whole(queue.tree_cache, remote)
+        remote.complete_later(slot)
 
 
 def _fake_bootstrap_host() -> str | None:
@@ -476,26 +506,22 @@ def _fake_bootstrap_host() -> str | None:
     return str(FAKE_BOOTSTRAP_HOST)
 
 
-def _complete_before_caching(tree_cache: BasePrefixCache, remote: DecodeFetcher) -> None:
-    """With the decode radix cache on, wrap this tree cache's ``checkpoint`` (once) so a finishing
-    request's still-remote blocks are read before its KV is inserted (not inserted if that fails)."""
-    from sglang.srt.runtime_context import get_disagg
-
-    if not get_disagg().disaggregation_decode_enable_radix_cache or getattr(
-        tree_cache, "_oasis_wrapped", False
-    ):
+def _share_only_whole(tree_cache: BasePrefixCache, remote: DecodeFetcher) -> None:
+    """Wrap this tree cache's ``checkpoint`` (once) so a finishing request's KV is inserted only if it is
+    whole locally (its remaining blocks read in the background by then); it never reads."""
+    if getattr(tree_cache, "_oasis_wrapped", False):
         return
     checkpoint = tree_cache.checkpoint
 
     def checkpoint_complete(req: Req, *args: Any, **kwargs: Any) -> object:
         slot = req.kv.req_pool_idx
-        try:
-            complete = slot is None or remote.complete(int(slot))
-        except Exception:  # a failed read must not stop the server: the KV is just not shared
-            logger.exception("oasis: completing request %s before caching failed", req.rid)
-            complete = False
-        if not complete:
-            return None  # never share KV with blocks missing
+        if slot is not None and not remote.whole(int(slot)):
+            # Never share KV with blocks missing. SGLang checkpoints a request as it starts decoding too
+            # (its prompt, ``process_prebuilt``); that one is skipped while the completion reads, and the
+            # finish inserts the whole sequence.
+            if req.finished():
+                remote.backend.stats.add("remote_unshared_finishes")
+            return None
         return checkpoint(req, *args, **kwargs)
 
     setattr(tree_cache, "checkpoint", checkpoint_complete)  # noqa: B010  # on this instance only
@@ -652,6 +678,7 @@ def register(config: OasisConfig) -> None:
         HookRegistry.register(PREFILL_SEND_TARGET, mark_staged_send, HookType.AROUND)
         HookRegistry.register(SEND_INDICES_TARGET, send_last_page_only, HookType.AROUND)
         HookRegistry.register(BOOTSTRAP_ROUTES_TARGET, remote_fetch_routes, HookType.AROUND)
+        HookRegistry.register(PEER_REGISTRATION_TARGET, forget_reregistered_sessions, HookType.AROUND)
         HookRegistry.register(DECODE_POLLERS_TARGET, wait_for_admissions, HookType.AROUND)
         HookRegistry.register(DECODE_COMMIT_TARGET, fetch_admission_blocks, HookType.AROUND)
         HookRegistry.register(DECODE_FREE_TARGET, release_freed_rows, HookType.AROUND)

@@ -71,7 +71,11 @@ COUNTERS = {
     "KV head)",
     "remote_summary_bytes": "PD decode node: block-summary bytes read from prefill nodes at admission",
     "remote_miss_bytes": "PD decode node: KV bytes read from prefill nodes after admission (first use of "
-    "a block by a working set, or before a finished request's KV enters the radix cache)",
+    "a block by a working set)",
+    "remote_completion_bytes": "PD decode node: KV bytes read from prefill nodes in the background so a "
+    "request's KV is whole at its finish (decode radix cache on), or before a retracted request's backup",
+    "remote_unshared_finishes": "PD decode node with the decode radix cache: requests that finished before "
+    "all their KV arrived, so their KV was not inserted into the radix cache",
     "remote_draft_bytes": "PD decode node: bytes of the EAGLE-3 draft model's KV read from prefill nodes "
     "at admission (all of it: the draft attends every token)",
     "remote_cached_blocks": "PD decode node: (block, layer) pairs not read because the decode radix cache "

@@ -141,21 +141,21 @@ def test_pd_sparse_serving_equals_non_disaggregated_sparse_and_reads_only_select
 
 
 def remote_bytes(stats: dict[str, Any]) -> int:
-    return sum(
-        int(stats[name]) for name in ("remote_admission_bytes", "remote_summary_bytes", "remote_miss_bytes")
-    )
+    names = ("remote_admission_bytes", "remote_summary_bytes", "remote_miss_bytes", "remote_completion_bytes")
+    return sum(int(stats[name]) for name in names)
 
 
 def test_a_prefix_the_decode_radix_cache_holds_is_never_read_again(
     pd: PDLaunch, sparse_reference: ServerProcess
 ) -> None:
-    """The first request's remaining blocks are read before its KV enters the decode radix cache; a second
-    request sharing its 800-token prefix reads none of those 50 blocks."""
+    """The first request's remaining blocks are read in the background while it decodes (the completion
+    worker), so its KV is whole at its finish and enters the decode radix cache; a second request sharing
+    its 800-token prefix reads none of those 50 blocks."""
     shared = prompt(800, 11)
     first_ids, second_ids = [*shared, *prompt(40, 12)], [*shared, *prompt(40, 13)]
     stats = [pd.decode.oasis_stats()]
-    for ids in (first_ids, second_ids):
-        assert pd.router.generate(ids, 8)["output_ids"] == sparse_reference.generate(ids, 8)["output_ids"]
+    for ids in (first_ids, second_ids):  # 16 tokens: the completion (~7 MB on loopback) is done well before
+        assert pd.router.generate(ids, 16)["output_ids"] == sparse_reference.generate(ids, 16)["output_ids"]
         deadline = time.monotonic() + 30
         while pd.prefill.oasis_stats()["staged_bytes"] != 0:  # finished and released
             assert time.monotonic() < deadline
@@ -163,6 +163,8 @@ def test_a_prefix_the_decode_radix_cache_holds_is_never_read_again(
         stats.append(pd.decode.oasis_stats())
     first = remote_bytes(stats[1]) - remote_bytes(stats[0])
     second = remote_bytes(stats[2]) - remote_bytes(stats[1])
+    assert delta(stats[1], stats[0], "remote_unshared_finishes") == 0, "finished before its KV was whole"
+    assert delta(stats[1], stats[0], "remote_completion_bytes") > 0
     assert delta(stats[2], stats[1], "remote_cached_blocks") == LAYERS * (800 // BLOCK)
     assert delta(stats[1], stats[0], "remote_cached_blocks") == 0
     # 840 tokens read the first time (all of it: it entered the radix cache); then only the 40 new ones

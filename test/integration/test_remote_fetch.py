@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -411,6 +412,12 @@ def test_a_prefill_node_stages_only_for_decode_sessions_that_asked_for_a_handoff
     get({DECODE_SESSION_HEADER: "10.0.0.2:17000"})
     assert stager.fetch(["10.0.0.2:17000"])
     assert not stager.fetch(["10.0.0.2:17000", "10.0.0.3:17000"]) and not stager.fetch([])
+    # The session registers with SGLang again (hook 7's forget_reregistered_sessions): a new process at
+    # that address, perhaps one that does not fetch; it is staged for once it asks for a hand-off itself.
+    stager.forget("10.0.0.2:17000")
+    assert not stager.fetch(["10.0.0.2:17000"])
+    get({DECODE_SESSION_HEADER: "10.0.0.2:17000"})
+    assert stager.fetch(["10.0.0.2:17000"])
 
 
 def test_releases_go_to_the_prefill_node_from_one_bounded_worker(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -450,3 +457,71 @@ def test_releases_go_to_the_prefill_node_from_one_bounded_worker(monkeypatch: py
     time.sleep(0.3)
     assert sent == [100, 101, 102, 103], sent
     assert fetcher.held() == 0
+
+
+def _decode_fetcher(tier: DecodeTier) -> Any:
+    """A ``DecodeFetcher`` over ``tier``'s buffers (what it reads of the attention backend)."""
+    from sglang_oasis.disaggregation import pd_partial
+
+    backend = SimpleNamespace(
+        token_to_kv_pool=SimpleNamespace(
+            layer_num=LAYERS, get_key_buffer=tier.k.__getitem__, get_value_buffer=tier.v.__getitem__
+        ),
+        block_size=B, summaries=SimpleNamespace(kmin=tier.kmin, kmax=tier.kmax),
+        stats=OasisStats(None, owner=False),
+    )  # fmt: skip
+    return pd_partial.DecodeFetcher(backend, "127.0.0.1")  # type: ignore[arg-type]
+
+
+def test_a_finishing_request_never_waits_for_its_remaining_blocks(prefill: KVStagingArea) -> None:
+    """With the decode radix cache on, an admitted request's remaining blocks are read by the completion
+    worker (``DecodeFetcher.complete_later``), and its finish asks ``whole`` only, which never reads:
+    while a read is in flight (slowed to 1 s per layer by injection) it answers False at once (the KV is
+    then not shared), and True once the worker is done, with every block as staged. Before, the finish
+    read them itself, on the scheduler thread. A release during the completion stops it after the read
+    in flight: the later layers' pages, another request's by then, are not written."""
+    keys, values = seeded_kv(5, 0, LAYERS, TOKENS, HEADS, DIM)
+    local = torch.tensor([20, 21, 22, 23, 24])
+    for release_midway in (False, True):
+        tier = DecodeTier(MooncakeEndpoint())
+        remote = _decode_fetcher(tier)
+        remote.fetcher.admit(0, prefill.stage(f"complete-{release_midway}", keys, values), local,
+                             torch.zeros(LAYERS, 5, dtype=torch.bool), have_last=True)  # fmt: skip
+        reading, read = threading.Event(), remote.fetcher.endpoint.read
+
+        def slow_read(*args: object, read: Any = read, reading: threading.Event = reading) -> None:
+            reading.set()
+            time.sleep(1.0)
+            read(*args)
+
+        remote.fetcher.endpoint.read = slow_read
+        remote.complete_later(0)
+        assert reading.wait(timeout=30)
+        started = time.monotonic()
+        assert not remote.whole(0) and time.monotonic() - started < 0.5, "the finish waited for a read"
+        if release_midway:
+            remote.release_slot(0)  # SGLang freed the row: waits for the layer in flight only
+            time.sleep(1.5)  # the worker would be one more layer on by now, had it gone on
+            one_layer = 4 * 2 * remote.fetcher.block_bytes  # the read in flight ended; none started after
+            assert remote.fetcher.counters.completion_bytes == one_layer, "it read on after the release"
+            for page in local[:4].tolist():
+                assert bool((tier.page(LAYERS - 1, page)[0] == -7.0).all()), "a released page was written"
+            continue
+        deadline = time.monotonic() + 30
+        while not remote.whole(0):
+            assert time.monotonic() < deadline, "the remaining blocks were never read"
+            time.sleep(0.05)
+        for layer in range(LAYERS):
+            for block in range(4):
+                got = tier.page(layer, int(local[block]))
+                assert all(
+                    torch.equal(a, b)
+                    for a, b in zip(got, expected_page(keys, values, layer, block), strict=True)
+                )
+        counters, stats = remote.fetcher.counters, remote.backend.stats.snapshot()
+        assert counters.completion_blocks == LAYERS * 4 and counters.miss_blocks == 0
+        deadline = time.monotonic() + 10  # the worker adds its last layer's bytes just after it reads them
+        while stats["remote_completion_bytes"] != LAYERS * 4 * 2 * remote.fetcher.block_bytes:
+            assert time.monotonic() < deadline, stats["remote_completion_bytes"]
+            time.sleep(0.05)
+            stats = remote.backend.stats.snapshot()

@@ -203,6 +203,7 @@ def test_hook_7_prefill_send_kv_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
         send(3, [*known, "x:1"]),
     )
     assert fetching._oasis_stager is stager and fetching._oasis_stage == (3, 40, 16)
+    assert getattr(fetching.kv_mgr, hooks.STAGER_ATTRIBUTE) is stager  # for test_hook_7_peer_registration
     for whole in (unknown, mixed):
         assert (
             whole._oasis_whole and not hasattr(whole, "_oasis_stager") and not hasattr(whole, "_oasis_stage")
@@ -261,6 +262,29 @@ def test_hook_7_bootstrap_routes() -> None:
     server = NS(app=web.Application())
     hooks.remote_fetch_routes(lambda s: None, server)
     assert ENDPOINT_ROUTE in [route.resource.canonical for route in server.app.router.routes()]
+
+
+def test_hook_7_peer_registration() -> None:
+    """A decode session that registers with the prefill node's KV manager (a new decode process, perhaps a
+    restarted node at the same address that does not fetch) is forgotten by the stager, after SGLang's
+    own registration ran; before any request used the stager there is nothing to forget."""
+    from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
+
+    assert_params(hooks.PEER_REGISTRATION_TARGET, ["self", "mooncake_session_id", "decode_kv_args"])
+    # SGLang publishes every decode registration through it (the bootstrap thread's registration branch).
+    assert "self._publish_peer_registration(" in source_of(MooncakeKVManager)
+    calls: list[str] = []
+    kv_mgr = NS()
+    stager = NS(forget=lambda session: calls.append(f"forget {session}"))
+
+    def publish(manager: Any, session: str, args: Any) -> None:
+        calls.append(f"register {session}")
+
+    assert hooks.forget_reregistered_sessions(publish, kv_mgr, "10.0.0.2:17000", NS()) is None
+    assert calls == ["register 10.0.0.2:17000"]
+    setattr(kv_mgr, hooks.STAGER_ATTRIBUTE, stager)  # what hook 7's prefill send sets
+    hooks.forget_reregistered_sessions(publish, kv_mgr, "10.0.0.2:17000", NS())
+    assert calls[1:] == ["register 10.0.0.2:17000", "forget 10.0.0.2:17000"]
 
 
 def decode_request(port: int) -> NS:

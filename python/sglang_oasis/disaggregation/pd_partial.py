@@ -24,9 +24,11 @@ staged beside the target's and read whole at admission: SGLang's transfer would 
 target's pages, and only the last page goes that way here.
 
 Blocks the decode node already holds through its radix cache (SGLang's ``decode_prefix_len``) are
-neither staged for reading nor read. With ``--disaggregation-decode-enable-radix-cache`` a finishing
-request's still-remote blocks are read before its KV enters the radix cache (a cached prefix is always
-complete); without it they are never read.
+neither staged for reading nor read. With ``--disaggregation-decode-enable-radix-cache`` a request's
+still-remote blocks are read in the background after its admission (one completion worker, never the
+scheduler thread), and its KV enters the radix cache at its finish only if they all arrived by then (a
+cached prefix is always complete; a request that finished first is just not shared); without it they are
+never read.
 """
 
 from __future__ import annotations
@@ -53,7 +55,7 @@ from typing import TYPE_CHECKING, Any, Protocol
 import numpy as np
 import torch
 
-from sglang_oasis.disaggregation.remote_fetch import AdmissionReads, RemotePartialFetcher
+from sglang_oasis.disaggregation.remote_fetch import AdmissionReads, RemotePartialFetcher, RemoteRequest
 from sglang_oasis.disaggregation.staging import KVStagingArea, StagedKVLayout
 from sglang_oasis.disaggregation.transfer_engine import MooncakeEndpoint, RemoteReadError
 from sglang_oasis.memory.summary_store import BlockSummaryStore
@@ -406,6 +408,12 @@ class PrefillStager:
                 self._fetching.add(decode_session)
         return None if entry is None else entry[0]
 
+    def forget(self, decode_session: str) -> None:
+        """A decode node registered (again) at ``decode_session``: a new process, perhaps one that does not
+        fetch, at a restarted node's address; it is staged for only once it asks for a hand-off itself."""
+        with self._lock:
+            self._fetching.discard(decode_session)
+
     def fetch(self, decode_sessions: Iterable[str]) -> bool:
         """Whether every one of a request's decode sessions fetches (has asked for a hand-off before):
         only then is the request staged. An unknown decode node (plain SGLang, a server without remote
@@ -487,6 +495,11 @@ class _Admitted:
     draft_bytes: int = 0
 
 
+def _log_failure(job: Future[bool]) -> None:
+    if not job.cancelled() and job.exception() is not None:
+        logger.error("oasis: a background read failed", exc_info=job.exception())
+
+
 class DecodeFetcher:
     """Decode side: admits arriving requests by reading what their first working sets need, and keeps
     their staging alive on the prefill node until they finish.
@@ -495,7 +508,8 @@ class DecodeFetcher:
     never on the scheduler thread: ``admission_done`` starts it when SGLang's own transfer of a request
     has completed and says when it is over (SGLang's transfer queue keeps the request waiting meanwhile,
     ``sglang_hooks.wait_for_admissions``, while the running requests decode), and ``admit`` applies it
-    at the request's commit."""
+    at the request's commit. With the decode radix cache on, ``complete_later`` reads an admitted request's
+    remaining blocks on the completion worker, so its KV can be shared at its finish without a read then."""
 
     def __init__(self, backend: FetchTarget, host: str) -> None:
         self.backend = backend
@@ -520,6 +534,8 @@ class DecodeFetcher:
         # A few at once: one slow prefill node must not hold up the others' arrivals.
         self._admitter = ThreadPoolExecutor(ADMISSION_WORKERS, thread_name_prefix="oasis-admit")
         self._admitting: dict[int, tuple[int, Future[_Admitted | None]]] = {}  # slot -> (generation, job)
+        self._completer = ThreadPoolExecutor(1, thread_name_prefix="oasis-complete")
+        self._completion_bytes_seen = 0
 
     def held(self) -> int:
         """Requests this node holds remote-fetch state for (fetch state, a staged hand-off, an arrival)."""
@@ -708,13 +724,40 @@ class DecodeFetcher:
         return failed
 
     def complete(self, slot: int) -> bool:
-        """Reads every still-remote block of the request in ``slot`` (before its KV enters the radix
-        cache); False if that failed."""
+        """Reads every still-remote block of the request in ``slot`` now (before a retracted request's KV
+        is backed up); False if that failed."""
         request = self.fetcher.requests.get(slot)
-        if request is None:
-            return True
+        return request is None or self._complete(slot, request)
+
+    def complete_later(self, slot: int) -> None:
+        """Starts reading every still-remote block of the admitted request in ``slot`` on the completion
+        worker (the decode radix cache shares only whole KV, ``whole``); it stops when the request is
+        released (``release`` fences a read in flight)."""
+        request = self.fetcher.requests.get(slot)
+        if request is not None:
+            job = self._completer.submit(self._complete, slot, request)
+            job.add_done_callback(_log_failure)
+
+    def whole(self, slot: int) -> bool:
+        """Whether the request in ``slot`` holds all its KV locally (never reads)."""
+        return self.fetcher.whole(slot)
+
+    def _complete(self, slot: int, request: RemoteRequest) -> bool:
         full = torch.arange(request.layout.num_pages)
-        return all(not self.ensure(layer, {slot: full}) for layer in range(request.layout.num_layers))
+        for layer in range(request.layout.num_layers):
+            if self.fetcher.requests.get(slot) is not request:  # released: its pages are another's
+                return False
+            failed = self.fetcher.ensure(layer, {slot: full}, completion=True)
+            with self._lock:
+                done = self.fetcher.counters.completion_bytes
+                self.backend.stats.add("remote_completion_bytes", done - self._completion_bytes_seen)
+                self._completion_bytes_seen = done
+            if failed:
+                logger.info(
+                    "oasis: reading request slot %d's remaining blocks failed: %s", slot, failed[slot]
+                )
+                return False
+        return True
 
     def release_slot(self, slot: int) -> None:
         """The request in ``slot`` is done (SGLang freed its row, ``sglang_hooks.release_freed_rows``, or

@@ -13,6 +13,9 @@ Per request and layer, each logical block is either present in the local host ti
 - ``ensure``: before a layer's working-set loads, the blocks not yet present are read for all requests of
   the batch at once (batched per peer, at most ``MAX_BATCH_REQUESTS`` per batch); each block is read at
   most once. A failed read fails only the requests whose blocks it carried.
+- ``ensure(..., completion=True)``: with the decode radix cache on, a request's remaining blocks are read
+  in the background (``DecodeFetcher.complete_later``) so its KV is whole when it finishes and can be
+  shared; counted apart, and a failure there fails nothing (a working set needing the block reads it).
 
 A release fences the request's reads: ``release`` returns only after every read already writing into
 its local pages has finished (new ones no longer start), so a late read never lands in pages SGLang has
@@ -63,13 +66,15 @@ class FetchCounters:
     miss_bytes: int = 0  # KV blocks read later, on a working set's first use
     admission_blocks: int = 0  # (block, layer) pairs read at admission
     miss_blocks: int = 0
+    completion_bytes: int = 0  # KV blocks read in the background so a request's KV is whole at its finish
+    completion_blocks: int = 0
     cached_blocks: int = 0  # (block, layer) pairs never transferred: held by the decode radix cache
     failed_reads: int = 0
     per_request: dict[int, int] = field(default_factory=dict)  # request -> bytes read for it
 
     @property
     def total_bytes(self) -> int:
-        return self.admission_bytes + self.summary_bytes + self.miss_bytes
+        return self.admission_bytes + self.summary_bytes + self.miss_bytes + self.completion_bytes
 
 
 class RemotePartialFetcher:
@@ -199,10 +204,12 @@ class RemotePartialFetcher:
 
     # --- decode time --------------------------------------------------------------------------------
 
-    def ensure(self, layer: int, wanted: dict[int, torch.Tensor]) -> dict[int, str]:
+    def ensure(self, layer: int, wanted: dict[int, torch.Tensor], completion: bool = False) -> dict[int, str]:
         """Makes the logical blocks ``wanted[req]`` of ``layer`` present locally, reading the missing ones
         for all requests at once. Returns the requests whose reads failed (request -> message); their
-        blocks stay remote and the others' become present."""
+        blocks stay remote and the others' become present. A ``completion`` read (a request's remaining
+        blocks, read ahead of its finish: no working set waits for them) is counted apart, and its failure
+        does not fail the request (a working set that needs the block reads it again)."""
         todo: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         failed: dict[int, str] = {}
         with self._lock:
@@ -238,8 +245,14 @@ class RemotePartialFetcher:
                 if request is None:  # released meanwhile (its request finished)
                     continue
                 request.present[layers, blocks] = True
-                self.counters.miss_blocks += len(blocks)
+                if completion:
+                    self.counters.completion_blocks += len(blocks)
+                else:
+                    self.counters.miss_blocks += len(blocks)
                 self._charge(req, len(blocks) * 2 * self.block_bytes)
+            if completion:
+                self.counters.completion_bytes += nbytes
+                return failed
             self.counters.miss_bytes += nbytes
             self.counters.failed_reads += len(failed.keys() - self.failed.keys())
             for req, message in failed.items():
@@ -254,6 +267,13 @@ class RemotePartialFetcher:
             self.requests.pop(req, None)
             self.failed.pop(req, None)
             self._reads_done.wait_for(lambda: not self._reading.get(req))
+
+    def whole(self, req: int) -> bool:
+        """Whether every block of request ``req`` is in the local host tier (a request that is not remote
+        is)."""
+        with self._lock:
+            request = self.requests.get(req)
+            return request is None or bool(request.present.all())
 
     def present_blocks(self, req: int) -> int:
         """(block, layer) pairs of ``req`` held in the local host tier."""
