@@ -9,7 +9,7 @@ Modes (``--modes``, comma-separated):
 - ``eagle3``: sparse with ``--oasis-lookahead eagle3`` (the draft head shipped for SmolLM2; needs the
   whole model, so this mode ignores ``--num-layers``);
 - ``pd``: ``launch_pd`` (sparse prefill and decode servers, Mooncake on 127.0.0.1, remote partial
-  fetching); aborts go to both servers, the drain reads both. With ``--pd-faults`` it also injects
+  fetching, the decode radix cache on); aborts go to both servers, the drain reads both. With ``--pd-faults`` it also injects
   faults: about one request in ten has a prompt of ``--inject-tokens`` tokens, whose decode-time KV
   transfers the servers fail (``SGLANG_OASIS_INJECT_TRANSFER_FAILURE``), and once ``--kill-at`` of the
   requests have finished the prefill server is killed (SIGKILL to its process group) and ``launch_pd``
@@ -186,7 +186,10 @@ def run_pd(
     if args.pd_faults:
         env = {**env, "SGLANG_OASIS_INJECT_TRANSFER_FAILURE": str(args.inject_tokens),
                "SGLANG_DISAGGREGATION_WAITING_TIMEOUT": "60"}  # fmt: skip
-    with PDLaunch(mode_args("sparse", args, model), logs / "pd", env) as launch:
+    # The decode radix cache on: requests sharing a stem reuse decode-side KV, and a fetched request's
+    # remaining blocks are read in the background before its KV is shared (DecodeFetcher.complete_later).
+    pd_args = [*mode_args("sparse", args, model), "--decode-args=--disaggregation-decode-enable-radix-cache"]
+    with PDLaunch(pd_args, logs / "pd", env) as launch:
         urls = [launch.prefill.url, launch.decode.url]
         killer = PrefillKiller(launch, len(reqs), args.kill_at, excuses) if args.pd_faults else None
         outcomes = run_mix(launch.router.url, reqs, args.concurrency, abort_urls=urls,

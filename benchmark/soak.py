@@ -94,7 +94,9 @@ def workload(
             start = rng.randrange(len(corpus) - length)
             ids = (*stem, *corpus[start : start + length - len(stem)])
             max_new = rng.randint(*new_tokens)
-        made.append(SoakRequest(f"soak-{seed}-{i}", tuple(ids), max_new, stream, fate, fate_at))
+        # Fixed-width numbers: SGLang aborts every request whose rid starts with the aborted one's, so no
+        # rid may be a prefix of another (an abort of soak-25-1 also aborted soak-25-10 to -19).
+        made.append(SoakRequest(f"soak-{seed}-{i:04d}", tuple(ids), max_new, stream, fate, fate_at))
     return made
 
 

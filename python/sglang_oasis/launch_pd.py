@@ -15,8 +15,9 @@ Clients talk to the router exactly as to one SGLang server (OpenAI API, ``/gener
 the decode server dies, the launcher starts it again (same port; at most ``--max-restarts`` times each):
 requests already decoding keep going (their KV is on the decode server), requests that needed the dead
 server fail with an error, and the router sends new requests to the restarted one (it checks the
-servers' health every 5 s and retries a server it gave up on after 10 s; ``--router-args`` can set
-``--health-check-interval-secs`` and ``--cb-timeout-duration-secs`` otherwise). Ctrl-C or SIGTERM
+servers' health every 5 s, allowing 30 s for an answer, and retries a server it gave up on after 10 s;
+``--router-args`` can set ``--health-check-interval-secs``, ``--health-check-timeout-secs`` and
+``--cb-timeout-duration-secs`` otherwise). Ctrl-C or SIGTERM
 stops all three; so does the router exiting. Each process logs to ``--log-dir``.
 """
 
@@ -130,8 +131,15 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
 # The router's recovery from a restarted server, unless --router-args sets them. Its own defaults (a
 # health check every 60 s, 2 good ones to mark a worker healthy again, an open circuit tried again after
 # 60 s) refuse every request for ~2 minutes after a prefill server restarts ("No available prefill
-# workers (all circuits open or unhealthy)").
-ROUTER_RECOVERY = (("--health-check-interval-secs", "5"), ("--cb-timeout-duration-secs", "10"))
+# workers (all circuits open or unhealthy)"). SGLang's /health runs a one-token generate through the
+# scheduler, which on a CPU waits behind the prefills queued before it (seconds each): with the router's
+# 5 s timeout, three slow answers in a row under load marked a working server unhealthy and every request
+# failed with that 503 until it recovered (seen in bench_soak), so a health check may take 30 s.
+ROUTER_RECOVERY = (
+    ("--health-check-interval-secs", "5"),
+    ("--cb-timeout-duration-secs", "10"),
+    ("--health-check-timeout-secs", "30"),
+)
 
 
 def router_argv(

@@ -32,10 +32,18 @@ from sglang_oasis.memory.host_tier import (
     kv_footprint,
     model_config,
 )
-from sglang_oasis.platform.cpu.capabilities import cpu_flags, fastest_dtype, intra_op_threads, usable_cores
+from sglang_oasis.platform.cpu.capabilities import (
+    cpu_flags,
+    fastest_dtype,
+    intra_op_threads,
+    numa_nodes,
+    rank_core_binding,
+    usable_cores,
+)
 from sglang_oasis.platform.cpu.import_hook import CPU_ENGINE_ENV, install
 
 PROG = "python -m sglang_oasis.launch_server"
+CPU_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"  # SGLang's per-rank core lists, "|"-separated
 
 
 def build_oasis_parser() -> argparse.ArgumentParser:
@@ -135,6 +143,18 @@ def cpu_threads_env(sglang_argv: Sequence[str]) -> None:
     say(
         f"{threads} intra-op thread(s) per model rank: {cores} usable core(s), {ranks} rank(s) (OMP_NUM_THREADS overrides)"
     )
+
+
+def cpu_binding_env(sglang_argv: Sequence[str]) -> None:
+    """``SGLANG_CPU_OMP_THREADS_BIND`` from the usable cores when SGLang would need it (more model ranks
+    than NUMA nodes: it binds one rank per node by itself otherwise), unless set."""
+    ranks = model_ranks(sglang_argv)
+    if ranks <= numa_nodes() or CPU_BIND_ENV in os.environ:
+        return
+    cores = sorted(os.sched_getaffinity(0))[: usable_cores()]
+    os.environ[CPU_BIND_ENV] = binding = rank_core_binding(cores, ranks)
+    shared = " (ranks share cores: more ranks than cores)" if ranks > len(cores) else ""
+    say(f"{CPU_BIND_ENV}={binding}: {ranks} ranks on cores {cores}{shared} ({CPU_BIND_ENV} overrides)")
 
 
 # SGLang's options that start more than one model rank.
@@ -421,6 +441,7 @@ def prepare(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
         os.environ[CPU_ENGINE_ENV] = "1"
         if config.cpu_defaults:
             cpu_threads_env(sglang_argv)
+            cpu_binding_env(sglang_argv)
             sglang_argv += cpu_dtype_args(sglang_argv)
         install()
     if not given(sglang_argv, "--model-path"):

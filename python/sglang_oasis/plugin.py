@@ -85,9 +85,10 @@ def load() -> None:
     cpu = install_if_cpu_engine()
     register_attention_backend()
     if cpu:
-        from sglang_oasis.sglang_hooks import patch_cpu_disaggregation
+        from sglang_oasis.sglang_hooks import patch_cpu_disaggregation, register_cpu_engine
 
         patch_cpu_disaggregation()
+        register_cpu_engine()
     config = OasisConfig.from_env()
     if serves_oasis_backend(sys.argv) and not launched_by_oasis(sys.argv):
         config = started_by_sglang(sys.argv, config)

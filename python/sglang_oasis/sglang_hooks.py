@@ -108,6 +108,13 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
    anything is queued; it has no validator registry for ``custom_params``. The hook runs SGLang's
    checks, then ``request_options.check`` (a ``custom_params`` that is not a JSON object, unknown
    ``oasis_*`` keys, bad types and ranges, PD), raising its ``ValueError`` naming the key.
+13. ``parallel_state.init_model_parallel_group`` (CPU engine, every mode; ``register_cpu_engine``): with
+   ``--tp-size`` above 1 SGLang builds each model-parallel group with a PyNccl communicator unless the
+   platform is an out-of-tree one that declares no NCCL; the CPU platform is in-tree, so on a CPU engine
+   whose torch is a CUDA build (ours: NCCL's library loads) every rank died in ``PyNcclCommunicator``
+   ("Expected a cuda device, but got: cpu"). The hook passes ``use_pynccl=False`` on the CPU engine; the
+   groups all-reduce CPU tensors over their gloo process group (or SGLang's shared-memory all-reduce
+   where its CPU kernels have it), which is what SGLang's CPU path does once NCCL is out of the way.
 """
 
 from __future__ import annotations
@@ -164,6 +171,7 @@ BACKUP_TARGET = "sglang.srt.mem_cache.common.backup_kv_cache"
 RELEASE_TARGET = "sglang.srt.managers.schedule_batch.release_req"
 FORWARD_BATCH_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
 STREAMER_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class"
+PARALLEL_GROUP_TARGET = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 VERIFY_PARAMS_TARGET = "sglang.srt.sampling.sampling_params.SamplingParams.verify"
 FIGURES_KEY = "oasis"  # meta_info key of a request's own figures (hook 10)
 BEFORE_BACKUP_LISTENER = "oasis_before_backup"  # attribute of a req-to-token pool: row -> KV whole locally?
@@ -689,6 +697,19 @@ def register(config: OasisConfig) -> None:
     HookRegistry.register(
         VERIFY_PARAMS_TARGET, functools.partial(check_request_options, config), HookType.AROUND
     )
+
+
+def without_nccl(original: Callable[..., object], *args: Any, **kwargs: Any) -> object:
+    """AROUND hook 13 (CPU engine): every model-parallel group is built without a PyNccl communicator."""
+    kwargs["use_pynccl"] = False
+    return original(*args, **kwargs)
+
+
+def register_cpu_engine() -> None:
+    """Hook 13, in every mode (call only on the CPU engine)."""
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    HookRegistry.register(PARALLEL_GROUP_TARGET, without_nccl, HookType.AROUND)
 
 
 def patch_cpu_disaggregation() -> None:

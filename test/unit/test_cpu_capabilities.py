@@ -10,7 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from sglang_oasis.launch_server import cpu_dtype_args, cpu_threads_env, model_ranks, option_value
+from sglang_oasis.launch_server import (
+    CPU_BIND_ENV,
+    cpu_binding_env,
+    cpu_dtype_args,
+    cpu_threads_env,
+    model_ranks,
+    option_value,
+)
 from sglang_oasis.memory.host_tier import kv_footprint
 from sglang_oasis.platform.cpu import capabilities
 from sglang_oasis.platform.cpu.capabilities import (
@@ -114,3 +121,42 @@ def test_the_host_tier_is_sized_in_the_chosen_dtype(tiny_qwen3_dir: Path) -> Non
     assert f"at {footprint.bytes_per_token} KV bytes per token" in result.stderr
     assert f"dtype {dtype}: " in result.stderr
     assert threads == str(intra_op_threads(capabilities.usable_cores()))
+
+
+def test_ranks_are_bound_to_shares_of_the_usable_cores() -> None:
+    """SGLang's ``SGLANG_CPU_OMP_THREADS_BIND`` (one core list per rank, ``|``-separated): equal shares of
+    consecutive cores; with more ranks than cores, one core each in turn, so ranks share a core."""
+    assert capabilities.rank_core_binding([0, 1], 3) == "0|1|0"
+    assert capabilities.rank_core_binding([0, 1], 2) == "0|1"
+    assert capabilities.rank_core_binding(list(range(16)), 2) == "0-7|8-15"
+    assert capabilities.rank_core_binding(list(range(16)), 3) == "0-4|5-9|10-14"
+    assert capabilities.rank_core_binding([0, 2, 4, 6], 2) == "0,2|4,6"
+    with pytest.raises(ValueError, match="no cores"):
+        capabilities.rank_core_binding([], 2)
+
+
+def test_numa_nodes_are_counted_from_sysfs(tmp_path: Path) -> None:
+    for name in ("node0", "node1", "possible", "has_cpu"):
+        (tmp_path / name).mkdir()
+    assert capabilities.numa_nodes(tmp_path) == 2
+    assert capabilities.numa_nodes(tmp_path / "absent") == 1
+
+
+def test_ranks_are_bound_only_when_they_outnumber_the_numa_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """More ranks than NUMA nodes: SGLang refuses to start without a binding, so the launcher makes one
+    (unless one is set); up to one rank per node SGLang binds each rank to its node itself."""
+    monkeypatch.setattr("sglang_oasis.launch_server.usable_cores", lambda: 2)
+    monkeypatch.setattr("sglang_oasis.launch_server.numa_nodes", lambda: 1)
+    monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.delenv(CPU_BIND_ENV, raising=False)
+    cpu_binding_env([])
+    assert CPU_BIND_ENV not in os.environ
+    cpu_binding_env(["--tp-size", "3"])
+    assert os.environ[CPU_BIND_ENV] == "0|1|0"
+    monkeypatch.setenv(CPU_BIND_ENV, "1|1|1")
+    cpu_binding_env(["--tp-size", "3"])
+    assert os.environ[CPU_BIND_ENV] == "1|1|1"
+    monkeypatch.delenv(CPU_BIND_ENV)
+    monkeypatch.setattr("sglang_oasis.launch_server.numa_nodes", lambda: 2)
+    cpu_binding_env(["--tp-size", "2"])
+    assert CPU_BIND_ENV not in os.environ

@@ -551,3 +551,18 @@ def test_register_checks_request_options_in_sparse_mode(monkeypatch: pytest.Monk
     registered.clear()
     hooks.register(OasisConfig(mode="dense"))
     assert hooks.VERIFY_PARAMS_TARGET not in registered
+
+
+def test_hook_13_without_nccl() -> None:
+    """On the CPU engine every model-parallel group is built without PyNccl: SGLang builds one whenever
+    ``use_pynccl`` is true, and defaults it to true for its in-tree CPU platform (the test fails when
+    SGLang stops doing either, and the hook may go)."""
+    from sglang.srt.distributed import parallel_state
+
+    assert_params(hooks.PARALLEL_GROUP_TARGET, ["group_ranks", "local_rank", "backend", "use_pynccl"])
+    assert "use_pynccl = not (_is_npu or _is_xpu" in source_of(parallel_state.init_model_parallel_group)
+    assert "if use_pynccl and self.world_size > 1:" in source_of(parallel_state.GroupCoordinator.__init__)
+    seen: list[dict[str, Any]] = []
+    hooks.without_nccl(lambda *a, **k: seen.append(k), [[0, 1]], 0, "gloo", use_pynccl=True, group_name="tp")
+    hooks.without_nccl(lambda *a, **k: seen.append(k), [[0, 1]], 0, "gloo")
+    assert seen == [{"use_pynccl": False, "group_name": "tp"}, {"use_pynccl": False}]

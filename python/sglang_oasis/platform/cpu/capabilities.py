@@ -79,3 +79,33 @@ def usable_cores() -> int:
 def intra_op_threads(cores: int, ranks: int = 1) -> int:
     """OpenMP threads per model rank: every usable core, shared evenly between the ranks."""
     return max(1, cores // max(1, ranks))
+
+
+def numa_nodes(root: Path = Path("/sys/devices/system/node")) -> int:
+    """NUMA nodes of this machine (1 when it cannot be read)."""
+    try:
+        return max(
+            1,
+            sum(1 for entry in root.iterdir() if entry.name[4:].isdigit() and entry.name.startswith("node")),
+        )
+    except OSError:
+        return 1
+
+
+def rank_core_binding(cores: list[int], ranks: int) -> str:
+    """SGLang's ``SGLANG_CPU_OMP_THREADS_BIND`` for ``ranks`` model ranks on these cores: consecutive
+    equal shares (``"0-7|8-15"``); with more ranks than cores, one core each, taken in turn, so ranks
+    share a core (2 cores, 3 ranks: ``"0|1|0"``)."""
+    if not cores or ranks < 1:
+        raise ValueError(f"no cores ({cores}) or no ranks ({ranks}) to bind")
+    per_rank = max(1, len(cores) // ranks)
+    shares = []
+    for rank in range(ranks):
+        start = (rank * per_rank) % len(cores)
+        share = cores[start : start + per_rank]
+        contiguous = share == list(range(share[0], share[0] + len(share)))
+        if len(share) == 1:
+            shares.append(str(share[0]))
+        else:
+            shares.append(f"{share[0]}-{share[-1]}" if contiguous else ",".join(map(str, share)))
+    return "|".join(shares)
