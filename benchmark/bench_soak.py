@@ -354,10 +354,14 @@ def main() -> None:
     for mode in modes:
         result = results[mode]
         held = result.get("held_after_drain", {})
-        rows.append([mode, *(result.get(c, "-") for c in columns), sum(held.get(n, 0) for n in HELD)])
+        leaks = sum(held.get(n, 0) for n in HELD if n != "held_kept_retractions")
+        rows.append(
+            [mode, *(result.get(c, "-") for c in columns), leaks, held.get("held_kept_retractions", "-")]
+        )
         if failures(result):
             bad[mode] = failures(result)
-    print_table(["mode", *columns, "held"], rows)
+    # kept: retraction states of requests aborted while retracted (bounded, evicted oldest first)
+    print_table(["mode", *columns, "held", "kept"], rows)
     for mode, problems in bad.items():
         print(f"{mode}: {'; '.join(problems)}")
     sys.exit(1 if bad else 0)

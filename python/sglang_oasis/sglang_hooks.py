@@ -597,7 +597,10 @@ def _keep_retracted(req_to_token_pool: ReqToTokenPool, req: Req, backed_up: bool
     row = getattr(getattr(req, "kv", None), "req_pool_idx", None)
     if keep is None or row is None:
         return
-    key = f"{req.rid}#{uuid.uuid4().hex[:16]}"  # this request object's, not its (client-chosen) rid
+    # This request object's key, not its (client-chosen) rid; the same at every retraction of it: one
+    # retracted again before it took a step (SGLang resumed it and retracted it at once) still finds
+    # the state its first retraction kept.
+    key = getattr(req, RETRACTION_KEY, None) or f"{req.rid}#{uuid.uuid4().hex[:16]}"
     setattr(req, RETRACTION_KEY, key)
     try:
         keep(int(row), key, len(req.origin_input_ids) + len(req.output_ids), backed_up)

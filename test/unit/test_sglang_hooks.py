@@ -414,6 +414,13 @@ def test_hook_7_complete_before_backup() -> None:
     assert hooks.complete_before_backup(backup, request, None, pool, None, "cpu_tensor") is True
     key = getattr(request, hooks.RETRACTION_KEY)  # stamped on the request object: its rid, made unique
     assert key.startswith("r#") and kept == [(3, key, 4, True)], kept
+    # Retracted again (SGLang resumed it and retracted it before a step): the same key, so the state its
+    # first retraction kept is found (before, a new key orphaned it and the resume started afresh).
+    assert hooks.complete_before_backup(backup, request, None, pool, None, "cpu_tensor") is True
+    assert kept[1] == (3, key, 4, True)
+    other = NS(kv=NS(req_pool_idx=3), rid="r", origin_input_ids=[1, 2, 3], output_ids=[4])
+    hooks.complete_before_backup(backup, other, None, pool, None, "cpu_tensor")
+    assert getattr(other, hooks.RETRACTION_KEY) != key  # another request object with the same rid
 
 
 def test_hook_8_keep_before_release() -> None:

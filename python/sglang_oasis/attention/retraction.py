@@ -130,11 +130,12 @@ class Retractions:
         generation = int(self.req_pool.req_generation[req])
         if not self.slots.holds(req, generation):
             # Retracted before its first step here: it holds no slot yet, but may hold a hand-off.
+            # Or retracted again before its resume took a step: what its last retraction kept stays.
             arrival = self.pd.remote.take_arrival(req, generation) if self.pd.remote else None
             if arrival is not None:
                 self._remember(key, arrival)
-            logger.info("oasis: retracted request %s before its first step here (hand-off kept: %s)", key,
-                        arrival is not None)  # fmt: skip
+            logger.info("oasis: retracted request %s before its first step here (kept: %s)", key,
+                        arrival is not None or key in self._saved)  # fmt: skip
             return
         self.selector.finish_pending()  # its working sets as the next step would find them
         slot = self.tier.slot(req)
