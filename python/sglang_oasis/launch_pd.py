@@ -15,9 +15,10 @@ Clients talk to the router exactly as to one SGLang server (OpenAI API, ``/gener
 the decode server dies, the launcher starts it again (same port; at most ``--max-restarts`` times each):
 requests already decoding keep going (their KV is on the decode server), requests that needed the dead
 server fail with an error, and the router sends new requests to the restarted one (it checks the
-servers' health every 5 s, allowing 30 s for an answer, and retries a server it gave up on after 10 s;
-``--router-args`` can set ``--health-check-interval-secs``, ``--health-check-timeout-secs`` and
-``--cb-timeout-duration-secs`` otherwise). Ctrl-C or SIGTERM
+servers' health every 5 s, allowing 30 s for an answer, and takes a server back after two good answers;
+its circuit breaker is off, so requests that fail alone do not stop the others; ``--router-args`` can
+set ``--health-check-interval-secs``, ``--health-check-timeout-secs`` and the ``--cb-*`` options
+otherwise). Ctrl-C or SIGTERM
 stops all three; so does the router exiting. Each process logs to ``--log-dir``.
 """
 
@@ -142,6 +143,18 @@ ROUTER_RECOVERY = (
 )
 
 
+# The router's circuit breaker is off unless --router-args configures it: with one server of each role it
+# has no other worker to send to, so it only turns failures of single requests (a failed KV transfer, a
+# request aborted mid-transfer: each fails alone, with its 500) into an outage of every request. Ten in
+# its two-minute window opened it, and every request then failed with 503 "No available prefill workers
+# (all circuits open or unhealthy)" until a trial request succeeded (seen in bench_soak --pd-faults).
+# A dead server is still taken out (and back) by the health checks.
+CIRCUIT_BREAKER_OPTIONS = (
+    "--disable-circuit-breaker", "--cb-failure-threshold", "--cb-success-threshold", "--cb-timeout-duration-secs",
+    "--cb-window-duration-secs",
+)  # fmt: skip
+
+
 def router_argv(
     prefill_url: str, bootstrap: int, decode_url: str, metrics_port: int, extra: str
 ) -> list[str]:
@@ -150,6 +163,8 @@ def router_argv(
     recovery = [
         word for option, value in ROUTER_RECOVERY if not given(user, option) for word in (option, value)
     ]
+    if not any(given(user, option) for option in CIRCUIT_BREAKER_OPTIONS):
+        recovery.append("--disable-circuit-breaker")
     return ["--pd-disaggregation", "--prefill", prefill_url, str(bootstrap), "--decode", decode_url,
             "--prometheus-host", "127.0.0.1", "--prometheus-port", str(metrics_port), *recovery, *user]  # fmt: skip
 

@@ -25,6 +25,15 @@ def test_the_router_takes_a_restarted_server_back_within_seconds_unless_told_oth
     own = launch_pd.router_argv("http://p", 7000, "http://d", 9000, "--health-check-interval-secs=30")
     assert "--health-check-interval-secs" not in own and own[-1] == "--health-check-interval-secs=30"
     assert own[own.index("--cb-timeout-duration-secs") + 1] == "10"
+    assert argv[argv.index("--health-check-timeout-secs") + 1] == "30"
+
+
+def test_the_router_circuit_breaker_is_off_unless_configured() -> None:
+    """One server of each role: the breaker has nowhere else to send, so requests failing alone would
+    open it and fail every request with 503; a dead server is still left out by the health checks."""
+    assert "--disable-circuit-breaker" in launch_pd.router_argv("http://p", 7000, "http://d", 9000, "")
+    own = launch_pd.router_argv("http://p", 7000, "http://d", 9000, "--cb-failure-threshold 50")
+    assert "--disable-circuit-breaker" not in own and own[-2:] == ["--cb-failure-threshold", "50"]
 
 
 @pytest.mark.parametrize("option", ["--disaggregation-mode", "--disaggregation-bootstrap-port"])
