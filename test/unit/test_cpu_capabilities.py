@@ -90,7 +90,8 @@ def test_dtype_is_chosen_only_when_not_given(monkeypatch: pytest.MonkeyPatch) ->
 
 def test_threads_are_chosen_only_when_not_set(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr("sglang_oasis.launch_server.usable_cores", lambda: 2)
-    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setenv("OMP_NUM_THREADS", "unset")  # restored as it was after the test (see below)
+    monkeypatch.delenv("OMP_NUM_THREADS")
     cpu_threads_env(["--tp-size", "2"])
     assert os.environ["OMP_NUM_THREADS"] == "1"
     monkeypatch.delenv("OMP_NUM_THREADS")
@@ -148,7 +149,11 @@ def test_ranks_are_bound_only_when_they_outnumber_the_numa_nodes(monkeypatch: py
     monkeypatch.setattr("sglang_oasis.launch_server.usable_cores", lambda: 2)
     monkeypatch.setattr("sglang_oasis.launch_server.numa_nodes", lambda: 1)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
-    monkeypatch.delenv(CPU_BIND_ENV, raising=False)
+    # setenv first: monkeypatch then restores the variable as it was (absent) after the test, also after
+    # cpu_binding_env set it (a delenv of an absent variable records nothing, and the binding leaked into
+    # the servers later tests start)
+    monkeypatch.setenv(CPU_BIND_ENV, "unset")
+    monkeypatch.delenv(CPU_BIND_ENV)
     cpu_binding_env([])
     assert CPU_BIND_ENV not in os.environ
     cpu_binding_env(["--tp-size", "3"])
