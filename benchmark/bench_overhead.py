@@ -40,7 +40,7 @@ to; with K covering every block it is expected to be 0.
 
     python benchmark/bench_overhead.py --json overhead.json [--num-layers N] [--context-tokens 1024]
         [--output-tokens 64] [--repeats 3] [--sparse-top-k 16] [--block-size 16] [--dtype float32]
-        [--recall-sample-every N]
+        [--recall-sample-every N] [--tp-size N]
 
 With ``--recall-sample-every N`` a fifth server, ``sparse_k_sparse_recall``, is ``sparse_k_sparse`` with
 the recall telemetry on (``--oasis-recall-sample-every N``); ``recall_cost_ratio`` = its TPOT over
@@ -262,6 +262,7 @@ def main() -> int:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--modes", default=",".join(MODES), help="the modes to run (dense always runs)")
     parser.add_argument("--dtype", default="float32", help="SGLang --dtype of every server")
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks of every server")
     args = parser.parse_args()
     if args.output_tokens < 2 or args.repeats < 1:
         parser.error("--output-tokens must be >= 2 and --repeats >= 1")
@@ -281,7 +282,7 @@ def main() -> int:
             "repeats": args.repeats, "num_layers": args.num_layers or 30, "top_k": top_k,
             "block_size": args.block_size, "fetch_ratio": 1.0, "sparse_top_k": args.sparse_top_k,
             "sparse_fetch_ratio": OasisConfig().fetch_ratio, "context_full_blocks": full_blocks,
-            "batch": 1, "dtype": args.dtype, "model": str(model),
+            "batch": 1, "dtype": args.dtype, "model": str(model), "tp_size": args.tp_size,
         },
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
@@ -308,6 +309,8 @@ def main() -> int:
             args.dtype,
             args.recall_sample_every,
         )
+        if args.tp_size > 1:  # every server, dense too: ratios at the same tensor parallelism
+            argv += ["--tp-size", str(args.tp_size)]
         try:
             with ServerProcess(argv, log_path=logs / f"{mode}.log") as server:
                 results[mode] = measure(server, prompt, args.output_tokens, args.repeats)

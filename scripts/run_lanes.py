@@ -47,6 +47,7 @@ UNIT_LANE = (
     "test_pd_retraction.py",
     "test_captured_step.py",
     "test_tensor_parallel.py",
+    "test_sparse_tensor_parallel.py",
 )
 # The servers lane's modules with the most servers at once, last (in this order); the rest before them.
 SERVERS_LANE_LAST = (

@@ -27,7 +27,8 @@ def add_oasis_routes(stats: OasisStats) -> None:
     config = OasisConfig.from_env() or OasisConfig()
 
     async def oasis_stats() -> ORJSONResponse:
-        """sglang-oasis counters and gauges (see sglang_oasis/stats.py for their meaning)."""
+        """sglang-oasis counters and gauges (see sglang_oasis/stats.py for their meaning): every rank's
+        together, and under tensor parallelism each rank's in ``ranks``."""
         values = stats.snapshot()
         steps = max(1, values["decode_steps"])
         per_step = {
@@ -36,8 +37,9 @@ def add_oasis_routes(stats: OasisStats) -> None:
                          "blocks_just_filled", "foreground_wait_us")
         }  # fmt: skip
         per_step["bytes_host_to_device"] = per_step.pop("decode_bytes_host_to_device")
-        return ORJSONResponse(
-            {"mode": config.mode, **counters_and_gauges(values), "per_decode_step": per_step}
-        )
+        report = {"mode": config.mode, **counters_and_gauges(values), "per_decode_step": per_step}
+        if stats.ranks > 1:  # tensor parallelism: each rank's own (its KV heads), by rank
+            report["ranks"] = [counters_and_gauges(rank) for rank in stats.rank_snapshots()]
+        return ORJSONResponse(report)
 
     app.add_api_route("/oasis/stats", oasis_stats, methods=["GET"])

@@ -157,10 +157,9 @@ def cpu_binding_env(sglang_argv: Sequence[str]) -> None:
     say(f"{CPU_BIND_ENV}={binding}: {ranks} ranks on cores {cores}{shared} ({CPU_BIND_ENV} overrides)")
 
 
-# SGLang's options that start more than one model rank.
-PARALLEL_OPTIONS = (
-    "--tp-size", "--tensor-parallel-size", "--tp", "--dp-size", "--data-parallel-size", "--dp", "--pp-size",
-    "--pipeline-parallel-size",
+# SGLang's options that start more than one model rank: sparse mode serves tensor parallelism only.
+UNSERVED_PARALLEL_OPTIONS = (
+    "--dp-size", "--data-parallel-size", "--dp", "--pp-size", "--pipeline-parallel-size",
 )  # fmt: skip
 
 
@@ -179,13 +178,14 @@ def sparse_mode_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[st
         )
     if backend is None:
         extra += ["--attention-backend", "oasis"]
-    for option in PARALLEL_OPTIONS:  # more ranks need per-rank selection, agreed failures, per-rank stats
+    for option in UNSERVED_PARALLEL_OPTIONS:
         value = option_value(sglang_argv, option)
         if value is not None and value.isdigit() and int(value) > 1:
             raise LaunchError(
-                f"{option} {value}: sparse mode runs one model rank for now (each rank would select for its "
-                "own KV heads and the ranks would have to agree on failed requests; not built); serve it "
-                "with --oasis-mode dense"
+                f"{option} {value}: sparse mode runs one engine replica with all layers per rank (data "
+                "parallelism would need a device tier, a counters block and Mooncake identities per replica, "
+                "pipeline parallelism a selection split across stages; neither is built, docs/design.md); "
+                "use --tp-size, or serve it with --oasis-mode dense"
             )
     if given(sglang_argv, "--enable-mixed-chunk"):  # decode rows would go through the extend path
         raise LaunchError(
@@ -541,7 +541,7 @@ def main(argv: Sequence[str] | None = None) -> None:
 
     load_plugins()  # registers the oasis attention backend and its CLI choice
     server_args = prepare_server_args(sglang_argv)
-    stats = OasisStats.create(server_args.port)
+    stats = OasisStats.create(server_args.port, ranks=server_args.tp_size)
     add_oasis_routes(stats)
     if option_value(sglang_argv, "--disaggregation-mode") in (None, "null"):  # launch_pd announces its router
         announce_when_ready(client_url(server_args.host, server_args.port), config.mode)

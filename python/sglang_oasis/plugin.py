@@ -65,7 +65,8 @@ def started_by_sglang(argv: Sequence[str], config: OasisConfig | None) -> OasisC
         from sglang_oasis.stats import OasisStats
 
         port = next((argv[i + 1] for i, word in enumerate(argv[:-1]) if word == "--port"), "30000")
-        stats = OasisStats.create(int(port))
+        tp = next((argv[i + 1] for i, word in enumerate(argv[:-1]) if word in TP_OPTIONS), "1")
+        stats = OasisStats.create(int(port), ranks=int(tp) if tp.isdigit() else 1)
         _kept.append(stats)
         add_oasis_routes(stats)
         logger.warning(
@@ -76,6 +77,7 @@ def started_by_sglang(argv: Sequence[str], config: OasisConfig | None) -> OasisC
     return config
 
 
+TP_OPTIONS = ("--tp-size", "--tensor-parallel-size", "--tp")
 _kept: list[object] = []  # the counters' block this process owns (kept open while it serves)
 
 

@@ -123,6 +123,7 @@ import functools
 import logging
 import uuid
 from collections.abc import Callable
+from dataclasses import astuple
 from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from sglang_oasis.attention.request_options import NotedRequest, check, note_requests
@@ -146,6 +147,7 @@ if TYPE_CHECKING:  # SGLang's own types, for mypy (the hooks are checked against
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.speculative.draft_utils import DraftBackendFactory
 
+    from sglang_oasis.attention.request_ledger import RequestFigures
     from sglang_oasis.disaggregation.pd_partial import DecodeFetcher, PrefillStager
 
 DRAFT_EXTEND_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend"
@@ -240,11 +242,12 @@ def cap_prefix_match(
 def abort_failed_transfers(
     original: Callable[..., Any], scheduler: Scheduler, batch: ScheduleBatch, *args: Any, **kwargs: Any
 ) -> None:
-    """AROUND hook: abort the in-flight requests whose working-set transfers failed, then process the
-    batch's result as usual."""
+    """AROUND hook: abort the in-flight requests whose working-set transfers failed (on any tensor-parallel
+    rank: ``agree_on_failures``), then process the batch's result as usual."""
     backend = getattr(getattr(scheduler.tp_worker, "model_runner", None), "attn_backend", None)
     failures = getattr(backend, "failures", None)  # attention/transfer_failures.py
-    if failures:
+    ranks = int(getattr(scheduler, "tp_size", 1))
+    if failures is not None and (failures or ranks > 1):
         from http import HTTPStatus
 
         from sglang.srt.managers.schedule_batch import FINISH_ABORT
@@ -252,16 +255,47 @@ def abort_failed_transfers(
         # SGLang declares the scheduler's pool ``object`` (mem_cache/kv_cache_builder.py); it is this one
         generations = cast("ReqToTokenPool", scheduler.req_to_token_pool).req_generation
         # With the overlap scheduler the failing request may belong to the batch before this one.
-        inflight = {id(req): req for req in [*scheduler.collect_inflight_reqs(), *getattr(batch, "reqs", [])]}
-        for req in inflight.values():
+        # Sorted by rid: every rank then lists them in the same order (SGLang collects them in a set).
+        found = {id(req): req for req in [*scheduler.collect_inflight_reqs(), *getattr(batch, "reqs", [])]}
+        inflight = sorted(found.values(), key=lambda req: str(req.rid))
+        messages: list[str | None] = []
+        for req in inflight:
             slot = req.kv.req_pool_idx
-            if slot is None or req.finished() or req.to_finish is not None:
+            live = slot is not None and not req.finished() and req.to_finish is None
+            messages.append(failures.take(int(slot), int(generations[slot])) if live else None)
+        failed_on = (
+            agree_on_failures(scheduler, messages) if ranks > 1 else [int(m is not None) for m in messages]
+        )
+        for req, message, on in zip(inflight, messages, failed_on, strict=True):
+            if not on or req.finished() or req.to_finish is not None:
                 continue
-            message = failures.take(int(slot), int(generations[slot]))
-            if message is not None:
-                req.skip_radix_cache_insert = True  # its KV may be incomplete: never share it
-                req.to_finish = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
+            if message is None:  # it failed on other ranks only: one error, the same on every rank
+                names = ", ".join(str(rank) for rank in range(ranks) if on >> rank & 1)
+                message = f"oasis: a block transfer failed on tensor-parallel rank {names}"
+            req.skip_radix_cache_insert = True  # its KV may be incomplete: never share it
+            req.to_finish = FINISH_ABORT(message, HTTPStatus.INTERNAL_SERVER_ERROR, "InternalServerError")
     return original(scheduler, batch, *args, **kwargs)
+
+
+def agree_on_failures(scheduler: Scheduler, messages: list[str | None]) -> list[int]:
+    """Under tensor parallelism, which ranks failed each in-flight request (a bit per rank): one small
+    all-reduce over the ranks' CPU group per batch result, so every rank aborts the same requests at the
+    same step (a rank that went on decoding a request another dropped would desynchronise the ranks'
+    batches). Every rank lists the same in-flight requests (the schedulers decide alike) in rid order."""
+    import torch
+    import torch.distributed as dist
+
+    bit = 1 << dist.get_rank(group=scheduler.tp_cpu_group)
+    flags = torch.tensor([bit if message is not None else 0 for message in messages], dtype=torch.int64)
+    count = torch.tensor([len(messages)], dtype=torch.int64)  # the same on every rank, or a bug: say so
+    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=scheduler.tp_cpu_group)
+    if int(count) != len(messages):
+        logger.error(
+            "oasis: tensor-parallel ranks list %d and %d in-flight requests", int(count), len(messages)
+        )
+        flags = torch.cat([flags, flags.new_zeros(int(count) - len(messages))])
+    dist.all_reduce(flags, group=scheduler.tp_cpu_group)
+    return flags[: len(messages)].tolist()
 
 
 def _backend(scheduler: Scheduler) -> AttentionBackend | None:
@@ -627,7 +661,8 @@ def report_request_figures(
     original: Callable[..., Any], scheduler: Scheduler, *args: Any, **kwargs: Any
 ) -> type[SchedulerOutputStreamer]:
     """``Scheduler.get_output_streamer_class`` (hook 10): SGLang's output streamer class, extended to
-    send each finished request's figures (``RequestLedger.take``) with its last output."""
+    send each finished request's figures (``RequestLedger.take_figures``; under tensor parallelism summed
+    over the ranks, ``sum_over_ranks``) with its last output."""
     base = original(scheduler, *args, **kwargs)
     if getattr(scheduler, "rust_server", None) is not None:
         return base  # the Rust egress takes no additional fields (SGLang refuses them at start-up)
@@ -636,11 +671,13 @@ def report_request_figures(
         streamer: SchedulerOutputStreamer, reqs: list[Req]
     ) -> dict[str, list]:
         ledger = getattr(getattr(_backend(scheduler), "stats", None), "requests", None)
-        values: list[list[dict[str, Any]]] = []
-        for req in reqs:
-            figures = ledger.take(str(req.rid)) if ledger is not None and req.finished() else None
-            values.append([] if figures is None else [figures])
-        return {FIGURES_KEY: values}
+        figures = [
+            ledger.take_figures(str(req.rid)) if ledger is not None and req.finished() else None
+            for req in reqs
+        ]
+        if int(getattr(scheduler, "tp_size", 1)) > 1 and any(req.finished() for req in reqs):
+            figures = sum_over_ranks(scheduler, figures)
+        return {FIGURES_KEY: [[] if entry is None else [entry.report()] for entry in figures]}
 
     namespace = {
         "__slots__": (),
@@ -648,6 +685,34 @@ def report_request_figures(
         "build_additional_customized_info": build_additional_customized_info,
     }
     return type("OasisOutputStreamer", (base,), namespace)
+
+
+def sum_over_ranks(scheduler: Scheduler, figures: list[RequestFigures | None]) -> list[RequestFigures | None]:
+    """Each request's figures summed over the tensor-parallel ranks (each rank loads its own KV heads'
+    blocks): one all-reduce over the ranks' CPU group, which every rank's streamer makes for the same
+    finished requests at the same step. A request with figures on no rank stays None."""
+    import torch
+    import torch.distributed as dist
+
+    from sglang_oasis.attention.request_ledger import RequestFigures
+
+    width = len(astuple(RequestFigures()))
+    rows = torch.tensor(
+        [[1.0, *astuple(entry)] if entry is not None else [0.0] * (width + 1) for entry in figures],
+        dtype=torch.float64,
+    ).reshape(len(figures), width + 1)
+    dist.all_reduce(rows, group=scheduler.tp_cpu_group)
+    out: list[RequestFigures | None] = []
+    for entry, row in zip(figures, rows.tolist(), strict=True):
+        if row[0] == 0:
+            out.append(None)
+            continue
+        summed = RequestFigures(
+            *(type(v)(x) for v, x in zip(astuple(RequestFigures()), row[1:], strict=True))
+        )
+        summed.decode_steps = entry.decode_steps if entry is not None else round(row[1] / row[0])
+        out.append(summed)
+    return out
 
 
 def check_request_options(

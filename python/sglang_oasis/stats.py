@@ -1,13 +1,17 @@
-"""sglang-oasis counters, shared between SGLang's scheduler process (which counts) and the HTTP process
+"""sglang-oasis counters, shared between SGLang's scheduler processes (which count) and the HTTP process
 (which serves ``GET /oasis/stats`` and Prometheus metrics).
 
 The counters live in a small POSIX shared-memory block named after the server's port; the launcher
-creates it before SGLang starts (and removes it at exit), the attention backend attaches to it.
+creates it before SGLang starts (and removes it at exit), the attention backend attaches to it. Under
+tensor parallelism every rank's scheduler counts in its own row of the block (its KV heads' blocks and
+bytes); ``snapshot`` aggregates the rows (``aggregate``: bytes and blocks summed, what every rank counts
+alike taken once) and ``rank_snapshots`` gives each row.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 from collections.abc import Sequence
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -15,6 +19,8 @@ from typing import Any
 import numpy as np
 
 from sglang_oasis.attention.request_ledger import RequestLedger
+
+logger = logging.getLogger(__name__)
 
 # name -> help. Counters only grow; gauges are current values.
 COUNTERS = {
@@ -128,6 +134,51 @@ GAUGES = {
 MAX_RECALL_LAYERS = 256
 LAYER_FIELDS = tuple(f"recall_layer_ppm_{layer}" for layer in range(MAX_RECALL_LAYERS))
 FIELDS = (*COUNTERS, *GAUGES, *LAYER_FIELDS)
+# How ``snapshot`` folds the ranks' rows (tensor parallelism: each rank holds its own KV heads). Summed
+# unless named here: every rank counts these alike (requests, steps, (request, layer) selections: taken
+# once, the largest), the slowest rank's time, the tokens every rank's host tier holds alike, the running
+# cap (the smallest), and recall figures (the mean over the ranks that sampled, the lowest p10).
+ONCE_PER_SERVER = frozenset({
+    "requests", "arrived_requests", "retracted_requests", "resumed_requests", "resumed_kv_tokens", "decode_steps",
+    "captured_decode_passes", "selections", "window_selections", "scored_selections", "warm_starts",
+    "staged_requests", "remote_requests", "staging_whole_sends", "staging_unknown_decoder_sends",
+    "remote_whole_requests", "remote_unshared_finishes", "remote_failed_reads", "foreground_wait_us",
+    "stage_select_us", "stage_transfer_us", "host_tokens_used", "host_tokens_capacity", "running_requests",
+})  # fmt: skip
+SMALLEST = frozenset({"device_request_slots", "recall_p10_ppm"})
+MEAN_OF_SAMPLED = frozenset({"recall_mean_ppm", "lookahead_agreement_ppm", *LAYER_FIELDS})
+
+
+def aggregate(rows: np.ndarray) -> dict[str, int]:
+    """One value per field from ``[ranks, FIELDS]`` rows (see ``ONCE_PER_SERVER``). A recall gauge is 0
+    where a rank never sampled (a layer field: 0, else its mean + 1): those ranks are left out."""
+    out: dict[str, int] = {}
+    for i, name in enumerate(FIELDS):
+        column = rows[:, i]
+        if name in ONCE_PER_SERVER:
+            out[name] = int(column.max())
+        elif name in SMALLEST:
+            sampled = column[column > 0] if name == "recall_p10_ppm" else column
+            out[name] = int(sampled.min()) if len(sampled) else 0
+        elif name in MEAN_OF_SAMPLED:
+            sampled = column[column > 0]
+            if name in LAYER_FIELDS:  # mean + 1
+                out[name] = 1 + round(float((sampled - 1).mean())) if len(sampled) else 0
+            else:
+                out[name] = round(float(sampled.mean())) if len(sampled) else 0
+        else:
+            out[name] = int(column.sum())
+    return out
+
+
+def tensor_parallel_rank() -> int:
+    """This process's tensor-parallel rank (SGLang's runtime context; 0 where none is published)."""
+    from sglang.srt.runtime_context import get_parallel
+
+    try:
+        return int(get_parallel().tp_rank)
+    except (RuntimeError, ValueError, AttributeError):
+        return 0
 
 
 def shm_name(port: int) -> str:
@@ -135,33 +186,48 @@ def shm_name(port: int) -> str:
 
 
 class OasisStats:
-    """Named int64 counters over a shared-memory block (or process-local memory when ``name`` is None),
-    and ``requests``: each running request's own figures (process-local, ``attention/request_ledger.py``)."""
+    """Named int64 counters over a shared-memory block (or process-local memory when ``shm`` is None),
+    and ``requests``: each running request's own figures (process-local, ``attention/request_ledger.py``).
 
-    def __init__(self, shm: shared_memory.SharedMemory | None, owner: bool) -> None:
+    The block holds the number of ranks, then one row of ``FIELDS`` per tensor-parallel rank; this
+    object writes row ``rank``."""
+
+    def __init__(
+        self, shm: shared_memory.SharedMemory | None, owner: bool, rank: int = 0, ranks: int = 1
+    ) -> None:
         self._shm = shm
         self._owner = owner
-        buffer = shm.buf if shm is not None else bytearray(8 * len(FIELDS))
-        self._values = np.ndarray((len(FIELDS),), dtype=np.int64, buffer=buffer)
+        if shm is not None:
+            ranks = int(np.ndarray((1,), dtype=np.int64, buffer=shm.buf)[0]) or ranks
+        buffer = shm.buf if shm is not None else bytearray(8 * (1 + ranks * len(FIELDS)))
+        self._rows = np.ndarray((ranks, len(FIELDS)), dtype=np.int64, buffer=buffer, offset=8)
+        self.rank, self.ranks = rank, ranks
+        self._values = self._rows[rank]
         self._index = {name: i for i, name in enumerate(FIELDS)}
         self._gauges: dict[str, Any] | None = None
+        self._rank_gauges: dict[str, Any] | None = None  # per-rank figures, labelled by rank (ranks > 1)
         self._recall_layer_gauge: Any = None  # LAYER_FIELDS' Prometheus gauge, labelled by layer
         self.requests = RequestLedger()
 
     @classmethod
-    def create(cls, port: int) -> OasisStats:
+    def create(cls, port: int, ranks: int = 1) -> OasisStats:
+        """The block of a server on ``port`` with ``ranks`` tensor-parallel ranks."""
         with contextlib.suppress(FileNotFoundError):  # a stale block from a killed server on this port
             stale = shared_memory.SharedMemory(name=shm_name(port))
             stale.close()
             stale.unlink()
-        shm = shared_memory.SharedMemory(name=shm_name(port), create=True, size=8 * len(FIELDS))
-        stats = cls(shm, owner=True)
-        stats._values[:] = 0
-        return stats
+        size = 8 * (1 + ranks * len(FIELDS))
+        shm = shared_memory.SharedMemory(name=shm_name(port), create=True, size=size)
+        header = np.ndarray((1 + ranks * len(FIELDS),), dtype=np.int64, buffer=shm.buf)
+        header[:] = 0
+        header[0] = ranks
+        del header
+        return cls(shm, owner=True)
 
     @classmethod
-    def attach(cls, port: int) -> OasisStats:
-        """Attach to the launcher's block; falls back to local counters if there is none (offline Engine)."""
+    def attach(cls, port: int, rank: int | None = None) -> OasisStats:
+        """Attach to the launcher's block as ``rank`` (this process's tensor-parallel rank); falls back to local counters if there is none
+        (offline Engine) or it has no row for this rank (logged)."""
         try:
             shm = shared_memory.SharedMemory(name=shm_name(port))
         except FileNotFoundError:
@@ -170,7 +236,15 @@ class OasisStats:
         # this process exits; the launcher owns it.
         with contextlib.suppress(Exception):
             resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        return cls(shm, owner=False)
+        ranks = int(np.ndarray((1,), dtype=np.int64, buffer=shm.buf)[0])
+        rank = tensor_parallel_rank() if rank is None else rank
+        if rank >= ranks:
+            logger.warning(
+                "oasis: the counters' block has %d rank(s); rank %d counts on its own", ranks, rank
+            )
+            shm.close()
+            return cls(None, owner=False)
+        return cls(shm, owner=False, rank=rank)
 
     def add(self, name: str, value: int = 1) -> None:
         self._values[self._index[name]] += value
@@ -194,12 +268,21 @@ class OasisStats:
         self._values[self._index[name]] = value
 
     def snapshot(self) -> dict[str, int]:
-        return {name: int(self._values[i]) for name, i in self._index.items()}
+        """Every rank's counters and gauges in one (``aggregate``)."""
+        if self.ranks == 1:
+            return {name: int(self._values[i]) for name, i in self._index.items()}
+        return aggregate(np.array(self._rows))
+
+    def rank_snapshots(self) -> list[dict[str, int]]:
+        """Each rank's own counters and gauges, by rank."""
+        return [dict(zip(FIELDS, (int(v) for v in row), strict=True)) for row in np.array(self._rows)]
 
     def publish_prometheus(self) -> None:
-        """Copy the current values into Prometheus gauges ``sglang_oasis:<name>`` (with --enable-metrics).
+        """Copy the current values into Prometheus gauges ``sglang_oasis:<name>`` (with --enable-metrics):
+        every rank's, aggregated; with more than one rank also this rank's own as
+        ``sglang_oasis:rank_<name>{rank="<r>"}``.
 
-        Called from SGLang's scheduler process, where SGLang has set up prometheus_client's
+        Called from SGLang's scheduler processes, where SGLang has set up prometheus_client's
         multiprocess directory; its ``/metrics`` endpoint then serves them beside SGLang's own.
         """
         if self._gauges is None:
@@ -218,14 +301,28 @@ class OasisStats:
         values = self.snapshot()
         for name, gauge in self._gauges.items():
             gauge.set(values[name])
+        if self.ranks > 1:
+            self._publish_rank()
         for layer, field in enumerate(LAYER_FIELDS):
             if values[field] > 0:
                 self._recall_layer_gauge.labels(layer=str(layer)).set((values[field] - 1) / 1e6)
 
+    def _publish_rank(self) -> None:
+        if self._rank_gauges is None:
+            from prometheus_client import Gauge
+
+            self._rank_gauges = {
+                name: Gauge(f"sglang_oasis:rank_{name}", f"one tensor-parallel rank's {name}: {help_text}",
+                            labelnames=["rank"], multiprocess_mode="mostrecent")
+                for name, help_text in {**COUNTERS, **GAUGES}.items()
+            }  # fmt: skip
+        for name, gauge in self._rank_gauges.items():
+            gauge.labels(rank=str(self.rank)).set(int(self._values[self._index[name]]))
+
     def close(self) -> None:
         if self._shm is None:
             return
-        del self._values
+        del self._values, self._rows
         self._shm.close()
         if self._owner:
             with contextlib.suppress(FileNotFoundError):

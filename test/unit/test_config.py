@@ -127,8 +127,8 @@ def test_a_pd_decode_server_on_cpu_backs_up_retracted_requests_in_plain_tensors(
         (["--attention-backend", "triton"], "--attention-backend triton"),
         (["--page-size", "32"], "--page-size 32"),
         (["--enable-mixed-chunk"], "--enable-mixed-chunk: sparse mode"),
-        (["--tp-size", "2"], "--tp-size 2: sparse mode runs one model rank"),
-        (["--dp", "2"], "--dp 2: sparse mode runs one model rank"),
+        (["--dp", "2"], "--dp 2: sparse mode runs one engine replica"),  # tensor parallelism it serves
+        (["--pp-size", "2"], "--pp-size 2: sparse mode runs one engine replica"),
         (["--max-total-tokens", "100", "--oasis-host-kv-tokens", "200"], "--oasis-host-kv-tokens"),
         (["--oasis-host-kv-tokens", str(10**12)], "more than the"),  # more KV than the host RAM holds
         (["--oasis-host-memory-fraction", "0"], "--oasis-host-memory-fraction"),

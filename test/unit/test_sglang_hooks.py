@@ -108,8 +108,9 @@ def test_hook_4_abort_failed_transfers() -> None:
 
     def request(slot: int) -> NS:
         return NS(
-            kv=NS(req_pool_idx=slot), to_finish=None, skip_radix_cache_insert=False, finished=lambda: False
-        )
+            rid=f"r{slot}", kv=NS(req_pool_idx=slot), to_finish=None, skip_radix_cache_insert=False,
+            finished=lambda: False,
+        )  # fmt: skip
 
     failing, other = request(3), request(4)
     scheduler = NS(
@@ -122,6 +123,67 @@ def test_hook_4_abort_failed_transfers() -> None:
     assert failing.to_finish is not None and failing.to_finish.message == "boom", failing.to_finish
     assert int(failing.to_finish.status_code) == 500 and failing.skip_radix_cache_insert
     assert other.to_finish is None and not backend.failures
+
+
+def _tensor_parallel_rank(rank: int, init: str, out: Any) -> None:
+    """One of two ranks of ``test_hook_4_under_tensor_parallelism`` (a real gloo group)."""
+    import torch.distributed as dist
+
+    from sglang_oasis.attention.request_ledger import RequestFigures
+    from sglang_oasis.attention.transfer_failures import TransferFailures
+
+    dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
+    backend = NS(failures=TransferFailures())
+    if rank == 1:
+        backend.failures.report(
+            3, 7, "rank 1's own message"
+        )  # request "a": first in one order, last in the other
+    reqs = [
+        NS(rid=rid, kv=NS(req_pool_idx=slot), to_finish=None, skip_radix_cache_insert=False, finished=lambda: False)
+        for rid, slot in (("a", 3), ("b", 4), ("c", 5))
+    ]  # fmt: skip
+    inflight = reqs if rank == 0 else reqs[::-1]  # SGLang's set: any order, per process
+    scheduler = NS(
+        tp_worker=NS(model_runner=NS(attn_backend=backend)), tp_size=2, tp_cpu_group=dist.group.WORLD,
+        req_to_token_pool=NS(req_generation=torch.tensor([0, 0, 0, 7, 2, 1])), collect_inflight_reqs=lambda: inflight,
+    )  # fmt: skip
+    hooks.abort_failed_transfers(lambda s, b, r: None, scheduler, NS(reqs=[]), None)
+    aborted = {req.rid: req.to_finish.message for req in reqs if req.to_finish is not None}
+    mine = RequestFigures(decode_steps=5, decode_blocks_loaded=10 + rank, recall_samples=2, recall_sum=1.5)
+    summed = hooks.sum_over_ranks(scheduler, [mine, None])
+    out.put((rank, aborted, summed))
+    dist.destroy_process_group()
+
+
+def test_hook_4_under_tensor_parallelism(tmp_path: Path) -> None:
+    """Two ranks over a real gloo group: a failure on rank 1 only aborts the request on both ranks at the
+    same step (rank 0 with a message naming rank 1), whatever order each lists its in-flight requests in;
+    a finished request's figures are summed over the ranks, its steps counted once."""
+    import multiprocessing
+
+    from sglang.srt.managers.scheduler import Scheduler
+
+    scheduler_init = source_of(Scheduler)
+    assert "self.tp_cpu_group = " in scheduler_init and "self.tp_size = " in scheduler_init
+    context = multiprocessing.get_context("spawn")
+    out = context.Queue()
+    init = f"file://{tmp_path / 'rendezvous'}"
+    ranks = [context.Process(target=_tensor_parallel_rank, args=(rank, init, out)) for rank in (0, 1)]
+    for process in ranks:
+        process.start()
+    results = dict(
+        (rank, (aborted, summed)) for rank, aborted, summed in (out.get(timeout=120) for _ in ranks)
+    )
+    for process in ranks:
+        process.join(timeout=30)
+        assert process.exitcode == 0
+    assert results[1][0] == {"a": "rank 1's own message"}
+    assert results[0][0] == {"a": "oasis: a block transfer failed on tensor-parallel rank 1"}
+    for _, summed in results.values():
+        figures, absent = summed
+        assert absent is None
+        assert (figures.decode_steps, figures.decode_blocks_loaded) == (5, 21)
+        assert (figures.recall_samples, figures.recall_sum) == (4, 3.0)
 
 
 def test_hook_5_cap_prefix_match() -> None:

@@ -104,10 +104,14 @@ class RequestLedger:
             entry.agreement_sum += agreement_sum
 
     def take(self, rid: str) -> dict[str, Any] | None:
+        """The report of request ``rid``'s figures (``take_figures``)."""
+        entry = self.take_figures(rid)
+        return None if entry is None else entry.report()
+
+    def take_figures(self, rid: str) -> RequestFigures | None:
         """The figures of request ``rid``, forgotten now (what its rows add later is dropped); None for a
         request no pass ran."""
-        entry = self._figures.pop(rid, None)
-        return None if entry is None else entry.report()
+        return self._figures.pop(rid, None)
 
     def _owned(self, req: int, generation: int | None = None) -> RequestFigures | None:
         """The figures of the request that holds row ``req`` (in ``generation``); None once taken."""
