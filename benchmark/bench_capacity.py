@@ -35,6 +35,7 @@ Decode rates, from the client's streamed token arrival times:
 
     python benchmark/bench_capacity.py --json capacity.json --num-layers 6 [--context-tokens 4096,7680]
         [--concurrency 32] [--output-tokens 32] [--device-kv-tokens 16384] [--top-k 32] [--dtype float32]
+        [--tp-size N]
 
 About 20 minutes on 2 CPU cores with ``--num-layers 6`` (4 servers at ~30 s to start; 32 prefills per
 server at ~3.5 s for 4K and ~8-10 s for 7.5K tokens; decoding is a small share); about five times the
@@ -257,6 +258,7 @@ def run_context(
     common = [
         "--model-path", str(model), "--dtype", args.dtype, "--enable-metrics",
         "--context-length", str(min(positions, context + output + 512)),
+        *(["--tp-size", str(args.tp_size)] if args.tp_size > 1 else []),
     ]  # fmt: skip
     host = host_tier(args.device_kv_tokens, context, output, args.top_k, args.block_size, max(levels))
     oasis_args = [
@@ -353,6 +355,11 @@ def main() -> int:
         help="requests sent at once, a level per number: a,b,...",
     )
     parser.add_argument("--dtype", default="float32", help="--dtype of both servers (sets the KV bytes)")
+    parser.add_argument(
+        "--tp-size", type=int, default=1,
+        help="tensor-parallel ranks of both servers: each rank's device tier (or KV pool) holds its KV heads' "
+        "share of the bytes; device bytes are summed over the ranks",
+    )  # fmt: skip
     parser.add_argument("--num-layers", type=int, default=None, help="truncate SmolLM2 (default: all 30)")
     args = parser.parse_args()
 
@@ -372,7 +379,7 @@ def main() -> int:
         "setting": {
             "context_tokens": contexts, "output_tokens": args.output_tokens, "concurrency": levels,
             "device_kv_tokens": args.device_kv_tokens, "top_k": args.top_k, "block_size": args.block_size,
-            "num_layers": args.num_layers or 30, "dtype": args.dtype,
+            "num_layers": args.num_layers or 30, "dtype": args.dtype, "tp_size": args.tp_size,
             "kv_bytes_per_token": footprint.bytes_per_token,
             "device_bytes_budget": args.device_kv_tokens * footprint.bytes_per_token,
         },

@@ -19,6 +19,8 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
    processed, requests the ``oasis`` backend reports as failed get ``to_finish = FINISH_ABORT(...)``
    (SGLang's own way to abort a running request), so they finish at this step with the message and a
    500, their KV is freed and not inserted into the radix cache, and the rest of the batch goes on.
+   Under tensor parallelism each rank's backend sees only its own KV heads' transfers: the ranks first
+   all-reduce which in-flight requests failed (``agree_on_failures``), so all abort the same ones.
 5. ``Req._compute_max_prefix_len`` (sparse mode with ``--oasis-prefill-window`` N > 0): the prefill
    window chooses a request's first working set from the exact attention of its prompt's last N
    queries, and those queries exist only for tokens the extend computes. A radix-cache hit that leaves
@@ -94,7 +96,8 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
    should reach its client, and SGLang's way to add per-request output fields is a subclass of its
    output streamer with ``has_additional_customized_info`` (the scheduler's method picks the class; no
    registry). The hook returns SGLang's class extended so: a finished request's figures go out as
-   ``meta_info["oasis"] = [figures]`` (``/generate``; an unfinished one's chunks carry ``[]``). With
+   ``meta_info["oasis"] = [figures]`` (``/generate``; an unfinished one's chunks carry ``[]``; under
+   tensor parallelism summed over the ranks, ``sum_over_ranks``: every rank's streamer runs). With
    SGLang's Rust egress (which refuses additional fields) the class is left as it is.
 11. ``TorchNativeAttnBackend._run_sdpa_forward_extend`` (sparse mode; not a hook: the oasis backend
    subclasses SGLang's torch_native backend and overrides the method, ``attention/extend_attention.py``):
