@@ -20,7 +20,8 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
    (SGLang's own way to abort a running request), so they finish at this step with the message and a
    500, their KV is freed and not inserted into the radix cache, and the rest of the batch goes on.
    Under tensor parallelism each rank's backend sees only its own KV heads' transfers: the ranks first
-   all-reduce which in-flight requests failed (``agree_on_failures``), so all abort the same ones.
+   all-reduce which in-flight requests failed (``agree_on_failures``, one small all-reduce per batch
+   result), so all abort the same ones.
 5. ``Req._compute_max_prefix_len`` (sparse mode with ``--oasis-prefill-window`` N > 0): the prefill
    window chooses a request's first working set from the exact attention of its prompt's last N
    queries, and those queries exist only for tokens the extend computes. A radix-cache hit that leaves
@@ -284,21 +285,26 @@ def agree_on_failures(scheduler: Scheduler, messages: list[str | None]) -> list[
     """Under tensor parallelism, which ranks failed each in-flight request (a bit per rank): one small
     all-reduce over the ranks' CPU group per batch result, so every rank aborts the same requests at the
     same step (a rank that went on decoding a request another dropped would desynchronise the ranks'
-    batches). Every rank lists the same in-flight requests (the schedulers decide alike) in rid order."""
+    batches). Every rank lists the same in-flight requests (the schedulers decide alike) in rid order.
+
+    The tensor has the same length on every rank whatever each lists (so the collective itself never
+    mismatches): room for the running and the last batch's requests, each holding a request row, after
+    the count and its square, whose sums tell whether every rank listed as many (logged if not)."""
     import torch
     import torch.distributed as dist
 
-    bit = 1 << dist.get_rank(group=scheduler.tp_cpu_group)
-    flags = torch.tensor([bit if message is not None else 0 for message in messages], dtype=torch.int64)
-    count = torch.tensor([len(messages)], dtype=torch.int64)  # the same on every rank, or a bug: say so
-    dist.all_reduce(count, op=dist.ReduceOp.MAX, group=scheduler.tp_cpu_group)
-    if int(count) != len(messages):
-        logger.error(
-            "oasis: tensor-parallel ranks list %d and %d in-flight requests", int(count), len(messages)
-        )
-        flags = torch.cat([flags, flags.new_zeros(int(count) - len(messages))])
-    dist.all_reduce(flags, group=scheduler.tp_cpu_group)
-    return flags[: len(messages)].tolist()
+    group = scheduler.tp_cpu_group
+    room = 2 * int(cast("ReqToTokenPool", scheduler.req_to_token_pool).size) + 2
+    count, bit = len(messages), 1 << dist.get_rank(group=group)
+    flags = torch.zeros(2 + room, dtype=torch.int64)
+    flags[0], flags[1] = count, count * count
+    for i, message in enumerate(messages[:room]):
+        flags[2 + i] = bit if message is not None else 0
+    dist.all_reduce(flags, group=group)
+    ranks = dist.get_world_size(group=group)
+    if int(flags[0]) != ranks * count or int(flags[1]) != ranks * count * count or count > room:
+        logger.error("oasis: tensor-parallel ranks list different in-flight requests (%d here)", count)
+    return [*flags[2 : 2 + count].tolist(), *([0] * max(0, count - room))]
 
 
 def _backend(scheduler: Scheduler) -> AttentionBackend | None:

@@ -145,7 +145,8 @@ def _tensor_parallel_rank(rank: int, init: str, out: Any) -> None:
     inflight = reqs if rank == 0 else reqs[::-1]  # SGLang's set: any order, per process
     scheduler = NS(
         tp_worker=NS(model_runner=NS(attn_backend=backend)), tp_size=2, tp_cpu_group=dist.group.WORLD,
-        req_to_token_pool=NS(req_generation=torch.tensor([0, 0, 0, 7, 2, 1])), collect_inflight_reqs=lambda: inflight,
+        req_to_token_pool=NS(req_generation=torch.tensor([0, 0, 0, 7, 2, 1]), size=6),
+        collect_inflight_reqs=lambda: inflight,
     )  # fmt: skip
     hooks.abort_failed_transfers(lambda s, b, r: None, scheduler, NS(reqs=[]), None)
     aborted = {req.rid: req.to_finish.message for req in reqs if req.to_finish is not None}
@@ -163,8 +164,11 @@ def test_hook_4_under_tensor_parallelism(tmp_path: Path) -> None:
 
     from sglang.srt.managers.scheduler import Scheduler
 
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+
     scheduler_init = source_of(Scheduler)
     assert "self.tp_cpu_group = " in scheduler_init and "self.tp_size = " in scheduler_init
+    assert "self.size = size" in source_of(ReqToTokenPool.__init__)  # the agreement's room
     context = multiprocessing.get_context("spawn")
     out = context.Queue()
     init = f"file://{tmp_path / 'rendezvous'}"
