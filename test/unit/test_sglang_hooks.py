@@ -163,7 +163,6 @@ def test_hook_4_under_tensor_parallelism(tmp_path: Path) -> None:
     import multiprocessing
 
     from sglang.srt.managers.scheduler import Scheduler
-
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
 
     scheduler_init = source_of(Scheduler)
