@@ -334,7 +334,7 @@ def mark_staged_send(
     sender: Any = getattr(req, "disagg_kv_sender", None)  # carries our _oasis_* attributes
     if stager is not None and stager.ready.is_set() and _is_mooncake_sender(sender):
         whole = getattr(sender, "_oasis_whole", False)  # decided at its first send
-        if not whole and getattr(sender, "_oasis_stager", None) is None:
+        if not whole and getattr(sender, STAGER_ATTRIBUTE, None) is None:
             # The handshake: only a decode node known to fetch gets a partial payload (its first
             # requests go whole; their hand-off GET names its session).
             sessions = sender.kv_mgr.transfer_infos.get(int(sender.bootstrap_room), {})
@@ -349,7 +349,7 @@ def mark_staged_send(
                     req.rid,
                 )
         if not whole:
-            sender._oasis_stager = stager
+            setattr(sender, STAGER_ATTRIBUTE, stager)
         setattr(sender.kv_mgr, STAGER_ATTRIBUTE, stager)  # for forget_reregistered_sessions
         if last_chunk:
             prompt = len(req.origin_input_ids)
@@ -397,7 +397,7 @@ def send_last_page_only(
 ) -> SendIndices:  # fmt: skip
     """AROUND hook (prefill): a staged request's chunks send nothing but its last page (see hook 7)."""
     kv_indices, index_slice, is_last, skip = original(sender, kv_indices, *args, **kwargs)
-    stager: PrefillStager | None = getattr(sender, "_oasis_stager", None)
+    stager: PrefillStager | None = getattr(sender, STAGER_ATTRIBUTE, None)
     if skip or stager is None:
         return kv_indices, index_slice, is_last, skip
     if len(kv_indices):
