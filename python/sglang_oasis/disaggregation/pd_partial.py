@@ -526,7 +526,7 @@ class DecodeFetcher:
         self._staged: dict[int, tuple[int, str, int]] = {}  # slot -> (generation, handoff url, room)
         self._endpoints: dict[tuple[str, int], str | None] = {}  # bootstrap address -> handoff URL
         self._lock = threading.Lock()
-        self._miss_bytes_seen = 0
+        self._counted: dict[str, int] = {}  # stat -> the fetcher's running total it was last given
         # Releases go to the prefill node from one worker (never the scheduler thread), at most
         # RELEASE_QUEUE waiting: during a prefill outage the rest expire there by their TTL.
         self._releases: queue.Queue[tuple[str, int]] = queue.Queue(RELEASE_QUEUE)
@@ -535,7 +535,6 @@ class DecodeFetcher:
         self._admitter = ThreadPoolExecutor(ADMISSION_WORKERS, thread_name_prefix="oasis-admit")
         self._admitting: dict[int, tuple[int, Future[_Admitted | None]]] = {}  # slot -> (generation, job)
         self._completer = ThreadPoolExecutor(1, thread_name_prefix="oasis-complete")
-        self._completion_bytes_seen = 0
 
     def held(self) -> int:
         """Requests this node holds remote-fetch state for (fetch state, a staged hand-off, an arrival)."""
@@ -715,13 +714,16 @@ class DecodeFetcher:
         """Before a layer's working-set loads: read the blocks still remote (see ``RemotePartialFetcher``)."""
         failed = self.fetcher.ensure(layer, wanted)
         with self._lock:  # runs in the pipeline's thread and (``complete``) in the scheduler's
-            stats = self.backend.stats
-            misses = self.fetcher.counters.miss_bytes
-            stats.add("remote_miss_bytes", misses - self._miss_bytes_seen)
-            self._miss_bytes_seen = misses
+            self._count("remote_miss_bytes", self.fetcher.counters.miss_bytes)
             if failed:
-                stats.add("remote_failed_reads", len(failed))
+                self.backend.stats.add("remote_failed_reads", len(failed))
         return failed
+
+    def _count(self, stat: str, total: int) -> None:
+        """Add to the server's ``stat`` what the fetcher's running ``total`` grew by since it was last
+        counted (under ``_lock``: the pipeline's, the scheduler's and the completion's threads count)."""
+        self.backend.stats.add(stat, total - self._counted.get(stat, 0))
+        self._counted[stat] = total
 
     def complete(self, slot: int) -> bool:
         """Reads every still-remote block of the request in ``slot`` now (before a retracted request's KV
@@ -749,9 +751,7 @@ class DecodeFetcher:
                 return False
             failed = self.fetcher.ensure(layer, {slot: full}, completion=True)
             with self._lock:
-                done = self.fetcher.counters.completion_bytes
-                self.backend.stats.add("remote_completion_bytes", done - self._completion_bytes_seen)
-                self._completion_bytes_seen = done
+                self._count("remote_completion_bytes", self.fetcher.counters.completion_bytes)
             if failed:
                 logger.info(
                     "oasis: reading request slot %d's remaining blocks failed: %s", slot, failed[slot]
