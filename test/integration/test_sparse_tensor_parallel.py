@@ -9,6 +9,9 @@ rank). Each rank selects, loads and attends for its own KV head; the ranks agree
   ranks' loads: the same blocks and bytes as TP 1's.
 - A transfer failure injected on rank 1 only fails its request once, with one error naming rank 1; the
   other requests and the server go on, and nothing stays held on either rank.
+
+One server at a time (a 2-rank server holds ~5 GiB; the other test lane's PD servers need the rest): the
+references' servers answer and stop before the sparse TP 2 server starts.
 """
 
 from __future__ import annotations
@@ -36,20 +39,46 @@ PROMPT_LENS = (150, 230, 301, 370)
 HELD = ("held_failures", "held_running_jobs", "held_kept_retractions", "running_requests")
 
 
+def prompt(length: int, seed: int) -> list[int]:
+    return torch.randint(3, 49152, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# Each test its own prompts: a prompt the radix cache holds would admit with fewer loads.
+PROMPTS = [prompt(n, seed=i) for i, n in enumerate(PROMPT_LENS)]
+PROMPTS_K = [prompt(n, seed=10 + i) for i, n in enumerate(PROMPT_LENS)]
+PROMPTS_LOOKAHEAD = [prompt(n, seed=20 + i) for i, n in enumerate(PROMPT_LENS)]
+PROMPTS_FAILURE = [prompt(n, seed=30 + i) for i, n in enumerate(PROMPT_LENS)]
+
+
 def _serve(args: list[str], name: str, tmp: pytest.TempPathFactory, env: dict[str, str] | None = None):
     return ServerProcess(args, log_path=tmp.mktemp("logs") / f"{name}.log", env=env)
 
 
 @pytest.fixture(scope="module")
-def dense_tp2(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def dense_tp2(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[list[dict[str, Any]]]:
+    """Dense TP 2's answers to ``PROMPTS`` and ``PROMPTS_LOOKAHEAD``. Its server stops before any other
+    starts: a 2-rank server holds ~5 GiB, and the other test lane's PD servers need the rest."""
     args = ["--model-path", str(tiny_qwen3_dir), "--oasis-mode", "dense", "--dtype", "float32",
             "--max-total-tokens", "16384", "--tp-size", "2"]  # fmt: skip
     with _serve(args, "tiny-qwen3-dense-tp2", tmp_path_factory) as server:
-        yield server
+        return [answers(server, PROMPTS), answers(server, PROMPTS_LOOKAHEAD)]
 
 
 @pytest.fixture(scope="module")
-def sparse_tp2(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+def tp1(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Sparse TP 1's answers to ``PROMPTS_K`` (its server stopped, as ``dense_tp2``'s)."""
+    with _serve(
+        ["--model-path", str(tiny_qwen3_dir), *SPARSE], "tiny-qwen3-sparse-tp1", tmp_path_factory
+    ) as server:
+        return answers(server, PROMPTS_K)
+
+
+@pytest.fixture(scope="module")
+def sparse_tp2(
+    dense_tp2: list[list[dict[str, Any]]], tp1: list[dict[str, Any]], tiny_qwen3_dir: Path,
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[ServerProcess]:  # fmt: skip
+    """Sparse TP 2, started once the references are taken (one server at a time)."""
     env = {
         "SGLANG_OASIS_INJECT_TRANSFER_FAILURE": str(INJECTED_PROMPT_LEN),
         "SGLANG_OASIS_INJECT_ON_RANK": "1",
@@ -57,10 +86,6 @@ def sparse_tp2(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -
     args = ["--model-path", str(tiny_qwen3_dir), *SPARSE, "--tp-size", "2", "--enable-metrics"]
     with _serve(args, "tiny-qwen3-sparse-tp2", tmp_path_factory, env) as server:
         yield server
-
-
-def prompt(length: int, seed: int) -> list[int]:
-    return torch.randint(3, 49152, (length,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 def generate(server: ServerProcess, input_ids: list[int], top_k: int | None = None) -> requests.Response:
@@ -88,32 +113,31 @@ def assert_same_tokens(got: list[dict[str, Any]], expected: list[dict[str, Any]]
         assert first is None, f"prompt {i}: {what} part at token {first}: {x[first:]} vs {y[first:]}"
 
 
-# Each test its own prompts: a prompt the radix cache holds would admit with fewer loads.
-PROMPTS = [prompt(n, seed=i) for i, n in enumerate(PROMPT_LENS)]
-PROMPTS_K = [prompt(n, seed=10 + i) for i, n in enumerate(PROMPT_LENS)]
-PROMPTS_LOOKAHEAD = [prompt(n, seed=20 + i) for i, n in enumerate(PROMPT_LENS)]
-PROMPTS_FAILURE = [prompt(n, seed=30 + i) for i, n in enumerate(PROMPT_LENS)]
+def test_lookahead_rows_under_tp2_with_k_covering_answer_as_dense_tp2(
+    dense_tp2: list[list[dict[str, Any]]], tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    args = ["--model-path", str(tiny_qwen3_dir), *SPARSE, "--tp-size", "2", "--oasis-lookahead", "ngram",
+            "--speculative-ngram-capacity", "65536"]  # fmt: skip
+    with _serve(args, "tiny-qwen3-sparse-tp2-ngram", tmp_path_factory) as server:
+        got = answers(server, PROMPTS_LOOKAHEAD, COVERING)
+        ranks = server.oasis_stats()["ranks"]
+    assert_same_tokens(got, dense_tp2[1], "sparse with NGRAM lookahead and dense")
+    assert all(rank["decode_steps"] >= NEW_TOKENS - 1 for rank in ranks)
 
 
 def test_sparse_tp2_with_k_covering_answers_as_dense_tp2(
-    sparse_tp2: ServerProcess, dense_tp2: ServerProcess
+    dense_tp2: list[list[dict[str, Any]]], sparse_tp2: ServerProcess
 ) -> None:
     assert requests.get(sparse_tp2.url + "/get_server_info", timeout=30).json()["tp_size"] == 2
-    assert_same_tokens(
-        answers(sparse_tp2, PROMPTS, COVERING), answers(dense_tp2, PROMPTS), "sparse and dense"
-    )
+    assert_same_tokens(answers(sparse_tp2, PROMPTS, COVERING), dense_tp2[0], "sparse and dense")
 
 
 def test_sparse_tp2_with_k_below_the_blocks_answers_as_tp1(
-    sparse_tp2: ServerProcess, tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
+    sparse_tp2: ServerProcess, tp1: list[dict[str, Any]]
 ) -> None:
     before = sparse_tp2.oasis_stats()
     tp2 = answers(sparse_tp2, PROMPTS_K)
     after = sparse_tp2.oasis_stats()
-    with _serve(
-        ["--model-path", str(tiny_qwen3_dir), *SPARSE], "tiny-qwen3-sparse-tp1", tmp_path_factory
-    ) as tp1_server:
-        tp1 = answers(tp1_server, PROMPTS_K)
     assert_same_tokens(tp2, tp1, "TP 2 and TP 1")
     for a, b in zip(tp2, tp1, strict=True):  # a request's figures: its two ranks' loads, as TP 1's one
         x, y = a["meta_info"]["oasis"][0], b["meta_info"]["oasis"][0]
@@ -134,17 +158,6 @@ def test_sparse_tp2_with_k_below_the_blocks_answers_as_tp1(
     metrics = requests.get(sparse_tp2.url + "/metrics", timeout=30).text
     for rank in (0, 1):
         assert f'sglang_oasis:rank_blocks_loaded{{rank="{rank}"}}' in metrics
-
-
-def test_lookahead_rows_under_tp2_with_k_covering_answer_as_dense_tp2(
-    dense_tp2: ServerProcess, tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
-) -> None:
-    args = ["--model-path", str(tiny_qwen3_dir), *SPARSE, "--tp-size", "2", "--oasis-lookahead", "ngram"]
-    with _serve(args, "tiny-qwen3-sparse-tp2-ngram", tmp_path_factory) as server:
-        got = answers(server, PROMPTS_LOOKAHEAD, COVERING)
-        ranks = server.oasis_stats()["ranks"]
-    assert_same_tokens(got, answers(dense_tp2, PROMPTS_LOOKAHEAD), "sparse with NGRAM lookahead and dense")
-    assert all(rank["decode_steps"] >= NEW_TOKENS - 1 for rank in ranks)
 
 
 def test_a_transfer_failure_on_one_rank_fails_its_request_on_both(sparse_tp2: ServerProcess) -> None:
