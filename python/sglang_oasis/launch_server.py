@@ -66,6 +66,11 @@ def option_value(argv: Sequence[str], option: str) -> str | None:
     return None
 
 
+def first_option_value(argv: Sequence[str], options: Sequence[str]) -> str | None:
+    """The value of the first of ``options`` (one option's spellings) that ``argv`` gives."""
+    return next((v for v in (option_value(argv, o) for o in options) if v is not None), None)
+
+
 def gpu_available() -> bool:
     import torch
 
@@ -120,14 +125,14 @@ def cpu_dtype_args(sglang_argv: Sequence[str]) -> list[str]:
     return ["--dtype", choice.dtype]
 
 
+TENSOR_PARALLEL_OPTIONS = ("--tp-size", "--tensor-parallel-size", "--tp")
+
+
 def model_ranks(sglang_argv: Sequence[str]) -> int:
     """Model processes SGLang starts on this machine: tensor- times data-parallel ranks."""
     ranks = 1
-    for options in (
-        ("--tp-size", "--tensor-parallel-size", "--tp"),
-        ("--dp-size", "--data-parallel-size", "--dp"),
-    ):
-        value = next((v for v in (option_value(sglang_argv, o) for o in options) if v is not None), None)
+    for options in (TENSOR_PARALLEL_OPTIONS, ("--dp-size", "--data-parallel-size", "--dp")):
+        value = first_option_value(sglang_argv, options)
         if value is not None and value.isdigit():
             ranks *= max(1, int(value))
     return ranks

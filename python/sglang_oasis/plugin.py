@@ -62,10 +62,11 @@ def started_by_sglang(argv: Sequence[str], config: OasisConfig | None) -> OasisC
         config.to_env()
     if multiprocessing.parent_process() is None and not _kept:
         from sglang_oasis.http_routes import add_oasis_routes
+        from sglang_oasis.launch_server import TENSOR_PARALLEL_OPTIONS, first_option_value, option_value
         from sglang_oasis.stats import OasisStats
 
-        port = next((argv[i + 1] for i, word in enumerate(argv[:-1]) if word == "--port"), "30000")
-        tp = next((argv[i + 1] for i, word in enumerate(argv[:-1]) if word in TP_OPTIONS), "1")
+        port = option_value(argv, "--port") or "30000"
+        tp = first_option_value(argv, TENSOR_PARALLEL_OPTIONS) or "1"
         stats = OasisStats.create(int(port), ranks=int(tp) if tp.isdigit() else 1)
         _kept.append(stats)
         add_oasis_routes(stats)
@@ -77,7 +78,6 @@ def started_by_sglang(argv: Sequence[str], config: OasisConfig | None) -> OasisC
     return config
 
 
-TP_OPTIONS = ("--tp-size", "--tensor-parallel-size", "--tp")
 _kept: list[object] = []  # the counters' block this process owns (kept open while it serves)
 
 

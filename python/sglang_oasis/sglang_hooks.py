@@ -712,14 +712,12 @@ def sum_over_ranks(scheduler: Scheduler, figures: list[RequestFigures | None]) -
     ).reshape(len(figures), width + 1)
     dist.all_reduce(rows, group=scheduler.tp_cpu_group)
     out: list[RequestFigures | None] = []
-    for entry, row in zip(figures, rows.tolist(), strict=True):
-        if row[0] == 0:
+    for present, *values in rows.tolist():
+        if present == 0:
             out.append(None)
             continue
-        summed = RequestFigures(
-            *(type(v)(x) for v, x in zip(astuple(RequestFigures()), row[1:], strict=True))
-        )
-        summed.decode_steps = entry.decode_steps if entry is not None else round(row[1] / row[0])
+        summed = RequestFigures(*(type(v)(x) for v, x in zip(astuple(RequestFigures()), values, strict=True)))
+        summed.decode_steps = round(summed.decode_steps / present)  # every rank counts the same steps
         out.append(summed)
     return out
 

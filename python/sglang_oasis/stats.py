@@ -181,6 +181,11 @@ def tensor_parallel_rank() -> int:
         return 0
 
 
+def _block_ranks(shm: shared_memory.SharedMemory) -> int:
+    """The rank rows a counters' block holds (its header, written by ``OasisStats.create``)."""
+    return int(np.ndarray((1,), dtype=np.int64, buffer=shm.buf)[0])
+
+
 def shm_name(port: int) -> str:
     return f"sglang_oasis_stats_{port}"
 
@@ -198,7 +203,7 @@ class OasisStats:
         self._shm = shm
         self._owner = owner
         if shm is not None:
-            ranks = int(np.ndarray((1,), dtype=np.int64, buffer=shm.buf)[0]) or ranks
+            ranks = _block_ranks(shm)
         buffer = shm.buf if shm is not None else bytearray(8 * (1 + ranks * len(FIELDS)))
         self._rows = np.ndarray((ranks, len(FIELDS)), dtype=np.int64, buffer=buffer, offset=8)
         self.rank, self.ranks = rank, ranks
@@ -236,7 +241,7 @@ class OasisStats:
         # this process exits; the launcher owns it.
         with contextlib.suppress(Exception):
             resource_tracker.unregister(shm._name, "shared_memory")  # type: ignore[attr-defined]
-        ranks = int(np.ndarray((1,), dtype=np.int64, buffer=shm.buf)[0])
+        ranks = _block_ranks(shm)
         rank = tensor_parallel_rank() if rank is None else rank
         if rank >= ranks:
             logger.warning(
