@@ -21,6 +21,11 @@ alone (goal: at most 1.2; an arrival's network I/O runs off the scheduler thread
 
     python benchmark/bench_pd.py --json pd.json [--contexts 1024 2048 4096 --new-tokens 32 --top-k 32]
     python benchmark/bench_pd.py --json pd_slow.json --handoff-delay-s 5
+    python benchmark/bench_pd.py --json pd_tp3.json --tp-size 3   (both nodes; SmolLM2 has 3 KV heads)
+
+With ``--tp-size N`` every deployment runs N ranks on each node (dense at the same TP); a sparse decode
+rank reads its own KV heads from the prefill rank of its number, and each row lists the remote bytes each
+rank read.
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ def serve(
     server_args = [
         "--model-path", str(model_dir), "--dtype", "float32", "--oasis-top-k", str(args.top_k),
         "--oasis-host-kv-tokens", "32768", "--oasis-device-kv-tokens", "65536",
-        "--prefill-args=--enable-metrics", *CONFIGS[name],
+        "--prefill-args=--enable-metrics", "--tp-size", str(args.tp_size), *CONFIGS[name],
     ]  # fmt: skip
     rows = []
     with PDLaunch(server_args, log_dir / name) as pd:
@@ -67,16 +72,21 @@ def serve(
             while pd.transferred_mb()[1] == sent_before[1] and time.monotonic() < deadline:
                 time.sleep(0.2)  # SGLang records the transfer once the prefill side sees it done
             sent = (pd.transferred_mb()[0] - sent_before[0]) * 2**20
-            remote = 0
+            remote, per_rank = 0, []
             if stats_before is not None:
                 after = oasis_stats(pd.info["decode"]["url"])
                 remote = sum(int(after[k]) - int(stats_before[k]) for k in REMOTE)
+                per_rank = [
+                    sum(int(now[k]) - int(then[k]) for k in REMOTE)
+                    for now, then in zip(after.get("ranks", []), stats_before.get("ranks", []), strict=True)
+                ]
             rows.append(
                 {
                     "config": name,
                     "context_tokens": len(ids),
                     "sglang_transfer_bytes": int(sent),
                     "remote_read_bytes": remote,
+                    "remote_read_bytes_per_rank": per_rank,
                     "moved_bytes": int(sent) + remote,
                     "ttft_s": stream.token_times[0] - started,
                     "e2e_s": stream.token_times[-1] - started,
@@ -100,7 +110,7 @@ def slow_handoff(args: argparse.Namespace, model_dir: Path, prompts: list[list[i
     new_tokens = 256  # long enough to decode through the whole wait
     server_args = [
         "--model-path", str(model_dir), "--dtype", "float32", "--oasis-top-k", str(args.top_k),
-        "--oasis-host-kv-tokens", "32768", "--oasis-device-kv-tokens", "65536",
+        "--oasis-host-kv-tokens", "32768", "--oasis-device-kv-tokens", "65536", "--tp-size", str(args.tp_size),
     ]  # fmt: skip
     env = {HANDOFF_DELAY_ENV: f"{len(slow)}:{args.handoff_delay_s}"}
     with PDLaunch(server_args, log_dir / "slow-handoff", env=env) as pd:
@@ -154,6 +164,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--new-tokens", type=int, default=32)
     parser.add_argument("--top-k", type=int, default=32, help="blocks of 16 tokens per KV head")
     parser.add_argument("--num-layers", type=int, default=6, help="SmolLM2 layers served (30: all)")
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks on each node")
     parser.add_argument("--handoff-delay-s", type=float, default=0.0,
                         help="measure a slow prefill node's effect on running requests instead (see above)")  # fmt: skip
     args = parser.parse_args(argv)

@@ -39,6 +39,7 @@ INTEGRATION = ROOT / "test" / "integration"
 # Modules with their own servers (none of the session ones), after the unit tests; the lane took 7.1 min.
 UNIT_LANE = (
     "test_sparse_tensor_parallel.py",  # first: its 2-rank servers start while the other lane is light
+    "test_pd_tensor_parallel.py",  # a 2-rank server, then a PD pair of 2 ranks each (one at a time)
     "test_remote_fetch.py",
     "test_prefetch_pipeline.py",
     "test_accuracy_bench.py",

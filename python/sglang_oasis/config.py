@@ -226,7 +226,8 @@ class OasisConfig:
             "memory and the decode node reads only the blocks its working sets use (at admission the "
             "union over KV heads of the first selection, plus the block summaries; later misses when "
             "first needed). 'false': SGLang transfers the whole KV. Prefill and decode servers must "
-            "agree.",
+            "agree; under tensor parallelism both run the same --tp-size, and each decode rank reads its "
+            "own KV heads from the prefill rank of its number.",
         },
     )
     remote_fetch_ttl: int = field(

@@ -40,7 +40,7 @@ from pathlib import Path
 from sglang_oasis.disaggregation.mooncake_builds import MissingSystemLibrary, check_system_libraries
 from sglang_oasis.disaggregation.pd_partial import TOKEN_ENV
 from sglang_oasis.disaggregation.transfer_engine import engine_env_defaults
-from sglang_oasis.launch_server import given
+from sglang_oasis.launch_server import TENSOR_PARALLEL_OPTIONS, given
 from sglang_oasis.server_process import ServerProcess, ServerStartError, free_port
 
 PROG = "python -m sglang_oasis.launch_pd"
@@ -126,7 +126,29 @@ def parse(argv: Sequence[str]) -> tuple[argparse.Namespace, list[str]]:
     for option in OWN_OPTIONS:
         if given(server_args, option):
             parser.error(f"{option}: set by {PROG} for each server (see --help)")
+    prefill, decode = ([*server_args, *shlex.split(extra)] for extra in (args.prefill_args, args.decode_args))
+    sizes = (
+        last_value(prefill, TENSOR_PARALLEL_OPTIONS, "1"),
+        last_value(decode, TENSOR_PARALLEL_OPTIONS, "1"),
+    )
+    sparse = last_value(decode, ("--oasis-mode",), "sparse") == "sparse"
+    if sizes[0] != sizes[1] and sparse:
+        parser.error(
+            f"--tp-size: the prefill server's ({sizes[0]}) and the decode server's ({sizes[1]}) differ; in "
+            "sparse mode each decode rank reads its KV heads from the prefill rank of the same number, so "
+            "both servers need the same --tp-size (give it once for both)"
+        )
     return args, server_args
+
+
+def last_value(argv: Sequence[str], spellings: Sequence[str], default: str) -> str:
+    """The value argparse takes for an option given by any of its ``spellings`` (the last one given)."""
+    value = default
+    for i, arg in enumerate(argv):
+        name, equals, inline = arg.partition("=")
+        if name in spellings:
+            value = inline if equals else argv[i + 1] if i + 1 < len(argv) else value
+    return value
 
 
 # The router's recovery from a restarted server, unless --router-args sets them. Its own defaults (a

@@ -52,13 +52,16 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
      ``Transferring`` until its admission blocks are read (hand-off and Mooncake reads on an admission
      worker, ``DecodeFetcher.admission_done``), so no network I/O runs on the scheduler thread and the
      running requests decode meanwhile (SGLang wraps its pollers the same way for HiCache restores).
+     A failed admission polls ``Failed`` (its reason recorded as the transfer's): SGLang's queue takes
+     the lowest poll over the tensor-parallel ranks, so every rank fails the request at that poll.
    - ``DecodeTransferQueue._commit_transfer_to_req`` (decode): after SGLang commits a transferred
      request, its admission is applied (``DecodeFetcher.admit``); a failure aborts the request
      the way SGLang aborts a corrupted transfer. With the decode radix cache on, an admitted request's
      still-remote blocks are then read in the background (``DecodeFetcher.complete_later``), and the
      queue's tree cache's ``checkpoint`` (which inserts a request's KV as it starts decoding and when it
      finishes) is wrapped on that instance so only KV that is whole locally becomes a shared prefix (a
-     request whose blocks are still arriving is not inserted; nothing is read on the scheduler thread).
+     request whose blocks are still arriving is not inserted; nothing is read on the scheduler thread;
+     under tensor parallelism whole on every rank, ``DecodeFetcher.on_every_rank``).
    A request over ``--oasis-remote-fetch-max-staged-mib`` goes whole (SGLang's own transfer); its
    hand-off then carries only its first selection, which the decode node loads from the KV that arrived.
    A prefill node stages only for a decode node that fetches: one that has asked it for a hand-off,
@@ -434,7 +437,7 @@ def remote_fetch_routes(original: Callable[..., None], server: CommonKVBootstrap
     from sglang_oasis.disaggregation.pd_partial import ENDPOINT_ROUTE, TOKEN_HEADER, authorized
 
     original(server)
-    endpoints: dict[int, str] = {}
+    endpoints: dict[int, dict[str, object]] = {}  # engine (tensor-parallel) rank -> its URL, --tp-size
 
     async def handle(request: web.Request) -> web.Response:
         if not authorized(request.headers, request.remote):  # the URL hands out staged KV
@@ -443,12 +446,15 @@ def remote_fetch_routes(original: Callable[..., None], server: CommonKVBootstrap
             )
         if request.method == "PUT":
             data = await request.json()
-            endpoints[int(data["engine_rank"])] = str(data["url"])
+            endpoints[int(data["engine_rank"])] = {
+                "url": str(data["url"]),
+                "tp_size": int(data.get("tp_size", 1)),
+            }
             return web.json_response({})
-        url = endpoints.get(int(request.query.get("engine_rank", 0)))
-        if url is None:
+        endpoint = endpoints.get(int(request.query.get("engine_rank", 0)))
+        if endpoint is None:
             return web.json_response({"error": "this prefill node does not stage KV"}, status=404)
-        return web.json_response({"url": url})
+        return web.json_response(endpoint)
 
     server.app.router.add_route("*", ENDPOINT_ROUTE, handle)
 
@@ -483,6 +489,7 @@ class _AdmissionGate:
     ) -> None:
         self.poller, self.req, self.remote, self.generations = poller, decode_req.req, remote, generations
         self.session = _session(decode_req)
+        self.kv_mgr = getattr(decode_req.kv_receiver, "kv_mgr", None)
 
     def poll(self) -> int:  # a KVPoll value
         from sglang.srt.disaggregation.base.conn import KVPoll
@@ -492,8 +499,19 @@ class _AdmissionGate:
         if arrival is None:
             return state
         slot, host, port, room = arrival
-        done = self.remote.admission_done(slot, int(self.generations[slot]), host, port, room, self.session)
-        return state if done else KVPoll.Transferring
+        generation = int(self.generations[slot])
+        if not self.remote.admission_done(slot, generation, host, port, room, self.session):
+            return int(KVPoll.Transferring)
+        error = self.remote.admission_error(slot, generation)
+        if error is None:
+            return state
+        # A failed admission is a failed transfer: SGLang's queue all-reduces the polls over the
+        # tensor-parallel ranks (the lowest wins), so every rank fails the request at this poll, with
+        # this rank's message (the others': SGLang's "from another rank"), instead of one rank aborting
+        # it at its commit while the others decode it.
+        if self.kv_mgr is not None:
+            self.kv_mgr.record_failure(room, error)
+        return int(KVPoll.Failed)
 
 
 def _session(decode_req: DecodeRequest) -> str | None:
@@ -526,6 +544,11 @@ def fetch_admission_blocks(
 
     slot, host, port, room = arrival
     generation = int(cast("ReqToTokenPool", queue.scheduler.req_to_token_pool).req_generation[slot])
+    from sglang.srt.runtime_context import get_disagg
+
+    sharing = bool(get_disagg().disaggregation_decode_enable_radix_cache)
+    if sharing:  # at the first arrival, on every rank alike (its checkpoint agrees over the ranks)
+        _share_only_whole(queue.tree_cache, remote)
     try:
         staged = remote.admit(slot, generation, host, port, room, _session(decode_req))
     except Exception as error:  # the request fails, the server goes on
@@ -542,10 +565,7 @@ def fetch_admission_blocks(
             status_code=HTTPStatus.INTERNAL_SERVER_ERROR,
         )
         return
-    from sglang.srt.runtime_context import get_disagg
-
-    if staged and get_disagg().disaggregation_decode_enable_radix_cache:
-        _share_only_whole(queue.tree_cache, remote)
+    if staged and sharing:
         remote.complete_later(slot)
 
 
@@ -566,7 +586,8 @@ def _share_only_whole(tree_cache: BasePrefixCache, remote: DecodeFetcher) -> Non
 
     def checkpoint_complete(req: Req, *args: Any, **kwargs: Any) -> object:
         slot = req.kv.req_pool_idx
-        if slot is not None and not remote.whole(int(slot)):
+        # Every tensor-parallel rank's cache inserts the same requests (each its own KV heads' blocks).
+        if not remote.on_every_rank(slot is None or remote.whole(int(slot))):
             # Never share KV with blocks missing. SGLang checkpoints a request as it starts decoding too
             # (its prompt, ``process_prebuilt``); that one is skipped while the completion reads, and the
             # finish inserts the whole sequence.

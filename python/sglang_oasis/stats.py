@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 from collections.abc import Sequence
 from multiprocessing import resource_tracker, shared_memory
 from typing import Any
@@ -179,6 +180,16 @@ def tensor_parallel_rank() -> int:
         return int(get_parallel().tp_rank)
     except (RuntimeError, ValueError, AttributeError):
         return 0
+
+
+INJECT_RANK_ENV = "SGLANG_OASIS_INJECT_ON_RANK"  # fault injection: only this tensor-parallel rank fails
+
+
+def injects_here() -> bool:
+    """Whether this process's tensor-parallel rank takes the faults tests inject (``INJECT_RANK_ENV``
+    names one; unset: every rank)."""
+    on_rank = os.environ.get(INJECT_RANK_ENV)
+    return not on_rank or int(on_rank) == tensor_parallel_rank()
 
 
 def _block_ranks(shm: shared_memory.SharedMemory) -> int:

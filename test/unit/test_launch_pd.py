@@ -46,6 +46,35 @@ def test_options_the_launcher_sets_per_server_are_refused(
     assert option in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--tp-size", "2", "--decode-args=--tp-size 1"],
+        ["--prefill-args=--tensor-parallel-size=2"],
+        ["--tp", "2", "--decode-args=--tp 4"],
+    ],
+)
+def test_a_sparse_pair_with_different_tp_sizes_is_refused(
+    argv: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Each decode rank reads its KV heads from the prefill rank of its own number: the sizes must match."""
+    with pytest.raises(SystemExit) as exit_info:
+        launch_pd.parse(argv)
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert "--tp-size: the prefill server's" in err and "differ" in err, err
+
+
+def test_the_same_tp_size_for_both_or_a_dense_pair_starts() -> None:
+    assert launch_pd.parse(["--tp-size", "2"])[1] == ["--tp-size", "2"]
+    assert launch_pd.parse(["--prefill-args=--tp-size 2", "--decode-args=--tp=2"])[1] == []
+    assert launch_pd.parse(["--oasis-mode", "dense", "--decode-args=--tp-size 2"])[1] == [
+        "--oasis-mode",
+        "dense",
+    ]
+    assert launch_pd.last_value(["--tp", "2", "--tp-size=3"], launch_pd.TENSOR_PARALLEL_OPTIONS, "1") == "3"
+
+
 class FakeServer:
     """Pure logic stand-in for ServerProcess: dies on cue, counts restarts."""
 

@@ -7,6 +7,7 @@ which reads are attempted; ``test/integration/test_remote_fetch.py`` runs the re
 from __future__ import annotations
 
 import time
+from typing import Any
 
 import pytest
 import torch
@@ -96,3 +97,39 @@ def test_an_unreachable_bootstrap_server_is_remembered(monkeypatch: pytest.Monke
     with pytest.raises(pd_partial.RemoteFetchError):
         pd_partial.handoff_endpoint("127.0.0.1", 9)
     assert len(calls) == 2  # after the TTL it is asked again
+
+
+def test_a_decode_rank_reads_from_the_prefill_rank_of_its_number_only_at_the_same_tp_size(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Under tensor parallelism a decode rank asks the bootstrap server for the prefill rank of its own
+    number; a prefill node with another --tp-size holds other KV heads per rank, so its requests arrive
+    whole (None: no hand-off is asked for), with one error logged per prefill node."""
+    asked: list[str] = []
+
+    class Answer:
+        def __init__(self, body: bytes) -> None:
+            self.body = body
+
+        def read(self) -> bytes:
+            return self.body
+
+        def __enter__(self) -> Answer:
+            return self
+
+        def __exit__(self, *exc: object) -> None:
+            pass
+
+    def answer(request: Any, timeout: float) -> Answer:
+        asked.append(request.full_url)
+        return Answer(b'{"url": "http://127.0.0.1:7001", "tp_size": 2}')
+
+    monkeypatch.setattr(pd_partial.urllib.request, "urlopen", answer)
+    monkeypatch.setattr(pd_partial, "_mismatched", set())
+    assert pd_partial.handoff_endpoint("127.0.0.1", 9, engine_rank=1, tp_size=2) == "http://127.0.0.1:7001"
+    assert asked[-1].endswith("?engine_rank=1")
+    with caplog.at_level("ERROR"):
+        assert pd_partial.handoff_endpoint("127.0.0.1", 9, engine_rank=0, tp_size=1) is None
+        assert pd_partial.handoff_endpoint("127.0.0.1", 9, engine_rank=0, tp_size=1) is None
+    errors = [r.getMessage() for r in caplog.records if "--tp-size 2" in r.getMessage()]
+    assert len(errors) == 1 and "arrive whole" in errors[0], errors

@@ -329,6 +329,37 @@ def test_hook_7_bootstrap_routes() -> None:
     assert ENDPOINT_ROUTE in [route.resource.canonical for route in server.app.router.routes()]
 
 
+def test_hook_7_bootstrap_routes_keep_each_tensor_parallel_ranks_handoffs() -> None:
+    """Each prefill rank registers its own hand-off URL (it stages its own KV heads) and the node's
+    --tp-size; a decode rank looks up the prefill rank of its own number."""
+    import asyncio
+
+    from aiohttp import web
+    from aiohttp.test_utils import TestClient, TestServer
+
+    from sglang_oasis.disaggregation.pd_partial import ENDPOINT_ROUTE
+
+    server = NS(app=web.Application())
+    hooks.remote_fetch_routes(lambda s: None, server)
+
+    async def exchange() -> list[tuple[int, Any]]:
+        async with TestClient(TestServer(server.app, host="127.0.0.1")) as client:
+            for rank in (1, 0):
+                body = {"engine_rank": rank, "tp_size": 2, "url": f"http://127.0.0.1:{9000 + rank}"}
+                assert (await client.put(ENDPOINT_ROUTE, json=body)).status == 200
+            answers = []
+            for query in ("?engine_rank=0", "?engine_rank=1", "", "?engine_rank=2"):
+                response = await client.get(ENDPOINT_ROUTE + query)
+                answers.append((response.status, await response.json()))
+            return answers
+
+    first, second, default, missing = asyncio.run(exchange())
+    assert first == (200, {"url": "http://127.0.0.1:9000", "tp_size": 2})
+    assert second == (200, {"url": "http://127.0.0.1:9001", "tp_size": 2})
+    assert default == first  # a decode node that names no rank: rank 0
+    assert missing[0] == 404
+
+
 def test_hook_7_peer_registration() -> None:
     """A decode session that registers with the prefill node's KV manager (a new decode process, perhaps a
     restarted node at the same address that does not fetch) is forgotten by the stager, after SGLang's
@@ -393,10 +424,22 @@ def test_hook_7_decode_pollers() -> None:
         pkgutil.resolve_name("sglang.srt.disaggregation.utils._poll_with_failure_injection")
     )
 
+    # A failed admission polls Failed: SGLang MIN-reduces the ranks' polls, so every rank fails it then.
+    assert "ReduceOp.MIN" in source_of(
+        pkgutil.resolve_name("sglang.srt.disaggregation.utils._all_reduce_polls")
+    )
+    assert KVPoll.Failed < min(
+        KVPoll.Bootstrapping, KVPoll.WaitingForInput, KVPoll.Transferring, KVPoll.Success
+    )
+
     class Remote:
         def __init__(self) -> None:
             self.over: set[int] = set()
             self.asked: list[tuple[int, int, str, int, int, str]] = []
+            self.errors: dict[int, str] = {}
+
+        def admission_error(self, slot: int, generation: int) -> str | None:
+            return self.errors.get(slot)
 
         def admission_done(
             self, slot: int, generation: int, host: str, port: int, room: int, session: str
@@ -407,9 +450,10 @@ def test_hook_7_decode_pollers() -> None:
     def entry(slot: int, state: KVPoll, host: str = "127.0.0.1", finished: bool = False) -> Any:
         req = NS(kv=NS(req_pool_idx=slot), bootstrap_host=host, bootstrap_port=8998, bootstrap_room=100 + slot,
                  finished=lambda: finished)  # fmt: skip
-        return NS(
-            req=req, kv_receiver=NS(poll=lambda: state, kv_mgr=NS(get_session_id=lambda: "10.0.0.2:17000"))
-        )
+        kv_mgr = NS(get_session_id=lambda: "10.0.0.2:17000", record_failure=failures.__setitem__)
+        return NS(req=req, kv_receiver=NS(poll=lambda: state, kv_mgr=kv_mgr))
+
+    failures: dict[int, str] = {}  # bootstrap room -> reason, as SGLang's KV manager records them
 
     remote = Remote()
     queue = NS(
@@ -424,6 +468,9 @@ def test_hook_7_decode_pollers() -> None:
     assert remote.asked == [(0, 5, "127.0.0.1", 8998, 100, "10.0.0.2:17000")]  # this node's session named
     remote.over.add(0)
     assert hooks.wait_for_admissions(original, queue)[0].poll() == KVPoll.Success
+    remote.errors[0] = "oasis: remote partial fetching failed (no hand-off)"
+    assert hooks.wait_for_admissions(original, queue)[0].poll() == KVPoll.Failed
+    assert failures == {100: remote.errors[0]}  # the reason SGLang's failure_exception() reports
     queue.scheduler.tp_worker.model_runner.attn_backend.pd.remote = None
     assert hooks.wait_for_admissions(original, queue) == original(queue)
 

@@ -31,9 +31,6 @@ logger = logging.getLogger(__name__)
 # Fault injection for tests: decode-time transfers of requests whose prompt is exactly this many tokens
 # long fail (the request must fail alone; the server keeps serving).
 INJECT_ENV = "SGLANG_OASIS_INJECT_TRANSFER_FAILURE"
-INJECT_RANK_ENV = (
-    "SGLANG_OASIS_INJECT_ON_RANK"  # only this tensor-parallel rank's transfers fail (all: unset)
-)
 
 
 class OasisTransferError(RuntimeError):

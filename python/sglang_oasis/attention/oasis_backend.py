@@ -29,7 +29,7 @@ from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBack
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
 from sglang_oasis.attention.batch_view import BatchView, extend_prefix_lens, extend_seq_lens
-from sglang_oasis.attention.block_prefetcher import INJECT_ENV, INJECT_RANK_ENV
+from sglang_oasis.attention.block_prefetcher import INJECT_ENV
 from sglang_oasis.attention.captured_step import CapturedStep
 from sglang_oasis.attention.draft_backend import DraftAttnBackend
 from sglang_oasis.attention.extend_attention import CachedPrefixExtend
@@ -46,7 +46,7 @@ from sglang_oasis.attention.strict_mode import StrictMode
 from sglang_oasis.attention.transfer_failures import TransferFailures
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.memory.device_tier import DeviceTier
-from sglang_oasis.stats import OasisStats, tensor_parallel_rank
+from sglang_oasis.stats import OasisStats, injects_here
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -306,11 +306,10 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
 def create_oasis_backend(model_runner: ModelRunner) -> TorchNativeAttnBackend:
     """The target model gets the sparse backend; a draft model (EAGLE-3 lookahead) attends densely over
     its own small KV cache. Fault injection and strict device mode for tests are read here, once
-    (``INJECT_ENV``, on one tensor-parallel rank only with ``INJECT_RANK_ENV``; ``STRICT_ENV``)."""
+    (``INJECT_ENV``, on one tensor-parallel rank only with ``stats.INJECT_RANK_ENV``; ``STRICT_ENV``)."""
     if getattr(model_runner, "is_draft_worker", False):
         return DraftAttnBackend(model_runner)
     config = OasisConfig.for_backend()
-    inject, on_rank = os.environ.get(INJECT_ENV), os.environ.get(INJECT_RANK_ENV)
-    here = on_rank is None or int(on_rank) == tensor_parallel_rank()
-    faults = FaultInjection(int(inject) if inject and here else None)
+    inject = os.environ.get(INJECT_ENV)
+    faults = FaultInjection(int(inject) if inject and injects_here() else None)
     return OasisAttnBackend(model_runner, config, faults, StrictMode.from_env())

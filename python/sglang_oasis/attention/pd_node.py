@@ -29,7 +29,7 @@ from sglang_oasis.config import OasisConfig
 from sglang_oasis.disaggregation.pd_partial import Arrival, DecodeFetcher, PrefillStager
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.sglang_hooks import BEFORE_BACKUP_LISTENER, FREED_ROW_LISTENER
-from sglang_oasis.stats import OasisStats
+from sglang_oasis.stats import OasisStats, tensor_parallel_rank
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
@@ -79,19 +79,21 @@ class PDNode:
         if str(getattr(args, "disaggregation_transfer_backend", "mooncake")) != "mooncake":
             logger.warning("oasis: remote partial fetching needs the mooncake transfer backend; off")
             return
-        if int(getattr(args, "tp_size", 1)) != 1:
-            logger.warning("oasis: remote partial fetching supports --tp-size 1 only; off")
-            return
         # The address peers reach this node at (a wildcard --host is resolved by the decode node).
         host = self.config.advertise_host or str(args.host)
+        # Under tensor parallelism each rank stages (prefill) or reads (decode) its own KV heads, paired
+        # with the other node's rank of the same number.
+        rank, tp_size = tensor_parallel_rank(), int(getattr(args, "tp_size", 1))
         if mode == "prefill":
             self.selector.prefetcher.record_admissions = self._admission_selections
             port = int(args.disaggregation_bootstrap_port)
             cap = self.config.remote_fetch_max_staged_mib * 2**20
-            self.stager = PrefillStager(self, host, port, 0, self.config.remote_fetch_ttl, max_bytes=cap)
+            self.stager = PrefillStager(
+                self, host, port, rank, self.config.remote_fetch_ttl, max_bytes=cap, tp_size=tp_size
+            )
             logger.info("oasis remote partial fetching: prefill hand-offs at %s", self.stager.url)
         else:
-            self.remote = self.selector.prefetcher.remote = DecodeFetcher(self, host)
+            self.remote = self.selector.prefetcher.remote = DecodeFetcher(self, host, rank, tp_size)
             # SGLang frees a finished request's row: release its staging then (sglang_hooks.py).
             setattr(self.req_to_token_pool, FREED_ROW_LISTENER, self.remote.release_slot)
             # SGLang backs up a retracted request's KV: its remote blocks are read first (sglang_hooks.py).

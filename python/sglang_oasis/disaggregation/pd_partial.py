@@ -59,7 +59,7 @@ from sglang_oasis.disaggregation.remote_fetch import AdmissionReads, RemoteParti
 from sglang_oasis.disaggregation.staging import KVStagingArea, StagedKVLayout
 from sglang_oasis.disaggregation.transfer_engine import MooncakeEndpoint, RemoteReadError
 from sglang_oasis.memory.summary_store import BlockSummaryStore
-from sglang_oasis.stats import OasisStats
+from sglang_oasis.stats import OasisStats, injects_here
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
@@ -76,6 +76,9 @@ DECODE_SESSION_HEADER = "X-Oasis-Decode-Session"
 # Fault injection (tests, bench_pd): "<prompt tokens>:<seconds>": hand-offs of prompts that long are
 # answered that late (a slow prefill node).
 HANDOFF_DELAY_ENV = "SGLANG_OASIS_INJECT_HANDOFF_DELAY"
+# Fault injection (tests): "<prompt tokens>": the decode node's admission of prompts that long fails (on
+# the tensor-parallel rank ``SGLANG_OASIS_INJECT_ON_RANK`` names only, if set).
+ADMISSION_FAILURE_ENV = "SGLANG_OASIS_INJECT_ADMISSION_FAILURE"
 ADMISSION_WORKERS = 4  # admissions read at once (hand-off and Mooncake reads, off the scheduler thread)
 RELEASE_QUEUE = 1024  # hand-off releases waiting for the prefill node; beyond it they expire there (TTL)
 
@@ -221,19 +224,24 @@ UNREACHABLE_TTL_S = 10.0  # how long a bootstrap server that did not answer is n
 _unreachable: dict[tuple[str, int], tuple[str, float]] = {}  # bootstrap address -> (failure, when)
 
 
-def handoff_endpoint(bootstrap_host: str, bootstrap_port: int) -> str | None:
-    """The hand-off URL the prefill node at this bootstrap address registered with its bootstrap server;
-    None if it does not stage KV (its requests arrive whole). Raises ``RemoteFetchError`` if the bootstrap
-    server cannot answer; that is remembered for ``UNREACHABLE_TTL_S``, so requests arriving meanwhile
-    fail at once instead of each holding the decode scheduler's thread for the HTTP timeout."""
+def handoff_endpoint(
+    bootstrap_host: str, bootstrap_port: int, engine_rank: int = 0, tp_size: int = 1
+) -> str | None:
+    """The hand-off URL that tensor-parallel rank ``engine_rank`` of the prefill node at this bootstrap
+    address registered with its bootstrap server; None if it does not stage KV, or runs another
+    ``--tp-size`` than this node's ``tp_size`` (its ranks hold other KV heads than this node's: its requests
+    arrive whole, as SGLang sends them; logged once per address). Raises ``RemoteFetchError`` if the
+    bootstrap server cannot answer; that is remembered for ``UNREACHABLE_TTL_S``, so requests arriving
+    meanwhile fail at once instead of each holding the decode scheduler's thread for the HTTP timeout."""
     key, now = (bootstrap_host, int(bootstrap_port)), time.monotonic()
     known = _unreachable.get(key)
     if known is not None and now - known[1] < UNREACHABLE_TTL_S:
         raise RemoteFetchError(f"{known[0]} ({now - known[1]:.1f} s ago; not asked again yet)")
-    address = f"http://{bootstrap_host}:{bootstrap_port}{ENDPOINT_ROUTE}?engine_rank=0"
+    address = f"http://{bootstrap_host}:{bootstrap_port}{ENDPOINT_ROUTE}?engine_rank={engine_rank}"
     try:
         with _open(address) as response:
-            return str(json.loads(response.read())["url"])
+            answer = json.loads(response.read())
+            url, their_tp = str(answer["url"]), int(answer.get("tp_size", 1))
     except (ValueError, KeyError) as error:
         raise RemoteFetchError(f"bootstrap server {address} answered without a URL: {error}") from None
     except urllib.error.HTTPError as error:
@@ -244,6 +252,18 @@ def handoff_endpoint(bootstrap_host: str, bootstrap_port: int) -> str | None:
         message = f"bootstrap server {address} unreachable: {error}"
         _unreachable[key] = (message, now)
         raise RemoteFetchError(message) from None
+    if their_tp != tp_size:
+        if key not in _mismatched:
+            _mismatched.add(key)
+            logger.error(
+                "oasis: the prefill node at %s:%d runs --tp-size %d and this decode node %d: remote partial "
+                "fetching needs the same on both; its requests arrive whole", *key, their_tp, tp_size,
+            )  # fmt: skip
+        return None
+    return url
+
+
+_mismatched: set[tuple[str, int]] = set()  # bootstrap addresses of prefill nodes with another --tp-size
 
 
 # --- prefill node ------------------------------------------------------------------------------------
@@ -254,7 +274,7 @@ class PrefillStager:
 
     def __init__(
         self, backend: StagingSource, host: str, bootstrap_port: int, engine_rank: int, ttl_s: float,
-        max_bytes: int = 0,
+        max_bytes: int = 0, tp_size: int = 1,
     ) -> None:  # fmt: skip
         self.backend = backend
         self.ttl_s = ttl_s
@@ -274,7 +294,7 @@ class PrefillStager:
         # Requests are staged only once decode nodes can find the hand-offs; until then they go whole.
         self.ready = threading.Event()
         threading.Thread(
-            target=self._register, args=(host, bootstrap_port, engine_rank), name="oasis-handoff-register",
+            target=self._register, args=(host, bootstrap_port, engine_rank, tp_size), name="oasis-handoff-register",
             daemon=True,
         ).start()  # fmt: skip
         threading.Thread(target=self._sweep, name="oasis-staging-sweeper", daemon=True).start()
@@ -317,10 +337,11 @@ class PrefillStager:
             except Exception:  # the next sweep tries again
                 logger.exception("oasis: sweeping staged KV failed")
 
-    def _register(self, host: str, bootstrap_port: int, engine_rank: int) -> None:
-        """Tell the prefill's bootstrap server (started after this process) where this rank's hand-offs
-        are served; retried until it answers."""
-        body = json.dumps({"engine_rank": engine_rank, "url": self.url}).encode()
+    def _register(self, host: str, bootstrap_port: int, engine_rank: int, tp_size: int) -> None:
+        """Tell the prefill's bootstrap server (started after this process) where this tensor-parallel
+        rank's hand-offs are served (each rank stages its own KV heads), and the node's ``--tp-size``;
+        retried until it answers."""
+        body = json.dumps({"engine_rank": engine_rank, "tp_size": tp_size, "url": self.url}).encode()
         address = f"http://{host}:{bootstrap_port}{ENDPOINT_ROUTE}"
         started = time.monotonic()
         while True:
@@ -511,8 +532,11 @@ class DecodeFetcher:
     at the request's commit. With the decode radix cache on, ``complete_later`` reads an admitted request's
     remaining blocks on the completion worker, so its KV can be shared at its finish without a read then."""
 
-    def __init__(self, backend: FetchTarget, host: str) -> None:
+    def __init__(self, backend: FetchTarget, host: str, rank: int = 0, tp_size: int = 1) -> None:
         self.backend = backend
+        # Under tensor parallelism each rank holds its own KV heads and reads them from the prefill
+        # node's rank of the same number (the same --tp-size on both: ``handoff_endpoint``).
+        self.rank, self.tp_size = rank, tp_size
         self.endpoint = MooncakeEndpoint(host)
         self.fetcher = RemotePartialFetcher(
             self.endpoint,
@@ -547,7 +571,7 @@ class DecodeFetcher:
         key = (bootstrap_host, int(bootstrap_port))
         url = None if fresh else self._endpoints.get(key)
         if url is None:
-            url = handoff_endpoint(bootstrap_host, bootstrap_port)
+            url = handoff_endpoint(bootstrap_host, bootstrap_port, self.rank, self.tp_size)
             if url is not None:
                 url = self._endpoints[key] = reachable(url, bootstrap_host)
         return url
@@ -591,6 +615,16 @@ class DecodeFetcher:
         with self._lock:
             self._admitting[slot] = (generation, job)
         return job.done()
+
+    def admission_error(self, slot: int, generation: int) -> str | None:
+        """Why the admission of the request in ``slot`` failed, once its job is over; None while it runs,
+        after it succeeded, or for a request with no admission here."""
+        with self._lock:
+            pending = self._admitting.get(slot)
+        if pending is None or pending[0] != generation or not pending[1].done() or pending[1].cancelled():
+            return None
+        error = pending[1].exception()
+        return None if error is None else f"oasis: remote partial fetching failed ({error})"
 
     def admit(
         self, slot: int, generation: int, bootstrap_host: str, bootstrap_port: int, room: int,
@@ -636,6 +670,9 @@ class DecodeFetcher:
             return None
         url, handoff = found
         self._check_handoff(handoff, slot)  # before anything is sized from it
+        if os.environ.get(ADMISSION_FAILURE_ENV) == str(handoff.num_tokens) and injects_here():
+            self._release_remote(url, room)
+            raise RemoteFetchError(f"injected admission failure ({ADMISSION_FAILURE_ENV})")
         layout = handoff.layout
         if layout is None:
             return _Admitted(url, room, handoff)
@@ -727,9 +764,29 @@ class DecodeFetcher:
 
     def complete(self, slot: int) -> bool:
         """Reads every still-remote block of the request in ``slot`` now (before a retracted request's KV
-        is backed up); False if that failed."""
+        is backed up); False if that failed (on any tensor-parallel rank: ``on_every_rank``)."""
         request = self.fetcher.requests.get(slot)
-        return request is None or self._complete(slot, request)
+        try:
+            whole = request is None or self._complete(slot, request)
+        except Exception:  # the request cannot be backed up (SGLang aborts it); the ranks still agree
+            logger.exception("oasis: reading request slot %d's remaining blocks failed", slot)
+            whole = False
+        return self.on_every_rank(whole)
+
+    def on_every_rank(self, flag: bool) -> bool:
+        """Whether ``flag`` holds on every tensor-parallel rank (one all-reduce over the ranks' CPU group;
+        at TP 1, ``flag``). For what changes the scheduler's decisions (a retracted request kept or aborted,
+        a finished one shared through the radix cache), which must be the same on every rank: each rank
+        reads its own KV heads' blocks, and one may still miss some when another holds all of its own.
+        Every rank calls it at the same point (the schedulers decide alike)."""
+        if self.tp_size == 1:
+            return flag
+        import torch.distributed as dist
+        from sglang.srt.distributed.parallel_state import get_tp_group
+
+        value = torch.tensor([int(flag)], dtype=torch.int64)
+        dist.all_reduce(value, op=dist.ReduceOp.MIN, group=get_tp_group().cpu_group)
+        return bool(value.item())
 
     def complete_later(self, slot: int) -> None:
         """Starts reading every still-remote block of the admitted request in ``slot`` on the completion
