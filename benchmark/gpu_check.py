@@ -40,6 +40,7 @@ if "--smoke" in sys.argv and not torch.cuda.is_available():
 
 import sgl_kernel_oasis as reference
 from gpu_pipeline import pipeline_rows
+from gpu_step import captured_rows
 from sgl_kernel_oasis import triton_kernels as tk
 
 
@@ -381,6 +382,8 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=8)
     parser.add_argument("--contexts", type=int, nargs="+", default=[16384, 32768])
     parser.add_argument("--pipeline-steps", type=int, default=8, help="timed steps per pipeline mode")
+    parser.add_argument("--step-batches", type=int, nargs="+", default=[1, 8, 32],
+                        help="batches of the captured step (gpu_step.py)")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
     global QUICK, DTYPE
@@ -397,6 +400,16 @@ def main() -> None:
     stack = Stack(shape, device)
     steps = decode_step_rows(stack, batch, contexts, device)
     pipeline = pipeline_rows(stack, batch, contexts, device, 2 if args.smoke else args.pipeline_steps)
+
+    def dense_ms(rows: int, context: int) -> float:
+        return dense_step(
+            stack, torch.randn(rows, shape.hidden, device=device, dtype=DTYPE), context, device
+        )[1]
+
+    captured = captured_rows(
+        stack, [1, 2] if args.smoke else args.step_batches, contexts, device, dense_ms, shape.top_k,
+        shape.fetch_ratio, 2 if args.smoke else 10,
+    )  # fmt: skip
     report = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
         "torch": torch.__version__,
@@ -405,6 +418,7 @@ def main() -> None:
         "kernels": kernels,
         "decode_steps": steps,
         "pipeline": pipeline,
+        "captured_step": captured,
         "shape": shape.__dict__,
         "seconds": time.time() - started,
     }
@@ -441,6 +455,19 @@ def main() -> None:
         print(f"{r['context']:>8} {r['mode']:>6} {r['step_ms']:>8.2f} {r['wait_ms_per_step']:>8.2f} "
               f"{r['job_ms_per_step']:>8.2f} {r['loads_per_step']:>7.0f} {r['deferred_per_step']:>9.0f} "
               f"{r['copies_ok']!s:>9}")  # fmt: skip
+    checks = captured["checks"]
+    print(
+        f"\ncaptured step (attention/decode_program.py in the stack, K={shape.top_k}, cap "
+        f"{shape.fetch_ratio:g} K, host tier {'pinned, read in place' if checks['host_tier_device_view'] else 'not read in place'}); "
+        f"replay = eager: {checks['replay_equals_eager']} (output rel err {checks['output_rel_err']:.1e}), "
+        f"K covering vs SDPA rel err {checks['covering_rel_err']:.1e}"
+    )  # fmt: skip
+    print(f"{'context':>8} {'batch':>6} {'eager ms':>9} {'replay ms':>10} {'dense ms':>9} {'replay/dense':>12} "
+          f"{'host blocks':>11} {'host MB':>8} {'GB/s':>6}")  # fmt: skip
+    for r in captured["rows"]:
+        print(f"{r['context']:>8} {r['batch']:>6} {r['eager_ms']:>9.2f} {r['replay_ms']:>10.2f} {r['dense_ms']:>9.2f} "
+              f"{r['replay_vs_dense']:>12.2f} {r['host_blocks_per_step']:>11.0f} "
+              f"{r['host_bytes_per_step'] / 1e6:>8.2f} {r['host_gbps']:>6.1f}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)

@@ -3,7 +3,7 @@ rank). Each rank selects, loads and attends for its own KV head; the ranks agree
 (``sglang_hooks.agree_on_failures``) and their counters are aggregated (``stats.aggregate``).
 
 - K covering every block (the per-request ``oasis_top_k``): TP 2 sparse answers as TP 2 dense token for
-  token, without lookahead and with the NGRAM lookahead's draft rows.
+  token, without lookahead and with the NGRAM and EAGLE-3 lookaheads' draft rows.
 - K = 4 of up to 24 blocks: TP 2 sparse answers as TP 1 sparse with the same K token for token (selection
   is per KV head, from that head's keys only), and each request's figures (``meta_info["oasis"]``) sum its
   ranks' loads: the same blocks and bytes as TP 1's.
@@ -27,6 +27,7 @@ import requests
 import torch
 
 from sglang_oasis.server_process import ServerProcess, greedy_body
+from sglang_oasis_testing.tiny_models import TinyModelSpec, build_tiny_eagle3_head
 
 NEW_TOKENS = 24
 K = 4
@@ -123,6 +124,20 @@ def test_lookahead_rows_under_tp2_with_k_covering_answer_as_dense_tp2(
         ranks = server.oasis_stats()["ranks"]
     assert_same_tokens(got, dense_tp2[1], "sparse with NGRAM lookahead and dense")
     assert all(rank["decode_steps"] >= NEW_TOKENS - 1 for rank in ranks)
+
+
+def test_eagle3_lookahead_under_tp2_with_k_covering_answers_as_dense_tp2(
+    dense_tp2: list[list[dict[str, Any]]], tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> None:
+    """The EAGLE-3 draft model's rows under TP 2 (its random head: one KV head per rank, like the target's),
+    verified by the target: every step is a verify step over the draft's tokens."""
+    head = build_tiny_eagle3_head(TinyModelSpec(arch="qwen3"), tiny_qwen3_dir.parent)
+    args = ["--model-path", str(tiny_qwen3_dir), *SPARSE, "--tp-size", "2", "--oasis-lookahead", "eagle3",
+            "--speculative-draft-model-path", str(head), "--oasis-draft-policy", "verify"]  # fmt: skip
+    with _serve(args, "tiny-qwen3-sparse-tp2-eagle3", tmp_path_factory) as server:
+        got = answers(server, PROMPTS_LOOKAHEAD, COVERING)
+    assert_same_tokens(got, dense_tp2[1], "sparse with EAGLE-3 lookahead and dense")
+    assert all(answer["meta_info"]["spec_verify_ct"] > 0 for answer in got), [a["meta_info"] for a in got]
 
 
 def test_sparse_tp2_with_k_covering_answers_as_dense_tp2(

@@ -41,3 +41,13 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     assert rows["none"]["loads_per_step"] == 0
     for mode in ("sync", "async"):  # random predicting queries: capped loads every step, the rest deferred
         assert 0 < rows[mode]["loads_per_step"] <= most and rows[mode]["deferred_per_step"] > 0, rows[mode]
+    # The runtime's captured step (gpu_step.py) in the stack: replayed = eager, K covering = SDPA, and the
+    # capped copies of random selections each step
+    captured = report["captured_step"]
+    checks = captured["checks"]
+    assert checks["replay_equals_eager"] and checks["state_equal"], checks
+    assert checks["covering_rel_err"] < 1e-3, checks
+    assert [(r["context"], r["batch"]) for r in captured["rows"]] == [(128, 1), (128, 2)]
+    for row in captured["rows"]:
+        assert row["eager_ms"] > 0 and row["dense_ms"] > 0 and row["host_blocks_per_step"] > 0, row
+    assert "captured step" in result.stdout

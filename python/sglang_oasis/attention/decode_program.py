@@ -160,7 +160,7 @@ def decode_layer(
     len(COUNTS)]`` of the copies it made for the next step. Writes the layer's state in place."""
     block, span = shape.block_size, shape.span
     slots, seq_lens, locs = plan.slots, plan.seq_lens, plan.locs
-    bs, heads = slots.shape[0], state.kmin.shape[1]
+    bs, heads, device = slots.shape[0], state.kmin.shape[1], slots.device  # every tensor on one device
     position = seq_lens - 1
 
     # 1. This step's token: the host tier, its page's summary (restarted at the page's first token), the
@@ -187,13 +187,15 @@ def decode_layer(
     covered = state.covered[slots]
     blocks = state.slot_block[slots]  # [bs, H, S]
     order = torch.where(blocks == EMPTY, INT64_MAX, blocks).argsort(dim=-1)
-    head = torch.arange(heads)[None, :, None]
+    head = torch.arange(heads, device=device)[None, :, None]
     ws_keys = state.ws_k[slots[:, None, None], head, order]  # [bs, H, S, B, D]
     ws_values = state.ws_v[slots[:, None, None], head, order]
     num_slots, dim = ws_keys.shape[2], ws_keys.shape[-1]
-    tail_positions = (covered * block)[:, None] + torch.arange(span - 1)
+    tail_positions = (covered * block)[:, None] + torch.arange(span - 1, device=device)
     tail_rows = torch.cat([slots[:, None] * span + tail_positions % span, new_row[:, None]], dim=1)
-    tail_valid = torch.cat([tail_positions < position[:, None], torch.ones((bs, 1), dtype=torch.bool)], dim=1)
+    tail_valid = torch.cat(
+        [tail_positions < position[:, None], torch.ones((bs, 1), dtype=torch.bool, device=device)], dim=1
+    )
     tail_keys = state.active_k[tail_rows].transpose(1, 2)  # [bs, H, span, D]
     tail_values = state.active_v[tail_rows].transpose(1, 2)
     keys = torch.cat([ws_keys.reshape(bs, heads, num_slots * block, dim), tail_keys], dim=2)
@@ -206,7 +208,7 @@ def decode_layer(
     # 3. Selection for the next step (``BlockPrefetcher._choose``): rows with more full blocks than their
     #    working sets hold keep their sinks, their pinned blocks and their top-K by summary score.
     num_blocks = plan.pages.shape[1]
-    index = torch.arange(num_blocks)
+    index = torch.arange(num_blocks, device=device)
     full = seq_lens // block
     in_range = (index[None, :] < full[:, None])[:, None, :].expand(-1, heads, -1)  # [bs, H, N]
     top_k = state.top_k[slots]
@@ -214,14 +216,16 @@ def decode_layer(
     over = (full > capacity)[:, None, None]
     scores = score_paged_blocks(q[:, None], state.kmin, state.kmax, plan.pages)[:, 0]  # [bs, H, N]
     pins = state.pinned[slots]
-    pinned = torch.zeros((bs, heads, num_blocks + 1), dtype=torch.bool)
+    pinned = torch.zeros((bs, heads, num_blocks + 1), dtype=torch.bool, device=device)
     pinned = pinned.scatter(-1, torch.where(pins >= 0, pins, num_blocks), True)[..., :num_blocks]
     scores = scores.masked_fill(pinned, float("inf"))
     sinks = (index < shape.sink_blocks)[None, None, :]
     width = min(shape.max_top_k, num_blocks)
     best = scores.masked_fill(sinks | ~in_range, float("-inf")).topk(width, dim=-1).indices
-    within_k = (torch.arange(width)[None, :] < top_k[:, None])[:, None, :].expand(-1, heads, -1)
-    chosen = torch.zeros((bs, heads, num_blocks), dtype=torch.bool).scatter(-1, best, within_k)
+    within_k = (torch.arange(width, device=device)[None, :] < top_k[:, None])[:, None, :].expand(
+        -1, heads, -1
+    )
+    chosen = torch.zeros((bs, heads, num_blocks), dtype=torch.bool, device=device).scatter(-1, best, within_k)
     selected = torch.where(over, (chosen | sinks) & in_range, in_range)
     priority = torch.where(over, scores.masked_fill(sinks, float("inf")), 0.0)
 
@@ -230,7 +234,7 @@ def decode_layer(
     last = state.last_selected[slots]
     occupied = blocks != EMPTY
     holds_selected = occupied & selected.gather(-1, blocks.clamp(0, num_blocks - 1))
-    resident = torch.zeros((bs, heads, num_blocks + 1), dtype=torch.bool)
+    resident = torch.zeros((bs, heads, num_blocks + 1), dtype=torch.bool, device=device)
     resident = resident.scatter(-1, torch.where(occupied, blocks, num_blocks), True)[..., :num_blocks]
     missing = selected & ~resident
     fresh = index[None, None, :] >= covered[:, None, None]  # filled up since the last selection
@@ -245,7 +249,7 @@ def decode_layer(
     missing_first = (~missing).to(torch.int8).sort(dim=-1, stable=True).indices  # missing ids, ascending
     ranks = min(num_slots, num_blocks)
     count = missing.sum(dim=-1, keepdim=True)
-    take = torch.arange(ranks) < count  # [bs, H, ranks]
+    take = torch.arange(ranks, device=device) < count  # [bs, H, ranks]
     dest, new_blocks = victims[..., :ranks], missing_first[..., :ranks]
     blocks = blocks.scatter(-1, dest, torch.where(take, new_blocks, blocks.gather(-1, dest)))
     now_selected = (blocks != EMPTY) & selected.gather(-1, blocks.clamp(0, num_blocks - 1))
@@ -262,8 +266,8 @@ def decode_layer(
     #    that just filled up comes from the active blocks, the others from the host tier.
     copies = min(shape.copies, ranks)
     take, dest, new_blocks = take[..., :copies], dest[..., :copies], new_blocks[..., :copies]
-    row = torch.arange(bs)[:, None, None]
-    offsets = torch.arange(block)
+    row = torch.arange(bs, device=device)[:, None, None]
+    offsets = torch.arange(block, device=device)
     host_tokens = (plan.pages[row, new_blocks] * block)[..., None] + offsets  # [bs, H, M, B]
     per_slot = span // block
     ring_tokens = ((slots[:, None, None] * per_slot + new_blocks % per_slot) * block)[..., None] + offsets
@@ -281,7 +285,7 @@ def decode_layer(
             host[host_tokens, head_index].to(ws.dtype),
         )  # [bs, H, M, B, D]
         target_slot = torch.where(take, slots[:, None, None], shape.padding_slot)
-        target = torch.where(take, dest, torch.arange(copies))
+        target = torch.where(take, dest, torch.arange(copies, device=device))
         ws.index_put_((target_slot, head.expand(bs, -1, copies), target), data)
     counts = torch.stack(
         [

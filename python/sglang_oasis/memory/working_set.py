@@ -31,7 +31,7 @@ BLOCK_ID_SPAN = 1 << 24
 def stable_ranks(key: torch.Tensor) -> torch.Tensor:
     """Each entry's rank along the last dim by ascending ``key`` (stable: ties by index)."""
     order = key.argsort(dim=-1, stable=True)
-    index = torch.arange(key.shape[-1]).expand_as(order).contiguous()
+    index = torch.arange(key.shape[-1], device=key.device).expand_as(order).contiguous()
     return torch.empty_like(order).scatter_(-1, order, index)
 
 
