@@ -408,7 +408,7 @@ def main() -> None:
 
     captured = captured_rows(
         stack, [1, 2] if args.smoke else args.step_batches, contexts, device, dense_ms, shape.top_k,
-        shape.fetch_ratio, 2 if args.smoke else 10,
+        shape.fetch_ratio, 2 if args.smoke else 50,
     )  # fmt: skip
     report = {
         "device": torch.cuda.get_device_name() if device == "cuda" else "cpu",

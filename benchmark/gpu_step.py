@@ -14,7 +14,7 @@ The copies run in line, on the step's stream; the side stream the design calls f
 not written. Summaries, working sets (K blocks per KV head) and the active blocks are on the device.
 
 Rows per (context, batch), K = 128 with the 5% cap, random hidden states every step (each step's
-selection drifts as far as it can: the heaviest copy load):
+selection drifts as far as it can: the heaviest copy load), 50 replays timed:
 
 - ``eager_ms``, ``replay_ms``, and ``dense_ms`` (``gpu_check.dense_step``: SDPA over the whole context in
   device memory, also replayed from a graph) at the same batch and context;
@@ -281,7 +281,7 @@ def _row(stack: Any, program: Program, repeat: int, device: str, dense_ms: float
     def step() -> None:
         stack.step(x.normal_(), program.attend)  # random hidden states: the selection drifts
 
-    eager_ms = timed(step, device, repeat)
+    eager_ms = timed(step, device, min(repeat, 10))
     replay = capture(step, device)
     program.loads.zero_()  # counted over the replays (in the graph) and their warm-ups
     replay_ms = timed(replay or step, device, repeat)  # CPU: no graph; the eager step again
