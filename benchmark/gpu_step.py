@@ -36,6 +36,7 @@ from typing import Any
 
 import torch
 
+from gpu_pipeline import HostPool
 from sglang_oasis.attention.decode_program import LayerState, StepPlan, StepShape, decode_layer
 from sglang_oasis.memory.working_set import EMPTY
 
@@ -82,13 +83,8 @@ class Program:
         copies = top_k if fetch_ratio >= 1 else min(top_k, math.ceil(fetch_ratio * top_k) + 1)
         self.shape = StepShape(b, span, 0, top_k, fetch_ratio, copies, batch)
         gen = torch.Generator(device="cpu").manual_seed(context * 31 + batch)
-        host_k = torch.empty((batch * per_request, h, d), dtype=dtype, pin_memory=device == "cuda")
-        host_v = torch.empty_like(host_k, pin_memory=device == "cuda")
-        chunk = 1 << 16  # random on the device, copied out
-        for start in range(0, host_k.shape[0], chunk):
-            rows = slice(start, min(start + chunk, host_k.shape[0]))
-            host_k[rows] = torch.randn(host_k[rows].shape, device=device, dtype=dtype).cpu()
-            host_v[rows] = torch.randn(host_v[rows].shape, device=device, dtype=dtype).cpu()
+        pool = HostPool(batch * per_request, h, d, dtype, device)  # pinned on CUDA
+        host_k, host_v = pool.k, pool.v
         self.host_k, self.host_v = host_k, host_v
         view_k, self.uva = device_view(host_k)
         view_v, _ = device_view(host_v)
