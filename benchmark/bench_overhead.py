@@ -1,4 +1,4 @@
-"""Overhead of the sparse path against dense SGLang at batch 1: with K covering every block (where sparsity
+"""Overhead of the sparse path against dense SGLang at batch 1 (or ``--batch``): with K covering every block (where sparsity
 buys nothing) and with K < N (where block scoring and top-K run at every decode step).
 
 Four servers, one after another, on SmolLM2 (``--num-layers`` truncates it):
@@ -21,7 +21,8 @@ Four servers, one after another, on SmolLM2 (``--num-layers`` truncates it):
   ``sparse_async`` loads.
 
 Each server gets a warm-up request (a whole generation: the captured modes compile there), then ``--repeats`` streamed greedy generations of the same essay
-prompt, one at a time. TPOT of a generation = (last token time - first token time) / (tokens - 1); a
+prompt, one at a time (``--batch B``: B at once, the same prompt; a repeat's TPOT is the median of its B
+generations', and its output the first one's). TPOT of a generation = (last token time - first token time) / (tokens - 1); a
 mode's TPOT is the median over the repeats. The greedy output ids of every repeat are compared with
 dense's first: a sparse mode is ``identical_to_dense`` when all of its repeats match token for token, and
 its ``prefix_agreement`` is the common prefix of its first repeat's output and dense's over the output
@@ -40,7 +41,7 @@ to; with K covering every block it is expected to be 0.
 
     python benchmark/bench_overhead.py --json overhead.json [--num-layers N] [--context-tokens 1024]
         [--output-tokens 64] [--repeats 3] [--sparse-top-k 16] [--block-size 16] [--dtype float32]
-        [--recall-sample-every N] [--tp-size N]
+        [--recall-sample-every N] [--tp-size N] [--batch 1]
 
 With ``--recall-sample-every N`` a fifth server, ``sparse_k_sparse_recall``, is ``sparse_k_sparse`` with
 the recall telemetry on (``--oasis-recall-sample-every N``); ``recall_cost_ratio`` = its TPOT over
@@ -125,6 +126,13 @@ def check_sparse_top_k(top_k: int, context_tokens: int, block_size: int) -> int:
     return full_blocks
 
 
+def device_tokens(top_k: int, block_size: int, batch: int, pool_tokens: int) -> int:
+    """A device budget that runs ``batch`` requests and more (working sets, active blocks, the captured
+    step's padding slot) beside the summaries of a ``pool_tokens`` host tier (an eighth of its tokens'
+    bytes; a quarter given)."""
+    return (batch + 3) * (top_k + 2) * block_size + pool_tokens // 4
+
+
 def ratio(mode_ms: float | None, dense_ms: float | None) -> float | None:
     """``mode_ms / dense_ms``; None when either is missing (a failed mode) or dense's is 0."""
     return mode_ms / dense_ms if dense_ms and mode_ms is not None else None
@@ -195,7 +203,7 @@ def _fmt(value: float | None) -> str:
 
 def server_args(
     mode: str, model: Path, top_k: int, block_size: int, pool_tokens: int, context_length: int, dtype: str,
-    recall_every: int = 0,
+    recall_every: int = 0, batch: int = 1,
 ) -> list[str]:  # fmt: skip
     common = ["--model-path", str(model), "--context-length", str(context_length), "--dtype", dtype]
     if mode == "dense":
@@ -206,34 +214,41 @@ def server_args(
     uncapped = not mode.startswith("sparse_k_sparse") and not mode.endswith("_captured")
     fetch = ["--oasis-fetch-ratio", "1.0"] if uncapped else []
     recall = ["--oasis-recall-sample-every", str(recall_every)] if mode == RECALL_MODE else []
-    # the captured modes compile each shape inline at the warm-up (the timed runs meet no eager pass)
-    captured = ["--oasis-decode-step", "captured", "--oasis-captured-compile", "inline"]
-    step = captured if mode.endswith("_captured") else ["--oasis-decode-step", "eager"]
+    step = ["--oasis-decode-step", "captured"] if mode.endswith("_captured") else []
     return [*recall, *step,
         *common, "--oasis-mode", "sparse", "--oasis-top-k", str(top_k), "--oasis-block-size", str(block_size),
         *fetch, "--oasis-prefetch", "sync" if mode == "sparse_sync" else "async",
-        "--oasis-host-kv-tokens", str(pool_tokens), "--oasis-device-kv-tokens", str(4 * top_k * block_size),
+        "--oasis-host-kv-tokens", str(pool_tokens), "--oasis-device-kv-tokens", str(device_tokens(top_k, block_size, batch, pool_tokens)),
     ]  # fmt: skip
 
 
-def measure(server: ServerProcess, prompt: list[int], output_tokens: int, repeats: int) -> dict[str, Any]:
+def measure(
+    server: ServerProcess, prompt: list[int], output_tokens: int, repeats: int, batch: int = 1
+) -> dict[str, Any]:
+    from concurrent.futures import ThreadPoolExecutor
+
+    def generations() -> list[Any]:  # ``batch`` streams at once
+        with ThreadPoolExecutor(batch) as pool:
+            return list(pool.map(lambda _: stream_generate(server.url, prompt, output_tokens), range(batch)))
+
     # a whole generation: a captured step compiles each shape the timed ones meet (a block bucket crossed)
-    warm = stream_generate(server.url, prompt, output_tokens)
-    if warm.error:
-        raise RuntimeError(f"warm-up request failed: {warm.error}")
+    for warm in generations():
+        if warm.error:
+            raise RuntimeError(f"warm-up request failed: {warm.error}")
     try:
         before: dict[str, Any] | None = oasis_stats(server.url)
     except Exception:
         before = None
     runs, outputs = [], []
     for _ in range(repeats):
-        stream = stream_generate(server.url, prompt, output_tokens)
-        if stream.error:
-            raise RuntimeError(f"request failed: {stream.error}")
-        if len(stream.output_ids) != output_tokens:
-            raise RuntimeError(f"got {len(stream.output_ids)} output ids for {output_tokens} tokens")
-        runs.append(tpot_s(stream.token_times) * 1000)
-        outputs.append(stream.output_ids)
+        streams = generations()
+        for stream in streams:
+            if stream.error:
+                raise RuntimeError(f"request failed: {stream.error}")
+            if len(stream.output_ids) != output_tokens:
+                raise RuntimeError(f"got {len(stream.output_ids)} output ids for {output_tokens} tokens")
+        runs.append(statistics.median(tpot_s(stream.token_times) for stream in streams) * 1000)
+        outputs.append(streams[0].output_ids)
     result: dict[str, Any] = {"tpot_ms": statistics.median(runs), "tpot_ms_runs": runs, "outputs": outputs}
     if before is not None and before.get("mode") == "sparse":
         result.update(per_step_counters(before, oasis_stats(server.url)))
@@ -265,9 +280,10 @@ def main() -> int:
     parser.add_argument("--modes", default=",".join(MODES), help="the modes to run (dense always runs)")
     parser.add_argument("--dtype", default="float32", help="SGLang --dtype of every server")
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks of every server")
+    parser.add_argument("--batch", type=int, default=1, help="generations at once (the same prompt)")
     args = parser.parse_args()
-    if args.output_tokens < 2 or args.repeats < 1:
-        parser.error("--output-tokens must be >= 2 and --repeats >= 1")
+    if args.output_tokens < 2 or args.repeats < 1 or args.batch < 1:
+        parser.error("--output-tokens must be >= 2, --repeats and --batch >= 1")
     try:
         full_blocks = check_sparse_top_k(args.sparse_top_k, args.context_tokens, args.block_size)
     except ValueError as exc:
@@ -277,14 +293,14 @@ def main() -> int:
     prompt = essay_prompts(model, 1, args.context_tokens)[0]
     top_k = covering_top_k(args.context_tokens, args.output_tokens, args.block_size)
     context_length = args.context_tokens + args.output_tokens + 256
-    pool_tokens = 2 * context_length + 4096
+    pool_tokens = (args.batch + 1) * context_length + 4096
     results: dict[str, Any] = {
         "settings": {
             "context_tokens": args.context_tokens, "output_tokens": args.output_tokens,
             "repeats": args.repeats, "num_layers": args.num_layers or 30, "top_k": top_k,
             "block_size": args.block_size, "fetch_ratio": 1.0, "sparse_top_k": args.sparse_top_k,
             "sparse_fetch_ratio": OasisConfig().fetch_ratio, "context_full_blocks": full_blocks,
-            "batch": 1, "dtype": args.dtype, "model": str(model), "tp_size": args.tp_size,
+            "batch": args.batch, "dtype": args.dtype, "model": str(model), "tp_size": args.tp_size,
         },
         "date": datetime.now(timezone.utc).isoformat(timespec="seconds"),
         "machine": machine_info(),
@@ -310,12 +326,13 @@ def main() -> int:
             context_length,
             args.dtype,
             args.recall_sample_every,
+            args.batch,
         )
         if args.tp_size > 1:  # every server, dense too: ratios at the same tensor parallelism
             argv += ["--tp-size", str(args.tp_size)]
         try:
             with ServerProcess(argv, log_path=logs / f"{mode}.log") as server:
-                results[mode] = measure(server, prompt, args.output_tokens, args.repeats)
+                results[mode] = measure(server, prompt, args.output_tokens, args.repeats, args.batch)
                 if mode == RECALL_MODE:
                     stats = oasis_stats(server.url)
                     for name in ("recall_mean", "recall_p10", "lookahead_agreement", "recall_samples"):

@@ -10,8 +10,10 @@ and the capped delta plan; the copies of the next step's blocks. Here a Qwen3-8B
 The host tier (every request's ``context`` tokens, one pool shared by the layers as in ``gpu_pipeline.py``)
 is pinned host memory. The step reads it in place: its index kernels get a device view of the pinned
 pages (CUDA's unified addressing), so the copies of the next step's blocks cross PCIe inside the graph.
-The copies run in line, on the step's stream; the side stream the design calls for (``docs/gpu.md``) is
-not written. Summaries, working sets (K blocks per KV head) and the active blocks are on the device.
+Each layer's copies (``decode_program.copy_blocks``) run on a side stream forked from the step's stream
+after that layer's attention and plan, so they overlap the later layers, and joined at the step's end
+(the next step's attention reads them); both inside the captured graph. Summaries, working sets (K
+blocks per KV head) and the active blocks are on the device.
 
 Rows per (context, batch), K = 128 with the 5% cap, random hidden states every step (each step's
 selection drifts as far as it can: the heaviest copy load), 50 replays timed:
@@ -22,8 +24,9 @@ selection drifts as far as it can: the heaviest copy load), 50 replays timed:
   blocks), ``host_bytes_per_step`` and those bytes over the replay time (``host_gbps``), to read beside
   the pinned host-to-device copy bandwidth in ``gpu_check``'s ``bandwidth``.
 
-Checks (``checks``): ``replay_equals_eager``: a few steps replayed from a copy of the starting state leave
-the same outputs and state as the same steps run eagerly; ``covering_rel_err``: with K covering every
+Checks (``checks``): ``replay_equals_eager``: a few steps replayed (copies on the side stream) from a copy
+of the starting state leave the same outputs and state as the same steps run eagerly with the copies in
+line; ``covering_rel_err``: with K covering every
 block and no cap, the step after the working sets were filled attends exactly as SDPA over the whole
 context (relative error of the output).
 """
@@ -37,7 +40,13 @@ from typing import Any
 import torch
 
 from gpu_pipeline import HostPool
-from sglang_oasis.attention.decode_program import LayerState, StepPlan, StepShape, decode_layer
+from sglang_oasis.attention.decode_program import (
+    LayerState,
+    StepPlan,
+    StepShape,
+    attend_and_plan,
+    copy_blocks,
+)
 from sglang_oasis.memory.working_set import EMPTY
 
 CHECK_STEPS = 3  # steps replayed against eager ones
@@ -140,10 +149,24 @@ class Program:
         )  # fmt: skip
         self.loads = torch.zeros(2, dtype=torch.int64, device=device)  # copies: all, from the active blocks
         self.scale = d**-0.5
+        self.side = torch.cuda.Stream() if device == "cuda" else None  # None: the copies in line
+        self._in_flight: list[Any] = []  # the copies' index tensors, kept until the join (no reuse before)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
-        out, counts = decode_layer(self.shape, self.states[layer], self.plan, q, k, v, self.scale)
+        state = self.states[layer]
+        out, counts, copies = attend_and_plan(self.shape, state, self.plan, q, k, v, self.scale)
         self.loads += counts[:, [0, 2]].sum(0)
+        if self.side is None:
+            copy_blocks(state, copies)
+            return out
+        main = torch.cuda.current_stream()
+        self.side.wait_stream(main)  # fork: this layer's tables and the tokens the copies read are written
+        with torch.cuda.stream(self.side):
+            copy_blocks(state, copies)
+        self._in_flight.append(copies)
+        if layer == self.layers - 1:  # join: the next step's attention reads the copied blocks
+            main.wait_stream(self.side)
+            self._in_flight.clear()
         return out
 
     def snapshot(self) -> list[list[torch.Tensor]]:
@@ -198,11 +221,13 @@ def replay_equals_eager(stack: Any, program: Program, x: torch.Tensor, device: s
     replay = capture(step, device) or step  # on CPU the same function twice (the check still runs)
     graph_out = out[0] if out else None  # the graph's output buffer (a replay writes into it)
     program.restore(saved)
-    eager = []
+    eager, side = [], program.side
+    program.side = None  # the eager steps copy in line
     for x_i in inputs:
         static_in.copy_(x_i)
         step()
         eager.append(out[0].clone())
+    program.side = side
     eager_state = program.snapshot()
     program.restore(saved)
     replayed = []
@@ -287,6 +312,7 @@ def _row(stack: Any, program: Program, repeat: int, device: str, dense_ms: float
     host_bytes = host_blocks * 2 * s.block * s.head_dim * dtype.itemsize
     return {
         "context": program.context, "batch": batch, "top_k": program.shape.max_top_k, "cuda_graph": replay is not None,
+        "side_stream": program.side is not None,
         "eager_ms": eager_ms, "replay_ms": replay_ms, "dense_ms": dense_ms, "replay_vs_dense": replay_ms / dense_ms,
         "host_blocks_per_step": host_blocks, "host_bytes_per_step": host_bytes,
         "host_gbps": host_bytes / (replay_ms * 1e-3) / 1e9,

@@ -23,8 +23,7 @@ LOOKAHEADS = ("previous", "eagle3", "ngram")
 DRAFT_POLICIES = ("reject", "verify")
 VERIFY_ROWS = 2  # --speculative-num-draft-tokens of the lookahead: the real token and one draft
 PREFETCH_MODES = ("async", "sync")
-DECODE_STEPS = ("auto", "eager", "captured")
-CAPTURED_COMPILES = ("background", "inline")
+DECODE_STEPS = ("eager", "captured")
 
 
 class OasisConfigError(ValueError):
@@ -207,28 +206,17 @@ class OasisConfig:
         },
     )
     decode_step: str = field(
-        default="auto",
+        default="eager",
         metadata={
             "help": "How a sparse layer's decode step runs (sparse mode). 'eager': torch ops sized by the data, "
             "the selection and its copies in the prefetch pipeline (--oasis-prefetch). 'captured': plain decode "
             "batches run one torch.compile'd program per layer on fixed shapes (batches padded to 1, 2, 4, 8... "
             "rows, blocks to 64, 128, 256...; no host sync), its next-step copies inside the step; compiled once "
-            "per shape (--oasis-captured-compile; 10-25 s each on a CPU, cached across starts by torch), and one "
+            "per batch bucket at its first pass (10-25 s on a CPU while running requests wait, 1-3 s once "
+            "torch has cached it across starts), and one "
             "device request slot goes to padding rows. Steps it does not cover (extends, verify rows, PD "
-            "arrivals and remote reads, recall samples) run eagerly. 'auto': captured on CPU with "
-            "--oasis-cpu-defaults, --oasis-lookahead previous and a fetch cap below 1 without "
-            "--oasis-adaptive-cap (where it was measured faster), else eager.",
+            "arrivals and remote reads, recall samples) run eagerly.",
             "choices": DECODE_STEPS,
-        },
-    )
-    captured_compile: str = field(
-        default="background",
-        metadata={
-            "help": "When --oasis-decode-step captured compiles a shape (sparse mode). 'background': a pass whose "
-            "shape is not compiled yet decodes eagerly while one background thread compiles it (no stall; "
-            "the same answers). 'inline': the first pass of a shape waits for its compile (every running "
-            "request stalls; deterministic, for benchmarks and tests).",
-            "choices": CAPTURED_COMPILES,
         },
     )
     remote_fetch: bool = field(
@@ -290,7 +278,6 @@ class OasisConfig:
             ("draft_policy", DRAFT_POLICIES),
             ("prefetch", PREFETCH_MODES),
             ("decode_step", DECODE_STEPS),
-            ("captured_compile", CAPTURED_COMPILES),
         ):
             if getattr(self, name) not in choices:
                 raise OasisConfigError(
@@ -345,22 +332,6 @@ class OasisConfig:
                 "head): raise it or lower --oasis-top-k"
             )
         object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
-
-    def resolved(self, on_cpu: bool, disaggregated: bool = False) -> OasisConfig:
-        """``--oasis-decode-step auto`` decided, as the launcher starts a server: captured where it was
-        measured faster than eager (docs/results.md): sparse mode on SGLang's CPU engine with the CPU
-        defaults, plain decode passes (eagle3 / ngram lookahead decodes through verify passes and PD nodes
-        through arrivals and remote reads, which the captured step does not cover: it would only cost its
-        padding request slot), a fetch cap below 1 (at 1 a fixed-shape step copies a whole working set
-        per head every step: 1.68x dense), no adaptive cap. Eager otherwise (a server started without the
-        launcher too)."""
-        if self.decode_step != "auto":
-            return self
-        captured = (
-            on_cpu and self.mode == "sparse" and self.cpu_defaults and not disaggregated
-            and self.lookahead == "previous" and self.fetch_ratio < 1 and not self.adaptive_cap
-        )  # fmt: skip
-        return dataclasses.replace(self, decode_step="captured" if captured else "eager")
 
     @property
     def fetch_cap(self) -> int | None:

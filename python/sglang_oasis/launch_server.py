@@ -430,12 +430,6 @@ def prepare(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
     """Everything before SGLang parses its arguments: oasis config, platform, defaults, model path."""
     config, sglang_argv = split_argv(argv)
     on_cpu = wants_cpu(sglang_argv)
-    if config.mode == "sparse" and config.decode_step == "auto":
-        config = config.resolved(
-            on_cpu, disaggregated=option_value(sglang_argv, "--disaggregation-mode") not in (None, "null")
-        )
-        say(f"decode step {config.decode_step} (--oasis-decode-step auto; --oasis-decode-step eager|captured "
-            "overrides)")  # fmt: skip
     if config.mode == "sparse":
         try:
             if not on_cpu:

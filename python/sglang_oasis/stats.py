@@ -33,9 +33,8 @@ COUNTERS = {
     "in place of its recompute",
     "decode_steps": "decode forward passes",
     "captured_decode_passes": "decode passes whose sparse layers ran the compiled step (--oasis-decode-step captured)",
-    "decode_passes_awaiting_compile": "plain decode passes that ran the eager step while their shape of the "
-    "captured step compiled in the background",
-    "captured_compile_ms": "time spent compiling the captured step's shapes (milliseconds)",
+    "captured_compile_ms": "time the captured step's batch buckets took to compile, running requests waiting "
+    "(milliseconds)",
     "selections": "(request, layer) block selections made",
     "selection_changes": "blocks newly selected into a working set (the sum over selections)",
     "window_selections": "(request, layer) first selections chosen by the prefill window's attention "
@@ -116,7 +115,6 @@ GAUGES = {
     "device_bytes_used": "device-tier bytes in use: the summaries and the request slots of running requests",
     "device_request_slots": "requests the device tier holds working sets for (the running-request cap)",
     "running_requests": "requests holding a device request slot",
-    "captured_shapes_ready": "shapes (batch bucket x block bucket) of the captured decode step compiled",
     "staged_bytes": "PD prefill node: bytes of staged KV and summaries held for decode nodes",
     # What a leak would leave behind once the server is idle (all 0 then, but kept_retractions: a retracted
     # request SGLang aborts while it waits is never resumed; its state stays, at most 4 per request slot).
@@ -145,12 +143,12 @@ FIELDS = (*COUNTERS, *GAUGES, *LAYER_FIELDS)
 # cap (the smallest), and recall figures (the mean over the ranks that sampled, the lowest p10).
 ONCE_PER_SERVER = frozenset({
     "requests", "arrived_requests", "retracted_requests", "resumed_requests", "resumed_kv_tokens", "decode_steps",
-    "captured_decode_passes", "decode_passes_awaiting_compile", "captured_compile_ms", "selections", "window_selections", "scored_selections", "warm_starts",
+    "captured_decode_passes", "captured_compile_ms", "selections", "window_selections", "scored_selections", "warm_starts",
     "staged_requests", "remote_requests", "staging_whole_sends", "staging_unknown_decoder_sends",
     "remote_whole_requests", "remote_unshared_finishes", "remote_failed_reads", "foreground_wait_us",
     "stage_select_us", "stage_transfer_us", "host_tokens_used", "host_tokens_capacity", "running_requests",
 })  # fmt: skip
-SMALLEST = frozenset({"device_request_slots", "recall_p10_ppm", "captured_shapes_ready"})
+SMALLEST = frozenset({"device_request_slots", "recall_p10_ppm"})
 MEAN_OF_SAMPLED = frozenset({"recall_mean_ppm", "lookahead_agreement_ppm", *LAYER_FIELDS})
 
 

@@ -31,7 +31,7 @@ def _serve(model_dir: Path, logs: Path, decode_step: str) -> Iterator[ServerProc
     args = [
         "--model-path", str(model_dir), "--dtype", "float32", "--oasis-top-k", "4", "--oasis-fetch-ratio", "0.25",
         "--oasis-recall-max-top-k", "64", "--oasis-host-kv-tokens", "8192", "--oasis-device-kv-tokens", "8192",
-        "--oasis-recall-sample-every", "16", "--oasis-decode-step", decode_step, "--oasis-captured-compile", "inline",
+        "--oasis-recall-sample-every", "16", "--oasis-decode-step", decode_step,
     ]  # fmt: skip
     with ServerProcess(args, log_path=logs / f"tiny-qwen3-{decode_step}.log") as server:
         yield server

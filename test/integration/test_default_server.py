@@ -19,35 +19,6 @@ def chat(server: ServerProcess, **body) -> requests.Response:
     return requests.post(server.url + "/v1/chat/completions", json=payload, timeout=120)
 
 
-def test_decodes_through_the_captured_step_once_compiled(default_server: ServerProcess) -> None:
-    """On CPU the default decode step is the captured one (``--oasis-decode-step auto``), its shapes
-    compiled in the background: the first request (the module's first: a fresh server) decodes eagerly
-    while its shape compiles, then plain decode passes run compiled, and the answer stays the same (in
-    the dtype the server picked for this CPU)."""
-    import time
-
-    params = {"max_new_tokens": 16, "temperature": 0, "ignore_eos": True}
-    body = {"text": "The capital of France is", "sampling_params": params}
-
-    def generate() -> list[int]:
-        response = requests.post(default_server.url + "/generate", json=body, timeout=120)
-        assert response.status_code == 200, response.text
-        return list(response.json()["output_ids"])
-
-    first = generate()
-    assert default_server.oasis_stats()["decode_passes_awaiting_compile"] > 0
-    deadline = time.monotonic() + 300
-    while default_server.oasis_stats()["captured_shapes_ready"] == 0 and time.monotonic() < deadline:
-        time.sleep(2)
-    before = default_server.oasis_stats()
-    assert before["captured_shapes_ready"] >= 1 and before["captured_compile_ms"] > 0, before
-    assert generate() == first
-    after = default_server.oasis_stats()
-    steps = after["decode_steps"] - before["decode_steps"]
-    passes = after["captured_decode_passes"] - before["captured_decode_passes"]
-    assert steps - steps // 32 - 1 <= passes <= steps, (passes, steps)  # recall samples (1 in 32) run eagerly
-
-
 def test_chat_answers_paris(default_server: ServerProcess) -> None:
     response = chat(default_server)
     assert response.status_code == 200, response.text

@@ -89,9 +89,8 @@ def pd(smollm2_6l_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterat
 def sparse_reference(
     smollm2_6l_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    """The same sparse configuration without disaggregation, with the eager decode step a PD decode node
-    runs (``--oasis-decode-step auto`` is eager under PD: arrivals and remote reads are not captured)."""
-    args = ["--model-path", str(smollm2_6l_dir), *SPARSE_ARGS, "--oasis-decode-step", "eager"]
+    """The same sparse configuration without disaggregation."""
+    args = ["--model-path", str(smollm2_6l_dir), *SPARSE_ARGS]
     with ServerProcess(args, log_path=tmp_path_factory.mktemp("logs") / "pd-reference.log") as server:
         yield server
 

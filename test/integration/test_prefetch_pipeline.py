@@ -31,12 +31,12 @@ def tiny_qwen3_capped_server(
     tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
     """Sparse on the tiny Qwen3 with K = 4 and a fetch cap of 1 block per head and step; decode-time
-    transfers of requests with a 613-token prompt fail (injected). The eager decode step: this module is
-    about its prefetch pipeline. Module-scoped: CI's machine holds only so many servers at once."""
+    transfers of requests with a 613-token prompt fail (injected). Module-scoped: CI's machine holds
+    only so many servers at once."""
     args = [
         "--model-path", str(tiny_qwen3_dir), "--oasis-top-k", "4", "--oasis-fetch-ratio", "0.25",
         "--dtype", "float32", "--oasis-host-kv-tokens", "8192", "--oasis-device-kv-tokens", "768",
-        "--oasis-recall-sample-every", "1", "--oasis-decode-step", "eager",
+        "--oasis-recall-sample-every", "1",
     ]  # fmt: skip
     env = {"SGLANG_OASIS_INJECT_TRANSFER_FAILURE": str(INJECTED_FAILURE_PROMPT_LEN)}
     log_path = tmp_path_factory.mktemp("logs") / "tiny-qwen3-capped.log"

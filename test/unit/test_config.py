@@ -98,26 +98,6 @@ def test_cpu_defaults_only_fill_what_is_missing() -> None:
     assert cpu_defaults([], OasisConfig(cpu_defaults=False)) == ["--device", "cpu"]
 
 
-def test_auto_decode_step_is_captured_only_where_it_was_measured_faster() -> None:
-    """``--oasis-decode-step auto``: captured on the CPU engine with its defaults, plain decode passes
-    (lookahead previous, no PD), a fetch cap below 1, no adaptive cap; eager wherever one of these fails;
-    an explicit choice stays."""
-    assert OasisConfig().decode_step == "auto"
-    assert OasisConfig().resolved(on_cpu=True).decode_step == "captured"
-    for config, on_cpu, disaggregated in (
-        (OasisConfig(), False, False),
-        (OasisConfig(), True, True),
-        (OasisConfig(cpu_defaults=False), True, False),
-        (OasisConfig(lookahead="ngram"), True, False),
-        (OasisConfig(fetch_ratio=1.0), True, False),
-        (OasisConfig(adaptive_cap=True), True, False),
-        (OasisConfig(mode="dense"), True, False),
-    ):
-        assert config.resolved(on_cpu, disaggregated).decode_step == "eager", config
-    assert OasisConfig(decode_step="eager").resolved(on_cpu=True).decode_step == "eager"
-    assert OasisConfig(decode_step="captured").resolved(on_cpu=False).decode_step == "captured"
-
-
 def test_a_pd_decode_server_on_cpu_backs_up_retracted_requests_in_plain_tensors() -> None:
     config = OasisConfig()
     decode = ["--disaggregation-mode", "decode"]
@@ -162,7 +142,6 @@ def test_a_pd_decode_server_on_cpu_backs_up_retracted_requests_in_plain_tensors(
         (["--oasis-draft-policy", "maybe"], "--oasis-draft-policy"),
         (["--oasis-decode-step", "graph"], "--oasis-decode-step"),
         (["--oasis-decode-step", "captured", "--oasis-adaptive-cap", "true"], "--oasis-decode-step captured"),
-        (["--oasis-captured-compile", "lazy"], "--oasis-captured-compile"),
         (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm"),
         (["--speculative-draft-model-path", "/x"], "--speculative-draft-model-path needs --oasis-lookahead"),
         (["--oasis-lookahead", "eagle3", "--model-path", "/x"], "needs --speculative-draft-model-path"),

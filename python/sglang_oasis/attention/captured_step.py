@@ -12,8 +12,7 @@ The program is compiled alone (``torch.compile(fullgraph=True, dynamic=False)``)
 runner (``--enable-torch-compile``): that runner compiles the whole model per batch size (minutes per size on
 these CPUs), needs every layer's backend to support CPU graphs (the dense layers' torch_native does not) and
 refuses speculative decoding (the lookahead). One compiled graph per (batch bucket, block bucket) serves
-every sparse layer (their state views have the same strides) and every step (the step is a tensor); it is
-compiled in the background while such passes decode eagerly, or inline at first use (``step_compiler.py``).
+every sparse layer (their state views have the same strides) and every step (the step is a tensor).
 """
 
 from __future__ import annotations
@@ -32,11 +31,9 @@ from sglang_oasis.attention.decode_program import (
     LayerState,
     StepPlan,
     StepShape,
-    bucket,
     decode_layer,
 )
 from sglang_oasis.attention.request_slots import RequestSlots
-from sglang_oasis.attention.step_compiler import Shape, StepCompiler
 from sglang_oasis.memory.device_tier import DeviceTier
 from sglang_oasis.stats import OasisStats
 
@@ -52,6 +49,11 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MIN_BLOCK_BUCKET = 64
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest of ``buckets`` that holds ``n`` (the last one if none does: the caller refuses)."""
+    return next((b for b in buckets if b >= n), buckets[-1])
 
 
 def powers_of_two(low: int, high: int) -> tuple[int, ...]:
@@ -80,7 +82,7 @@ class StepParts(Protocol):
 class CapturedStep:
     def __init__(
         self, config: OasisConfig, tier: DeviceTier, kv_pool: MHATokenToKVPool, req_to_token: torch.Tensor,
-        slots: RequestSlots, stats: OasisStats, sparse_layers: Sequence[int], background: bool = False,
+        slots: RequestSlots, stats: OasisStats, sparse_layers: Sequence[int],
     ) -> None:  # fmt: skip
         if tier.padding_slot is None:
             raise ValueError("a captured decode step needs the device tier's padding slot")
@@ -90,17 +92,19 @@ class CapturedStep:
         self.sparse_layers = list(sparse_layers)
         self.batch_buckets = powers_of_two(1, tier.num_request_slots)
         blocks = req_to_token.shape[1] // config.block_size
-        self.block_buckets = powers_of_two(MIN_BLOCK_BUCKET, blocks)
-        # one graph per shape; SGLang's own CPU runner raises the same limit
+        # The block dimension is symbolic in the graph (``decode``: one graph per batch bucket, whatever the
+        # contexts); buckets of at least a working set's slots keep it one (no branch on N < S).
+        self.block_buckets = powers_of_two(max(MIN_BLOCK_BUCKET, tier.working_sets.num_slots), blocks)
+        # one graph per batch bucket; SGLang's own CPU runner raises the same limit
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
         # compile in this process: a graph is one C++ file, and a pool of compile workers per server would
-        # cost hundreds of MiB on these machines for nothing
+        # hold hundreds of MiB for nothing
         torch._inductor.config.compile_threads = 1
         self.program: Callable[..., tuple[torch.Tensor, torch.Tensor]] = torch.compile(
             decode_layer, fullgraph=True, dynamic=False
         )
-        self.compiler = StepCompiler(lambda *args: self.program(*args), background, self._compiled)
         self._states: dict[int, LayerState] = {}
+        self._compiled: set[int] = set()  # batch buckets compiled
         self.plan: StepPlan | None = None
         self.rows = 0
         self.counts = torch.zeros((0, len(COUNTS)), dtype=torch.int64)
@@ -119,7 +123,7 @@ class CapturedStep:
         """The captured step of an ``OasisAttnBackend``, over its device tier, pool and counters."""
         step = cls(
             backend.config, backend.tier, backend.token_to_kv_pool, backend.req_to_token_pool.req_to_token,
-            backend.slots, backend.stats, backend.sparse_layers, backend.config.captured_compile == "background",
+            backend.slots, backend.stats, backend.sparse_layers,
         )  # fmt: skip
         selector = backend.selector
         step.finish_pending, step.before_select = selector.finish_pending, selector.before_select
@@ -141,11 +145,7 @@ class CapturedStep:
     ) -> torch.Tensor | None:  # fmt: skip
         """A sparse layer's decode, captured when the pass is (its first sparse layer plans it); None: the
         layer runs eagerly."""
-        if k is None or v is None:
-            return None
-        if self.compiler.warm_inputs is None:  # the first decode: the layers' shapes are known now
-            self.compiler.warm_inputs = self._warm_up(layer, q.dtype, k.dtype)
-        if not self.ready(batch, forward_batch):
+        if k is None or v is None or not self.ready(batch, forward_batch):
             return None
         return self.decode(layer, q, k, v)
 
@@ -170,22 +170,14 @@ class CapturedStep:
         full = int(seq_lens.max()) // block
         if full > self.block_buckets[-1]:
             return False
-        shape = (bucket(bs, self.batch_buckets), bucket(full, self.block_buckets))
-        if not self.compiler.ready(shape):  # compiling in the background: this pass decodes eagerly
-            if self.compiler.failed:
-                self.covers = lambda: False
-            else:
-                self.stats.add("decode_passes_awaiting_compile")
-            return False
-        if 4 * full > 3 * shape[1] and shape[1] < self.block_buckets[-1]:  # the contexts near the next bucket
-            self.compiler.ask((shape[0], 2 * shape[1]))
         if self.before_select is not None:  # retraction's snapshot of the tables the step will change
             self.before_select(batch, None, seq_lens.tolist())
         summaries = self.tier.summaries
         summaries.restart_epochs(locs)  # once per pass, as the eager step does at the epoch layer
         plan = StepPlan.build(
-            batch.slots, seq_lens, locs, self.req_to_token, batch.req_index, batch.step, self.shape, *shape
-        )
+            batch.slots, seq_lens, locs, self.req_to_token, batch.req_index, batch.step, self.shape,
+            bucket(bs, self.batch_buckets), bucket(full, self.block_buckets),
+        )  # fmt: skip
         self.slots.prefixes.record(batch.slots, plan.pages[:bs, :full], seq_lens // block, summaries.epoch)
         if self.summarised is not None:  # the step folds its token into every sparse layer's summaries
             self.summarised[batch.req_index[:, None], torch.tensor(self.sparse_layers)] = seq_lens[:, None]
@@ -220,58 +212,39 @@ class CapturedStep:
         q = q.reshape(bs, layer.tp_q_head_num, layer.qk_head_dim)
         k, v = k.reshape(bs, heads, -1), v.reshape(bs, heads, -1)
         rows = len(plan.slots)
-        # contiguous, padding rows zeros (their outputs are dropped): the strides the graph was compiled for
-        q, k, v = (torch.cat([t, t.new_zeros((rows - bs, *t.shape[1:]))]) for t in (q, k, v))
-        shape_key = (rows, plan.pages.shape[1])
-        first = shape_key not in self.compiler.ready_shapes
+        if rows > bs:  # padding rows: zeros (their outputs are dropped)
+
+            def padded(t: torch.Tensor) -> torch.Tensor:
+                return torch.cat([t, t.new_zeros((rows - bs, *t.shape[1:]))])
+
+            q, k, v = padded(q), padded(k), padded(v)
+        state = self._states.get(layer_id)
+        if state is None:
+            state = self._states[layer_id] = LayerState.of(self.tier, self.kv_pool, layer_id)
+        first = rows not in self._compiled
         if first:
             logger.info(
-                "oasis: compiling the captured decode step for %d rows x %d blocks (once per shape; torch "
-                "caches it across starts)", *shape_key,
+                "oasis: compiling the captured decode step for %d rows (once per batch bucket, any context; "
+                "the requests running wait; torch caches it across starts)", rows,
             )  # fmt: skip
             started = time.perf_counter()
+        torch._dynamo.maybe_mark_dynamic(plan.pages, 1)  # one graph for every block bucket
         try:
-            out, counts = self.program(self.shape, self.state(layer_id), plan, q, k, v, layer.scaling)
+            out, counts = self.program(self.shape, state, plan, q, k, v, layer.scaling)
         except Exception:  # never the process: this server decodes eagerly from here on
             logger.exception("oasis: the captured decode step failed (%d rows x %d blocks); decoding eagerly "
-                             "from now on", *shape_key)  # fmt: skip
+                             "from now on", rows, plan.pages.shape[1])  # fmt: skip
             self.covers, self.plan = (lambda: False), None
             return None
         if first:
-            self.compiler.compiled_inline(shape_key, time.perf_counter() - started)
+            self._compiled.add(rows)
+            seconds = time.perf_counter() - started
+            logger.info("oasis: captured decode step for %d rows compiled in %.1f s", rows, seconds)
+            self.stats.add("captured_compile_ms", round(seconds * 1000))
         self.counts += counts
         if layer_id == self.sparse_layers[-1]:
             self._fold(batch_rows=bs)
         return out[:bs].reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
-
-    def state(self, layer_id: int) -> LayerState:
-        state = self._states.get(layer_id)
-        if state is None:
-            state = self._states[layer_id] = LayerState.of(self.tier, self.kv_pool, layer_id)
-        return state
-
-    def _warm_up(
-        self, layer: RadixAttention, q_dtype: torch.dtype, kv_dtype: torch.dtype
-    ) -> Callable[[Shape], tuple]:
-        """The program's arguments for a pass of padding rows only, of a shape (the background compile's
-        call): written only into the padding slot and SGLang's padding page 0."""
-        heads, empty = self.tier.shape.num_kv_heads, torch.zeros(0, dtype=torch.int64)
-        first = self.sparse_layers[0]
-
-        def inputs(shape: Shape) -> tuple:
-            rows, blocks = shape
-            plan = StepPlan.build(empty, empty, empty, self.req_to_token, empty, 0, self.shape, rows, blocks)
-            q = torch.zeros((rows, layer.tp_q_head_num, layer.qk_head_dim), dtype=q_dtype)
-            k = torch.zeros((rows, heads, layer.qk_head_dim), dtype=kv_dtype)
-            v = torch.zeros((rows, heads, layer.v_head_dim), dtype=kv_dtype)
-            return self.shape, self.state(first), plan, q, k, v, layer.scaling
-
-        return inputs
-
-    def _compiled(self, shape: Shape, seconds: float) -> None:
-        logger.info("oasis: captured decode step for %d x %d compiled in %.1f s", *shape, seconds)
-        self.stats.add("captured_compile_ms", round(seconds * 1000))
-        self.stats.set("captured_shapes_ready", len(self.compiler.ready_shapes))
 
     def _fold(self, batch_rows: int) -> None:
         """The pass's counts, as one finished selection job of every sparse layer, into the server's

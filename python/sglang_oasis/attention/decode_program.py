@@ -23,18 +23,13 @@ above every row's full blocks), ``B`` tokens per block, ``M`` copies per head an
 (``k``, ``v``, ``slot_block``, ``last_selected``), ``covered``, active blocks and summaries, for the
 batch's slots; ``top_k`` and ``pinned`` it only reads (the host side sets them at admission and
 retraction, between steps). No thread runs beside it: the next step's blocks are copied inside the step
-(on CPU a copy within one memory; on CUDA the copy from pinned host memory is what a side stream would
-carry).
+(``copy_blocks``: on CPU within one memory; on CUDA from pinned host memory, on a side stream).
 
-It is the eager step's decision, computed over the whole padded shape: the same selection (scores do not
-depend on the padding: ``score_blocks_batched``), the same plan as ``WorkingSetPool.plan_selections``
-(kept blocks stay, missing ones go to free slots then least recently selected ones, at most the fetch cap
-per head besides blocks that just filled up), the same attention up to the summation order over masked
-slots. One difference: the eager step skips planning when every block is resident and none filled up; this
-one always plans, which changes nothing then (tested). What it does not cover runs eagerly
-(``StepPlan.eligible`` says why): admissions (extends, PD arrivals, resumed retractions), verify rows,
-recall samples, remote reads, fault injection, the adaptive cap, strict mode, tails the active blocks do
-not hold.
+It is the eager step's decision over the padded shape (the same selection, the same plan as
+``WorkingSetPool.plan_selections``, the same attention up to the summation order over masked slots), but it
+always plans where the eager step skips planning when nothing changed (tested: it then changes nothing).
+What it does not cover runs eagerly (``CapturedStep.prepare``): admissions, verify rows, recall samples,
+remote reads, fault injection, the adaptive cap, strict mode, tails the active blocks do not hold.
 """
 
 from __future__ import annotations
@@ -146,9 +141,17 @@ class StepPlan(NamedTuple):
                    torch.tensor(step, dtype=torch.int64))  # fmt: skip
 
 
-def bucket(n: int, buckets: tuple[int, ...]) -> int:
-    """The smallest of ``buckets`` that holds ``n`` (the last one if none does: the caller refuses)."""
-    return next((b for b in buckets if b >= n), buckets[-1])
+class Copies(NamedTuple):
+    """A layer's copies of next-step blocks (``[bs, H, M]``; tokens ``[bs, H, M, B]``): on CUDA what a side
+    stream carries while later layers compute (``benchmark/gpu_step.py``), joined before the next step."""
+
+    slot: torch.Tensor  # request slot (masked copies: the padding slot)
+    head: torch.Tensor
+    target: torch.Tensor  # working-set slot
+    from_active: torch.Tensor  # bool: from the active blocks' ring, else the host tier
+    host_tokens: torch.Tensor
+    ring_tokens: torch.Tensor
+    head_index: torch.Tensor
 
 
 def decode_layer(
@@ -158,6 +161,27 @@ def decode_layer(
     """One sparse layer's decode step for ``bs`` rows: ``q`` ``[bs, q_heads, D]``, ``k``, ``v`` ``[bs, H,
     D]`` (this step's token). Returns the attention output ``[bs, q_heads, D]`` and per-row counts ``[bs,
     len(COUNTS)]`` of the copies it made for the next step. Writes the layer's state in place."""
+    out, counts, copies = attend_and_plan(shape, state, plan, q, k, v, scale)
+    copy_blocks(state, copies)
+    return out, counts
+
+
+def copy_blocks(state: LayerState, copies: Copies) -> None:
+    """The planned copies into the working sets (``attend_and_plan`` wrote the tables they match)."""
+    for ws, host, ring in ((state.ws_k, state.host_k, state.active_k), (state.ws_v, state.host_v, state.active_v)):  # fmt: skip
+        data = torch.where(
+            copies.from_active[..., None, None],
+            ring[copies.ring_tokens, copies.head_index].to(ws.dtype),
+            host[copies.host_tokens, copies.head_index].to(ws.dtype),
+        )  # [bs, H, M, B, D]
+        ws.index_put_((copies.slot, copies.head, copies.target), data)
+
+
+def attend_and_plan(
+    shape: StepShape, state: LayerState, plan: StepPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, Copies]:  # fmt: skip
+    """``decode_layer`` but its copies, which it returns."""
     block, span = shape.block_size, shape.span
     slots, seq_lens, locs = plan.slots, plan.seq_lens, plan.locs
     bs, heads, device = slots.shape[0], state.kmin.shape[1], slots.device  # every tensor on one device
@@ -275,30 +299,15 @@ def decode_layer(
     in_ring = (start[:, None, None] <= new_blocks * block) & ((new_blocks + 1) * block <= end[:, None, None])
     from_active = take & just_filled & in_ring
     head_index = head[..., None].expand(bs, -1, copies, block)
-    for ws, host, ring in (
-        (state.ws_k, state.host_k, state.active_k),
-        (state.ws_v, state.host_v, state.active_v),
-    ):
-        data = torch.where(
-            from_active[..., None, None],
-            ring[ring_tokens, head_index].to(ws.dtype),
-            host[host_tokens, head_index].to(ws.dtype),
-        )  # [bs, H, M, B, D]
-        target_slot = torch.where(take, slots[:, None, None], shape.padding_slot)
-        target = torch.where(take, dest, torch.arange(copies, device=device))
-        ws.index_put_((target_slot, head.expand(bs, -1, copies), target), data)
-    counts = torch.stack(
-        [
-            take.sum(dim=(1, 2)),
-            (take & just_filled).sum(dim=(1, 2)),
-            from_active.sum(dim=(1, 2)),
-            deferred,
-            over[:, 0, 0].to(torch.int64),
-            (count.squeeze(-1) > copies).sum(dim=1),
-        ],
-        dim=1,
-    )
-    return out, counts
+    planned = Copies(
+        torch.where(take, slots[:, None, None], shape.padding_slot), head.expand(bs, -1, copies),
+        torch.where(take, dest, torch.arange(copies, device=device)), from_active, host_tokens, ring_tokens,
+        head_index,
+    )  # fmt: skip
+    per_row = (take, take & just_filled, from_active)  # COUNTS' order
+    counts = torch.stack([*(c.sum(dim=(1, 2)) for c in per_row), deferred, over[:, 0, 0].to(torch.int64),
+                          (count.squeeze(-1) > copies).sum(dim=1)], dim=1)  # fmt: skip
+    return out, counts, planned
 
 
 def _fetch_cap(shape: StepShape, top_k: torch.Tensor) -> torch.Tensor:
