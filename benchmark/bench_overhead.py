@@ -1,5 +1,5 @@
-"""Overhead of the sparse path against dense SGLang at batch 1 (or ``--batch``): with K covering every block (where sparsity
-buys nothing) and with K < N (where block scoring and top-K run at every decode step).
+"""Overhead of the sparse path against dense SGLang at batch 1 (or ``--batch``): with K covering every
+block (where sparsity buys nothing) and with K < N (where block scoring and top-K run at every decode step).
 
 Four servers, one after another, on SmolLM2 (``--num-layers`` truncates it):
 
@@ -22,8 +22,8 @@ Four servers, one after another, on SmolLM2 (``--num-layers`` truncates it):
 
 Each server gets a warm-up request (a whole generation: the captured modes compile there), then ``--repeats`` streamed greedy generations of the same essay
 prompt, one at a time (``--batch B``: B at once, the same prompt; a repeat's TPOT is the median of its B
-generations', and its output the first one's). TPOT of a generation = (last token time - first token time) / (tokens - 1); a
-mode's TPOT is the median over the repeats. The greedy output ids of every repeat are compared with
+generations', and its output the first one's). TPOT of a generation = (last token time - first token
+time) / (tokens - 1); a mode's TPOT is the median over the repeats. The greedy output ids of every repeat are compared with
 dense's first: a sparse mode is ``identical_to_dense`` when all of its repeats match token for token, and
 its ``prefix_agreement`` is the common prefix of its first repeat's output and dense's over the output
 length. All servers run ``--dtype`` (default float32, where the sparse path with every block promises
@@ -67,6 +67,7 @@ import math
 import statistics
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -128,8 +129,8 @@ def check_sparse_top_k(top_k: int, context_tokens: int, block_size: int) -> int:
 
 def device_tokens(top_k: int, block_size: int, batch: int, pool_tokens: int) -> int:
     """A device budget that runs ``batch`` requests and more (working sets, active blocks, the captured
-    step's padding slot) beside the summaries of a ``pool_tokens`` host tier (an eighth of its tokens'
-    bytes; a quarter given)."""
+    step's padding slot) beside the summaries of a ``pool_tokens`` host tier (a page's min/max keys are one
+    token's K and V: 1/block of its tokens' bytes; a quarter given, for block sizes down to 4)."""
     return (batch + 3) * (top_k + 2) * block_size + pool_tokens // 4
 
 
@@ -225,8 +226,6 @@ def server_args(
 def measure(
     server: ServerProcess, prompt: list[int], output_tokens: int, repeats: int, batch: int = 1
 ) -> dict[str, Any]:
-    from concurrent.futures import ThreadPoolExecutor
-
     def generations() -> list[Any]:  # ``batch`` streams at once
         with ThreadPoolExecutor(batch) as pool:
             return list(pool.map(lambda _: stream_generate(server.url, prompt, output_tokens), range(batch)))

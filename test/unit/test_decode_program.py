@@ -219,6 +219,17 @@ def test_captured_step_equals_eager_step(case: str) -> None:
     stop(eager)
 
 
+def graph_counter() -> tuple[list[int], Any]:
+    """A torch.compile backend that runs each graph as traced and records it (its node count) in the list."""
+    graphs: list[int] = []
+
+    def counting(gm: torch.fx.GraphModule, inputs: list[Any]) -> Any:
+        graphs.append(len(gm.graph.nodes))
+        return gm.forward
+
+    return graphs, counting
+
+
 def _with_one_item(*args: Any) -> Any:
     """A deliberately broken step: one host read of a tensor's value."""
     out, counts = decode_layer(*args)
@@ -253,12 +264,7 @@ def test_compiled_step_captures_whole_once_per_bucket() -> None:
     """fullgraph: no graph break; one graph per batch bucket across steps and layers (the views of
     layer 0 and layer 1 have the same strides); outputs equal to the eager program's."""
     torch._dynamo.reset()
-    graphs: list[int] = []
-
-    def counting(gm: torch.fx.GraphModule, inputs: list[Any]) -> Any:
-        graphs.append(len(gm.graph.nodes))
-        return gm.forward
-
+    graphs, counting = graph_counter()
     compiled = torch.compile(decode_layer, fullgraph=True, dynamic=False, backend=counting)
     config, own_k, pins = configs("k_sparse_capped")
     eager, captured = admitted(config, own_k, pins), admitted(config, own_k, pins)
@@ -333,12 +339,7 @@ def test_one_graph_per_batch_bucket_whatever_the_contexts() -> None:
     1,000-token request passes 64 full blocks at its 24th step), with outputs and state still the eager
     backend's; the compile time is counted."""
     torch._dynamo.reset()
-    graphs: list[int] = []
-
-    def counting(gm: torch.fx.GraphModule, inputs: list[Any]) -> Any:
-        graphs.append(len(gm.graph.nodes))
-        return gm.forward
-
+    graphs, counting = graph_counter()
     config, own_k, pins = configs("k_sparse_capped")
     eager = admitted(config, own_k, pins)
     captured = admitted(dataclasses.replace(config, decode_step="captured"), own_k, pins)

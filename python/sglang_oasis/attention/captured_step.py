@@ -178,6 +178,7 @@ class CapturedStep:
             batch.slots, seq_lens, locs, self.req_to_token, batch.req_index, batch.step, self.shape,
             bucket(bs, self.batch_buckets), bucket(full, self.block_buckets),
         )  # fmt: skip
+        torch._dynamo.maybe_mark_dynamic(plan.pages, 1)  # one graph for every block bucket
         self.slots.prefixes.record(batch.slots, plan.pages[:bs, :full], seq_lens // block, summaries.epoch)
         if self.summarised is not None:  # the step folds its token into every sparse layer's summaries
             self.summarised[batch.req_index[:, None], torch.tensor(self.sparse_layers)] = seq_lens[:, None]
@@ -228,7 +229,6 @@ class CapturedStep:
                 "the requests running wait; torch caches it across starts)", rows,
             )  # fmt: skip
             started = time.perf_counter()
-        torch._dynamo.maybe_mark_dynamic(plan.pages, 1)  # one graph for every block bucket
         try:
             out, counts = self.program(self.shape, state, plan, q, k, v, layer.scaling)
         except Exception:  # never the process: this server decodes eagerly from here on

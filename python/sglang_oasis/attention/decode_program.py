@@ -151,7 +151,6 @@ class Copies(NamedTuple):
     from_active: torch.Tensor  # bool: from the active blocks' ring, else the host tier
     host_tokens: torch.Tensor
     ring_tokens: torch.Tensor
-    head_index: torch.Tensor
 
 
 def decode_layer(
@@ -168,11 +167,12 @@ def decode_layer(
 
 def copy_blocks(state: LayerState, copies: Copies) -> None:
     """The planned copies into the working sets (``attend_and_plan`` wrote the tables they match)."""
+    head = copies.head[..., None].expand_as(copies.host_tokens)  # [bs, H, M, B]
     for ws, host, ring in ((state.ws_k, state.host_k, state.active_k), (state.ws_v, state.host_v, state.active_v)):  # fmt: skip
         data = torch.where(
             copies.from_active[..., None, None],
-            ring[copies.ring_tokens, copies.head_index].to(ws.dtype),
-            host[copies.host_tokens, copies.head_index].to(ws.dtype),
+            ring[copies.ring_tokens, head].to(ws.dtype),
+            host[copies.host_tokens, head].to(ws.dtype),
         )  # [bs, H, M, B, D]
         ws.index_put_((copies.slot, copies.head, copies.target), data)
 
@@ -298,11 +298,9 @@ def attend_and_plan(
     just_filled = new_blocks >= covered[:, None, None]
     in_ring = (start[:, None, None] <= new_blocks * block) & ((new_blocks + 1) * block <= end[:, None, None])
     from_active = take & just_filled & in_ring
-    head_index = head[..., None].expand(bs, -1, copies, block)
     planned = Copies(
         torch.where(take, slots[:, None, None], shape.padding_slot), head.expand(bs, -1, copies),
         torch.where(take, dest, torch.arange(copies, device=device)), from_active, host_tokens, ring_tokens,
-        head_index,
     )  # fmt: skip
     per_row = (take, take & just_filled, from_active)  # COUNTS' order
     counts = torch.stack([*(c.sum(dim=(1, 2)) for c in per_row), deferred, over[:, 0, 0].to(torch.int64),
