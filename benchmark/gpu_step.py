@@ -47,30 +47,10 @@ from sglang_oasis.attention.decode_program import (
     attend_and_plan,
     copy_blocks,
 )
+from sglang_oasis.memory.pinned_host import device_view
 from sglang_oasis.memory.working_set import EMPTY
 
 CHECK_STEPS = 3  # steps replayed against eager ones
-
-
-def device_view(host: torch.Tensor) -> tuple[torch.Tensor, bool]:
-    """``host`` (pinned) as a CUDA tensor over the same memory, read over PCIe by any kernel (unified
-    addressing); on CPU, or if CUDA refuses the pointer, ``host`` itself or a device copy (False)."""
-    if not host.is_pinned():
-        return host, False
-    raw = host.view(torch.int16 if host.element_size() == 2 else torch.int32)
-
-    view = type("PinnedView", (), {})()  # what torch.as_tensor reads: CUDA's array interface
-    view.__cuda_array_interface__ = {
-        "shape": tuple(raw.shape), "typestr": f"<i{raw.element_size()}", "data": (raw.data_ptr(), False),
-        "version": 3, "strides": None,
-    }  # fmt: skip
-    try:
-        return torch.as_tensor(view, device="cuda").view(host.dtype), True
-    except Exception as error:  # the step still runs, reading a device copy
-        print(
-            f"no device view of pinned memory ({type(error).__name__}: {error}); host tier copied to the GPU"
-        )
-        return host.to("cuda"), False
 
 
 class Program:

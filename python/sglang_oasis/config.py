@@ -266,6 +266,15 @@ class OasisConfig:
             "except the CPU engine itself.",
         },
     )
+    cuda_untested: bool = field(
+        default=False,
+        metadata={
+            "help": "Let sparse mode start on a CUDA machine, where it has never run: the oasis backend "
+            "on CUDA tensors, the host tier in pinned host memory read in place by the GPU, and the decode "
+            "step in SGLang's CUDA graphs (docs/gpu.md says what is written and what is verified). "
+            "Single GPU, no --oasis-dense-layers. 'false': the launcher refuses sparse mode on a GPU.",
+        },
+    )
     cpu_max_total_tokens: int = field(
         default=32768,
         metadata={"help": "KV cache cap (tokens) used on CPU when --max-total-tokens is not given."},

@@ -172,7 +172,37 @@ class LaunchError(ValueError):
     """Options that contradict each other; the message names them."""
 
 
-def sparse_mode_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[str]:
+def check_untested_cuda(sglang_argv: Sequence[str], config: OasisConfig) -> None:
+    """Sparse mode on a GPU only with ``--oasis-cuda-untested true``, which says loudly that it never ran
+    there, and only where it is written: one GPU; in CUDA graphs, plain decode with no dense layers."""
+    if not config.cuda_untested:
+        raise LaunchError(
+            "--oasis-mode sparse has never run on a GPU (docs/gpu.md): pass --oasis-mode dense, or "
+            "--oasis-cuda-untested true to try the untested CUDA path"
+        )
+    if model_ranks(sglang_argv) > 1:
+        raise LaunchError(
+            "--oasis-cuda-untested: one GPU only (the ranks would each decide alone whether a pass "
+            "replays its CUDA graph; nothing makes them agree yet)"
+        )
+    graphs = not given(sglang_argv, "--disable-cuda-graph")
+    if config.dense_layers and graphs:
+        raise LaunchError(
+            "--oasis-dense-layers on CUDA: those layers decode through SGLang's torch_native attention, "
+            "which a CUDA graph cannot capture: pass --disable-cuda-graph too, or no dense layers"
+        )
+    if config.lookahead != "previous" and graphs:
+        raise LaunchError(
+            f"--oasis-lookahead {config.lookahead} on CUDA: the verify step runs eagerly and SGLang would "
+            "capture it in a CUDA graph: pass --disable-cuda-graph too, or --oasis-lookahead previous"
+        )
+    say(
+        "WARNING: --oasis-cuda-untested: sparse mode on CUDA has NEVER RUN ON A GPU; its outputs are not "
+        "verified there (docs/gpu.md)"
+    )
+
+
+def sparse_mode_args(sglang_argv: Sequence[str], config: OasisConfig, on_cpu: bool = True) -> list[str]:
     """SGLang arguments sparse mode needs: the oasis backend, pages = blocks, the host-tier size, and a
     running-request cap that fits the working sets in the device budget."""
     extra: list[str] = []
@@ -211,7 +241,8 @@ def sparse_mode_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[st
             )
         extra += ["--max-total-tokens", str(config.host_kv_tokens)]
     extra += lookahead_args(sglang_argv, config)
-    for phase in ("decode", "prefill"):  # the backend runs eagerly
+    # prefill runs eagerly; decode too, but on CUDA, where SGLang's runner captures it (graph_hooks.py)
+    for phase in ("prefill",) if not on_cpu else ("decode", "prefill"):
         if not given(sglang_argv, f"--cuda-graph-backend-{phase}"):
             extra += [f"--cuda-graph-backend-{phase}", "disabled"]
     return extra
@@ -433,11 +464,8 @@ def prepare(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
     if config.mode == "sparse":
         try:
             if not on_cpu:
-                raise LaunchError(
-                    "--oasis-mode sparse runs on SGLang's CPU engine only so far (the CUDA host tier and "
-                    "kernels are open work): pass --oasis-mode dense on a GPU"
-                )
-            sglang_argv += sparse_mode_args(sglang_argv, config)
+                check_untested_cuda(sglang_argv, config)
+            sglang_argv += sparse_mode_args(sglang_argv, config, on_cpu)
         except LaunchError as error:
             build_oasis_parser().error(str(error))
     if on_cpu:

@@ -122,6 +122,18 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
    ("Expected a cuda device, but got: cpu"). The hook passes ``use_pynccl=False`` on the CPU engine; the
    groups all-reduce CPU tensors over their gloo process group (or SGLang's shared-memory all-reduce
    where its CPU kernels have it), which is what SGLang's CPU path does once NCCL is out of the way.
+14. ``DecodeCudaGraphRunner.can_run_graph`` (sparse mode): SGLang replays a captured decode graph for every
+   decode pass whose batch fits one, asking the attention backend nothing; the oasis step must run some
+   passes eagerly (admissions, recall samples: ``attention/graph_hooks.py``). The hook answers SGLang's
+   checks and then the backend's ``graph_ready`` (which begins and plans the pass); backends without one
+   are not asked. Written for CUDA and never run on a GPU.
+15. ``MHATokenToKVPool``'s buffers (sparse mode on CUDA, ``--oasis-cuda-untested``; not a HookRegistry hook:
+   ``pool_in_pinned_host_memory``, called by the oasis backend as it is built). SGLang allocates its KV pool
+   on the GPU and has no option to put it in host memory (its HiSparse/HiCache host pools are copies
+   beside a device pool). In sparse mode that pool is the host tier, so the backend moves each layer's K
+   and V buffer into pinned host memory and gives the pool a CUDA view of it (``memory/pinned_host.py``):
+   SGLang's kernels then write and read the host tier in place. The pool's cached buffer descriptors and
+   data pointers are rebuilt with its own methods. Never run on a GPU; tested on CPU with a real pool.
 """
 
 from __future__ import annotations
@@ -182,6 +194,9 @@ FORWARD_BATCH_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatc
 STREAMER_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class"
 PARALLEL_GROUP_TARGET = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 VERIFY_PARAMS_TARGET = "sglang.srt.sampling.sampling_params.SamplingParams.verify"
+GRAPH_RUN_TARGET = (
+    "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph"
+)
 FIGURES_KEY = "oasis"  # meta_info key of a request's own figures (hook 10)
 BEFORE_BACKUP_LISTENER = "oasis_before_backup"  # attribute of a req-to-token pool: row -> KV whole locally?
 RETRACT_LISTENER = "oasis_on_retract"  # attribute of a req-to-token pool: (row, key, tokens, backed_up)
@@ -763,6 +778,30 @@ def _disaggregated() -> bool:
         return False
 
 
+def ask_backend_to_replay(original: Callable[..., bool], runner: Any, forward_batch: ForwardBatch) -> bool:
+    """AROUND hook 14: SGLang's checks, then (if they pass) the attention backend's ``graph_ready``."""
+    if not original(runner, forward_batch):
+        return False
+    ready = getattr(getattr(runner, "attn_backend", None), "graph_ready", None)
+    return True if ready is None else bool(ready(forward_batch))
+
+
+def pool_in_pinned_host_memory(pool: Any, pin: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:
+    """Hook 15: every K and V buffer of SGLang's ``pool`` moved to ``pin``'s copy (pinned host memory),
+    seen through a CUDA view; the device buffers are dropped. True if the GPU reads the host copies in
+    place, False if it fell back to device copies (or on CPU)."""
+    from sglang_oasis.memory.pinned_host import device_view, pinned_like
+
+    in_place = True
+    for buffers in (pool.k_buffer, pool.v_buffer):
+        for index, buffer in enumerate(buffers):
+            buffers[index], here = device_view((pin or pinned_like)(buffer))
+            in_place = in_place and here
+    pool._kv_buffer_descs = pool._build_kv_buffer_descs()  # SGLang caches both from the buffers
+    pool._init_data_ptrs_and_strides()
+    return in_place
+
+
 def register(config: OasisConfig) -> None:
     """Register the hooks this configuration needs (SGLang applies them after all plugins load)."""
     from sglang.srt.plugins.hook_registry import HookRegistry, HookType
@@ -793,6 +832,7 @@ def register(config: OasisConfig) -> None:
     HookRegistry.register(
         VERIFY_PARAMS_TARGET, functools.partial(check_request_options, config), HookType.AROUND
     )
+    HookRegistry.register(GRAPH_RUN_TARGET, ask_backend_to_replay, HookType.AROUND)
 
 
 def without_nccl(original: Callable[..., object], *args: Any, **kwargs: Any) -> object:

@@ -137,7 +137,16 @@ def test_a_pd_decode_server_on_cpu_backs_up_retracted_requests_in_plain_tensors(
         (["--oasis-dense-layers", "3,30"], "--oasis-dense-layers 30: the model has 30 layers"),
         (["--oasis-device-kv-tokens", "1024"], "--oasis-device-kv-tokens: 1024 tokens do not hold"),
         (["--oasis-device-kv-tokens", str(10**9)], "are both host RAM, more than the"),
-        (["--device", "cuda"], "--oasis-mode sparse runs on SGLang's CPU engine only"),
+        (["--device", "cuda"], "--oasis-cuda-untested true to try the untested CUDA path"),
+        (["--device", "cuda", "--oasis-cuda-untested", "true", "--tp-size", "2"], "one GPU only"),
+        (
+            ["--device", "cuda", "--oasis-cuda-untested", "true", "--oasis-dense-layers", "0"],
+            "--disable-cuda-graph",
+        ),
+        (
+            ["--device", "cuda", "--oasis-cuda-untested", "true", "--oasis-lookahead", "ngram"],
+            "--disable-cuda-graph",
+        ),
         (["--oasis-lookahead", "medusa"], "--oasis-lookahead"),
         (["--oasis-draft-policy", "maybe"], "--oasis-draft-policy"),
         (["--oasis-decode-step", "graph"], "--oasis-decode-step"),
@@ -173,6 +182,9 @@ def test_sparse_mode_adds_backend_and_pages() -> None:
     assert option_value(added, "--page-size") == "16"
     assert option_value(added, "--max-total-tokens") == "4096"
     assert option_value(added, "--cuda-graph-backend-decode") == "disabled"
+    on_gpu = sparse_mode_args([], config, on_cpu=False)  # --oasis-cuda-untested: SGLang captures decode
+    assert option_value(on_gpu, "--cuda-graph-backend-decode") is None
+    assert option_value(on_gpu, "--cuda-graph-backend-prefill") == "disabled"
     explicit = sparse_mode_args(["--page-size", "16"], config)
     assert not given(explicit, "--page-size")
 

@@ -685,3 +685,61 @@ def test_hook_13_without_nccl() -> None:
     hooks.without_nccl(lambda *a, **k: seen.append(k), [[0, 1]], 0, "gloo", use_pynccl=True, group_name="tp")
     hooks.without_nccl(lambda *a, **k: seen.append(k), [[0, 1]], 0, "gloo")
     assert seen == [{"use_pynccl": False, "group_name": "tp"}, {"use_pynccl": False}]
+
+
+def test_hook_14_ask_backend_to_replay() -> None:
+    """SGLang's model runner replays a decode graph whenever its runner's ``can_run_graph`` says so, and the
+    runner prepares a replay through the backend's ``init_forward_metadata_out_graph`` (the test fails when
+    SGLang moves either); the hook asks a backend with ``graph_ready`` only after SGLang's checks pass."""
+    from sglang.srt.model_executor import model_runner
+    from sglang.srt.model_executor.runner import decode_cuda_graph_runner as runner_module
+
+    assert_params(hooks.GRAPH_RUN_TARGET, ["self", "forward_batch"])
+    assert "self.decode_cuda_graph_runner.can_run_graph(forward_batch)" in source_of(model_runner)
+    runner_source = source_of(runner_module)
+    assert "attn_backend.init_forward_metadata_out_graph(forward_batch, in_capture=True)" in runner_source
+    assert "attn_backend.init_forward_metadata_out_graph(fb_view)" in runner_source
+    assert "self.attn_backend = attn_backend or model_runner.attn_backend" in runner_source
+    asked: list[object] = []
+
+    def ready(forward_batch: object) -> bool:
+        asked.append(forward_batch)
+        return forward_batch == "plain"
+
+    runner = NS(attn_backend=NS(graph_ready=ready))
+    assert not hooks.ask_backend_to_replay(lambda r, fb: False, runner, "plain") and asked == []
+    assert hooks.ask_backend_to_replay(lambda r, fb: True, runner, "plain")
+    assert not hooks.ask_backend_to_replay(lambda r, fb: True, runner, "admits")
+    assert asked == ["plain", "admits"]
+    assert hooks.ask_backend_to_replay(lambda r, fb: True, NS(attn_backend=object()), "any")
+
+
+def test_hook_15_pool_in_pinned_host_memory() -> None:
+    """On a real SGLang pool (CPU here, where nothing is pinned: ``pin`` makes plain copies), the pool's
+    buffers become the new memory with their contents, SGLang's cached data pointers follow them, and its
+    own ``set_kv_buffer`` writes there."""
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    pool = MHATokenToKVPool(
+        size=64, page_size=16, dtype=torch.float32, head_num=2, head_dim=8, layer_num=3, device="cpu",
+        enable_memory_saver=False,
+    )  # fmt: skip
+    for buffer in (*pool.k_buffer, *pool.v_buffer):
+        buffer.copy_(torch.randn(buffer.shape))
+    before = [b.clone() for b in (*pool.k_buffer, *pool.v_buffer)]
+    old_ptrs = pool.data_ptrs.clone()
+    made: list[torch.Tensor] = []
+
+    def pin(buffer: torch.Tensor) -> torch.Tensor:
+        made.append(buffer.clone())
+        return made[-1]
+
+    assert hooks.pool_in_pinned_host_memory(pool, pin) is False  # nothing pinned on CPU: no device view
+    assert all(a is b for a, b in zip((*pool.k_buffer, *pool.v_buffer), made, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(before, made, strict=True))
+    assert pool.data_ptrs.tolist() == [t.data_ptr() for t in made] != old_ptrs.tolist()
+    layer = NS(layer_id=1, k_scale=None, v_scale=None)
+    loc = torch.tensor([3, 17])
+    k, v = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
+    pool.set_kv_buffer(layer, loc, k, v)
+    assert torch.equal(made[1][loc], k) and torch.equal(made[4][loc], v)

@@ -243,8 +243,12 @@ class CapturedStep:
             self.stats.add("captured_compile_ms", round(seconds * 1000))
         self.counts += counts
         if layer_id == self.sparse_layers[-1]:
-            self._fold(batch_rows=bs)
+            self.last_layer_done(bs)
         return out[:bs].reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
+
+    def last_layer_done(self, batch_rows: int) -> None:
+        """The pass's last sparse layer ran: its counts into the server's (``GraphedStep``: later)."""
+        self._fold(batch_rows)
 
     def _fold(self, batch_rows: int) -> None:
         """The pass's counts, as one finished selection job of every sparse layer, into the server's

@@ -5,17 +5,16 @@ In sparse mode SGLang's KV pool is the host tier (page size = block size); the d
 class adapts SGLang's backend interface to the parts that do the work, one file each:
 ``request_slots.py`` (which request holds which device slot; warm starts), ``sparse_attention.py``
 (attention over working set + active tail), ``selector.py`` (each step's top-K and the prefetch jobs
-that move blocks), ``captured_step.py`` (the compiled decode step), ``pd_node.py`` (PD disaggregation's
-staging and arrivals), ``transfer_failures.py`` and ``extend_attention.py`` (dense extends after a cached
-prefix, computing only their own rows).
+that move blocks), ``captured_step.py`` and ``graph_hooks.py`` (the step compiled on CPU, in CUDA
+graphs), ``pd_node.py`` (PD arrivals), ``transfer_failures.py`` and ``extend_attention.py`` (dense extends
+after a cached prefix, computing only their own rows).
 
 Per layer, an extend (prefill, or a suffix after a prefix hit) attends densely over the pool as SGLang's
 torch_native backend does, folds the new keys into the summaries and selects the first working sets
 (by the prefill window's exact attention, ``--oasis-prefill-window``, or the summaries). Decode step t
 attends over each KV head's working set plus the active tail, then the step's query (or the
 lookahead's) selects the blocks for step t+1, which load in the background; step t+1 at that layer
-waits for that job only. Layers in ``dense_layers`` decode densely. With K at least the number of full
-blocks every block is selected and the output equals dense attention.
+waits for that job only. Layers in ``dense_layers`` decode densely. K covering every block: dense output.
 """
 
 from __future__ import annotations
@@ -34,6 +33,7 @@ from sglang_oasis.attention.captured_step import CapturedStep
 from sglang_oasis.attention.draft_backend import DraftAttnBackend
 from sglang_oasis.attention.extend_attention import CachedPrefixExtend
 from sglang_oasis.attention.gauges import Gauges, held_by
+from sglang_oasis.attention.graph_hooks import GraphHooks
 from sglang_oasis.attention.kv_intake import KVIntake
 from sglang_oasis.attention.pd_node import PDNode
 from sglang_oasis.attention.recall_probe import RecallProbe
@@ -46,6 +46,7 @@ from sglang_oasis.attention.strict_mode import StrictMode
 from sglang_oasis.attention.transfer_failures import TransferFailures
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.memory.device_tier import DeviceTier
+from sglang_oasis.sglang_hooks import pool_in_pinned_host_memory
 from sglang_oasis.stats import OasisStats, injects_here
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
+class OasisAttnBackend(GraphHooks, CachedPrefixExtend, TorchNativeAttnBackend):
     # SGLang declares them KVCache and ReqToTokenPool | None: this backend serves MHA pools (``head_num``)
     token_to_kv_pool: MHATokenToKVPool
     req_to_token_pool: ReqToTokenPool
@@ -67,9 +68,9 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
         strict: StrictMode | None = None,
     ) -> None:  # fmt: skip
         super().__init__(model_runner)
-        pool = self.token_to_kv_pool
-        self.config = config
-        self.block_size = config.block_size
+        pool, self.config, self.block_size = self.token_to_kv_pool, config, config.block_size
+        if str(self.device).startswith("cuda"):  # the host tier: SGLang's pool, moved to pinned host memory
+            pool_in_pinned_host_memory(pool)
         if pool.page_size != self.block_size:
             raise ValueError(f"oasis backend needs --page-size {self.block_size} (= --oasis-block-size), got "
                              f"{pool.page_size}")  # fmt: skip
@@ -122,6 +123,10 @@ class OasisAttnBackend(CachedPrefixExtend, TorchNativeAttnBackend):
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         super().init_forward_metadata(forward_batch)
+        if not self.graph_begun(forward_batch):  # graph_hooks.py: hook 14 may have begun it
+            self.begin_forward(forward_batch)
+
+    def begin_forward(self, forward_batch: ForwardBatch) -> None:
         mode = forward_batch.forward_mode
         reqs = [int(r) for r in forward_batch.req_pool_indices.tolist()]
         seq_lens = [int(n) for n in forward_batch.seq_lens.tolist()]

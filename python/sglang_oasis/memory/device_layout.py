@@ -55,7 +55,7 @@ class TierShape(NamedTuple):
     slots_per_head: int  # the largest top-K (--oasis-recall-max-top-k) + sink blocks
     window_blocks: int  # blocks per layer and KV head the prefill window may pin (at the largest top-K)
     active_tokens: int  # ring positions per layer and KV head of the active blocks (``active_span``)
-    padding_slots: int = 0  # request slots for padding rows (``--oasis-decode-step captured``: 1)
+    padding_slots: int = 0  # request slots for padding rows (captured decode step or CUDA graphs: 1)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -70,7 +70,8 @@ class TierShape(NamedTuple):
         return cls(
             num_layers, num_kv_heads, head_dim, element_bytes, host_pages, config.block_size,
             config.slots_per_head, config.pin_slots,
-            active_span(config.block_size, config.verify_rows), int(config.decode_step == "captured"),
+            active_span(config.block_size, config.verify_rows),
+            int(config.decode_step == "captured" or config.cuda_untested),  # CUDA graphs pad rows too
         )  # fmt: skip
 
 

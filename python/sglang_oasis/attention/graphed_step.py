@@ -1,0 +1,142 @@
+"""The sparse decode step under SGLang's CUDA graph runner (``graph_hooks.py``): ``decode_program`` on static
+buffers, so a graph captured once per batch size replays every later plain decode pass.
+
+A CUDA graph replays the kernels it recorded on the tensors it recorded: nothing in Python runs, no shape
+changes, no new tensor is read. So, where ``CapturedStep`` (torch.compile on CPU) builds a fresh plan for
+each pass, this step owns one ``StepPlan`` of ``max_bs`` rows by every block a request may have
+(``static``), and the graph of ``bs`` rows reads its first ``bs`` rows. Per pass, on the host, before the
+replay:
+
+1. ``ready`` (SGLang's runner asks whether it may replay, ``sglang_hooks`` hook 14): the pass is planned as
+   ``CapturedStep.prepare`` plans it; a pass it does not cover (admissions, recall samples, tails the
+   active blocks do not hold) answers False and runs eagerly.
+2. ``load`` (``init_forward_metadata_out_graph``): the plan's rows into ``static`` (rows past the batch:
+   padding rows, into the padding slot), the per-row counts zeroed.
+3. The replay runs ``decode_layer`` per sparse layer on ``static`` (what ``decode`` recorded at capture).
+4. The counts it left are folded into the server's counters at the next pass (``fold``): reading them is
+   a sync, which belongs outside the graph.
+
+``capture`` fills ``static`` with padding rows only, so SGLang's warm-up and capture runs write nothing a
+request owns. Written for CUDA and never run on a GPU; on CPU the test drives these calls as SGLang's runner
+would (``test/unit/test_graph_hooks.py``).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from sglang_oasis.attention.captured_step import CapturedStep, StepParts
+from sglang_oasis.attention.decode_program import COUNTS, LayerState, StepPlan, decode_layer
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+
+    from sglang_oasis.attention.batch_view import BatchView
+
+
+class GraphedStep(CapturedStep):
+    """``CapturedStep``'s host plan and program, on buffers that outlive every pass (see the module)."""
+
+    static: StepPlan  # ``max_bs`` rows x every block a request may have, on the tier's device
+    static_counts: torch.Tensor  # [max_bs, len(COUNTS)]: what the replayed layers counted
+    graphing = False  # True between ``capture``/``load`` and the next pass's ``begin``
+    unfolded = 0  # rows of the last replay whose counts are not folded yet
+
+    @classmethod
+    def for_graphs(cls, backend: StepParts, max_bs: int) -> GraphedStep:
+        step = cls.for_backend(backend)
+        assert isinstance(step, GraphedStep)
+        step.program = decode_layer  # the graph records its kernels; nothing to compile
+        blocks = step.req_to_token.shape[1] // step.shape.block_size
+        step.batch_buckets, step.block_buckets = (max_bs,), (blocks,)  # one plan shape: ``static``'s
+        device = step.tier.working_sets.covered.device
+        padding = step.padding_plan(max_bs, blocks)
+        step.static = StepPlan(*(t.to(device) for t in padding))
+        step.static_counts = torch.zeros((max_bs, len(COUNTS)), dtype=torch.int64, device=device)
+        return step
+
+    def padding_plan(self, rows: int, blocks: int) -> StepPlan:
+        return StepPlan.build(
+            torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
+            self.req_to_token, torch.zeros(0, dtype=torch.int64), 0, self.shape, rows, blocks,
+        )  # fmt: skip
+
+    def view(self, bs: int) -> StepPlan:
+        """The plan a graph of ``bs`` rows reads: ``static``'s first rows (the same memory every pass)."""
+        s = self.static
+        return StepPlan(s.slots[:bs], s.seq_lens[:bs], s.locs[:bs], s.pages[:bs], s.step)
+
+    def begin(self, plain_decode: bool) -> None:
+        super().begin(plain_decode)
+        self.graphing = False
+
+    def ready(self, batch: BatchView, forward_batch: ForwardBatch) -> bool:
+        """Whether this decode pass may replay a graph: planned here (host side; may sync)."""
+        if not self.pending:
+            return False
+        self.pending = False
+        self.finish_pending()  # the eager step's jobs change the tables the plan reads
+        cpu = getattr(forward_batch, "seq_lens_cpu", None)
+        seq_lens = (forward_batch.seq_lens if cpu is None else cpu).cpu().to(torch.int64)
+        return self.prepare(batch, seq_lens, forward_batch.out_cache_loc.cpu().to(torch.int64))
+
+    def capture(self, bs: int) -> None:
+        """SGLang's runner captures (and warms up) the graph of ``bs`` rows next: padding rows only."""
+        self.static.slots.fill_(self.shape.padding_slot)
+        self.static.seq_lens.fill_(1)
+        self.static.locs.zero_()
+        self.static.pages.zero_()
+        self.plan, self.rows, self.graphing, self.unfolded = self.view(bs), bs, True, 0
+
+    def load(self, bs: int) -> None:
+        """The planned pass (``ready``) into ``static``'s first ``bs`` rows, before the graph replays."""
+        planned = self.plan
+        if planned is None:
+            raise RuntimeError(
+                "oasis: a CUDA graph replay of a pass that was not planned (hook 14 not applied?)"
+            )
+        live = self.rows
+        for static, rows in zip(self.static, planned, strict=True):
+            if static.dim() == 0:
+                static.copy_(rows, non_blocking=True)
+            else:
+                static[:bs].copy_(rows[:bs], non_blocking=True)
+        self.static_counts.zero_()
+        self.plan, self.rows, self.graphing, self.unfolded = self.view(bs), bs, True, live
+
+    def run(
+        self, batch: BatchView, forward_batch: ForwardBatch, layer: RadixAttention, q: torch.Tensor,
+        k: torch.Tensor | None, v: torch.Tensor | None,
+    ) -> torch.Tensor | None:  # fmt: skip
+        if not self.graphing or k is None or v is None:
+            return None  # an eager pass
+        return self.decode(layer, q, k, v)
+
+    def decode(
+        self, layer: RadixAttention, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
+    ) -> torch.Tensor | None:
+        """One sparse layer on ``static`` (SGLang's runner pads ``q``, ``k``, ``v`` to the graph's rows); no
+        host sync, no tensor but this pass's outputs allocated."""
+        plan, bs, layer_id = self.plan, self.rows, layer.layer_id
+        assert plan is not None
+        heads = self.tier.shape.num_kv_heads
+        state = self._states.get(layer_id)
+        if state is None:
+            state = self._states[layer_id] = LayerState.of(self.tier, self.kv_pool, layer_id)
+        out, counts = self.program(
+            self.shape, state, plan, q.reshape(bs, layer.tp_q_head_num, layer.qk_head_dim),
+            k.reshape(bs, heads, -1), v.reshape(bs, heads, -1), layer.scaling,
+        )  # fmt: skip
+        self.static_counts[:bs] += counts
+        return out.reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
+
+    def fold(self) -> None:
+        """The last replay's counts into the server's counters (at the next pass, outside any graph)."""
+        if self.unfolded:
+            live, self.unfolded = self.unfolded, 0
+            self.plan, self.counts = self.view(live), self.static_counts[:live].cpu()
+            self._fold(live)
+            self.plan = None
