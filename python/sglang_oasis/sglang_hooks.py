@@ -122,7 +122,7 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
    ("Expected a cuda device, but got: cpu"). The hook passes ``use_pynccl=False`` on the CPU engine; the
    groups all-reduce CPU tensors over their gloo process group (or SGLang's shared-memory all-reduce
    where its CPU kernels have it), which is what SGLang's CPU path does once NCCL is out of the way.
-14. ``DecodeCudaGraphRunner.can_run_graph`` (sparse mode): SGLang replays a captured decode graph for every
+14. ``DecodeCudaGraphRunner.can_run_graph`` (sparse mode with ``--oasis-cuda-untested``): SGLang replays a captured decode graph for every
    decode pass whose batch fits one, asking the attention backend nothing; the oasis step must run some
    passes eagerly (admissions, recall samples: ``attention/graph_hooks.py``). The hook answers SGLang's
    checks and then the backend's ``graph_ready`` (which begins and plans the pass); backends without one
@@ -832,7 +832,8 @@ def register(config: OasisConfig) -> None:
     HookRegistry.register(
         VERIFY_PARAMS_TARGET, functools.partial(check_request_options, config), HookType.AROUND
     )
-    HookRegistry.register(GRAPH_RUN_TARGET, ask_backend_to_replay, HookType.AROUND)
+    if config.cuda_untested:  # CUDA graphs: only the CUDA path replays them
+        HookRegistry.register(GRAPH_RUN_TARGET, ask_backend_to_replay, HookType.AROUND)
 
 
 def without_nccl(original: Callable[..., object], *args: Any, **kwargs: Any) -> object:

@@ -663,10 +663,14 @@ def test_register_checks_request_options_in_sparse_mode(monkeypatch: pytest.Monk
 
     monkeypatch.setattr(HookRegistry, "register", record)  # SGLang's registry itself stays untouched
     hooks.register(OasisConfig(mode="sparse"))
+    assert hooks.GRAPH_RUN_TARGET not in registered  # the CPU engine replays no CUDA graph
     [(hook, hook_type)] = registered[hooks.VERIFY_PARAMS_TARGET]
     assert hook_type is HookType.AROUND
     with pytest.raises(ValueError, match="custom_params"):
         hook(SamplingParams.verify, SamplingParams(custom_params=["oasis_top_k", 3]), VOCAB_SIZE)
+    registered.clear()
+    hooks.register(OasisConfig(mode="sparse", cuda_untested=True))
+    assert registered[hooks.GRAPH_RUN_TARGET] == [(hooks.ask_backend_to_replay, HookType.AROUND)]
     registered.clear()
     hooks.register(OasisConfig(mode="dense"))
     assert hooks.VERIFY_PARAMS_TARGET not in registered
