@@ -9,7 +9,11 @@ compiles each batch and block bucket it meets at first use, tens of seconds of a
 
 - ``dense``: dense SGLang, the baseline;
 - ``sparse_eager``: sparse, K = ``--top-k`` (default 32) blocks of 16, the eager decode step;
-- ``sparse_captured``: the same with ``--oasis-decode-step captured``.
+- ``sparse_captured``: the same with ``--oasis-decode-step captured``;
+- ``dense_floor``: the dense server with ``--floor-input-len`` (16) token prompts: a step with almost no
+  context to attend, i.e. what every mode's step costs besides attention (projections, MLP, sampling,
+  the scheduler). No attention can make a step cheaper than this; ``attention_ratio_<mode>`` = (its TPOT
+  - the floor) / (dense's TPOT - the floor) is the part of dense's attention time the mode still spends.
 
 The sparse servers keep the product's defaults otherwise (fetch cap, prefill window, recall telemetry).
 Reads each run's ``--output-file`` (SGLang's JSON line) and reports ``mean_tpot_ms``, ``median_tpot_ms``,
@@ -37,14 +41,14 @@ from common import machine_info, print_table
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.server_process import ServerProcess, child_env
 
-MODES = ("dense", "sparse_eager", "sparse_captured")
+MODES = ("dense", "sparse_eager", "sparse_captured", "dense_floor")
 FIELDS = ("mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms", "output_throughput", "completed")
 
 
 def server_args(mode: str, model: Path, args: argparse.Namespace) -> list[str]:
     tokens = args.num_prompts * (args.input_len + args.output_len) + 4096
     common = ["--model-path", str(model), "--dtype", args.dtype, "--context-length", str(args.input_len + args.output_len + 256)]  # fmt: skip
-    if mode == "dense":
+    if mode in ("dense", "dense_floor"):
         return [*common, "--oasis-mode", "dense", "--max-total-tokens", str(tokens)]
     step = "captured" if mode == "sparse_captured" else "eager"
     return [*common, "--oasis-top-k", str(args.top_k), "--oasis-host-kv-tokens", str(tokens),
@@ -52,12 +56,12 @@ def server_args(mode: str, model: Path, args: argparse.Namespace) -> list[str]:
 
 
 def bench(
-    server: ServerProcess, model: Path, args: argparse.Namespace, out: Path, seed: int = 1
+    server: ServerProcess, model: Path, args: argparse.Namespace, out: Path, seed: int = 1, input_len: int = 0
 ) -> dict[str, Any]:
     command = [
         sys.executable, "-m", "sglang.bench_serving", "--backend", "sglang", "--base-url", server.url,
         "--model", str(model), "--tokenizer", str(model), "--dataset-name", "random-ids",
-        "--random-input-len", str(args.input_len), "--random-output-len", str(args.output_len),
+        "--random-input-len", str(input_len or args.input_len), "--random-output-len", str(args.output_len),
         "--random-range-ratio", "1", "--num-prompts", str(args.num_prompts), "--max-concurrency",
         str(args.concurrency), "--warmup-requests", "1", "--seed", str(seed), "--disable-tqdm", "--output-file", str(out),
     ]  # fmt: skip
@@ -83,6 +87,7 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--warmup-runs", type=int, default=1, help="untimed runs first (other prompts)")
+    parser.add_argument("--floor-input-len", type=int, default=16, help="dense_floor's prompt length")
     args = parser.parse_args()
     modes = [mode for mode in MODES if mode in args.modes.split(",")]
     model = prepare_default_model(args.num_layers)
@@ -93,9 +98,10 @@ def main() -> int:
         print(f"[bench_sglang_serving] {mode} ...", flush=True)
         try:
             with ServerProcess(server_args(mode, model, args), log_path=logs / f"{mode}.log") as server:
+                length = args.floor_input_len if mode == "dense_floor" else args.input_len
                 for run in range(args.warmup_runs):  # other prompts, the same shapes: compiled before timing
-                    bench(server, model, args, logs / f"{mode}-warmup{run}.jsonl", seed=100 + run)
-                results["modes"][mode] = bench(server, model, args, logs / f"{mode}.jsonl")
+                    bench(server, model, args, logs / f"{mode}-warmup{run}.jsonl", 100 + run, length)
+                results["modes"][mode] = bench(server, model, args, logs / f"{mode}.jsonl", input_len=length)
                 if mode != "dense":
                     stats = server.oasis_stats()
                     results["modes"][mode]["captured_decode_passes"] = stats.get("captured_decode_passes")
@@ -103,9 +109,12 @@ def main() -> int:
         except Exception as exc:  # a failed server or run: record it and go on
             results["modes"][mode] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
     dense = results["modes"].get("dense", {}).get("mean_tpot_ms")
+    floor = results["modes"].get("dense_floor", {}).get("mean_tpot_ms")
     for mode in modes[1:]:
         tpot = results["modes"][mode].get("mean_tpot_ms")
         results[f"tpot_ratio_{mode}"] = tpot / dense if tpot and dense else None
+        if mode.startswith("sparse") and tpot and dense and floor and dense > floor:
+            results[f"attention_ratio_{mode}"] = (tpot - floor) / (dense - floor)
     rows = []
     for mode in modes:
         r = results["modes"][mode]
@@ -116,7 +125,7 @@ def main() -> int:
     results["settings"] = {
         "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
         "concurrency": args.concurrency, "top_k": args.top_k, "num_layers": args.num_layers or 30, "dtype": args.dtype,
-        "warmup_runs": args.warmup_runs,
+        "warmup_runs": args.warmup_runs, "floor_input_len": args.floor_input_len,
     }  # fmt: skip
     results["date"] = datetime.now(timezone.utc).isoformat(timespec="seconds")
     results["machine"] = machine_info()

@@ -161,8 +161,9 @@ if TYPE_CHECKING:  # SGLang's own types, for mypy (the hooks are checked against
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
-    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
     from sglang.srt.sampling.sampling_params import SamplingParams
     from sglang.srt.speculative.draft_utils import DraftBackendFactory
 
@@ -778,7 +779,9 @@ def _disaggregated() -> bool:
         return False
 
 
-def ask_backend_to_replay(original: Callable[..., bool], runner: Any, forward_batch: ForwardBatch) -> bool:
+def ask_backend_to_replay(
+    original: Callable[..., bool], runner: DecodeCudaGraphRunner, forward_batch: ForwardBatch
+) -> bool:
     """AROUND hook 14: SGLang's checks, then (if they pass) the attention backend's ``graph_ready``."""
     if not original(runner, forward_batch):
         return False
@@ -786,7 +789,9 @@ def ask_backend_to_replay(original: Callable[..., bool], runner: Any, forward_ba
     return True if ready is None else bool(ready(forward_batch))
 
 
-def pool_in_pinned_host_memory(pool: Any, pin: Callable[[torch.Tensor], torch.Tensor] | None = None) -> bool:
+def pool_in_pinned_host_memory(
+    pool: MHATokenToKVPool, pin: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> bool:
     """Hook 15: every K and V buffer of SGLang's ``pool`` moved to ``pin``'s copy (pinned host memory),
     seen through a CUDA view; the device buffers are dropped. True if the GPU reads the host copies in
     place, False if it fell back to device copies (or on CPU)."""
@@ -794,6 +799,7 @@ def pool_in_pinned_host_memory(pool: Any, pin: Callable[[torch.Tensor], torch.Te
 
     in_place = True
     for buffers in (pool.k_buffer, pool.v_buffer):
+        buffers = cast("list[torch.Tensor]", buffers)  # SGLang declares them None until it allocates
         for index, buffer in enumerate(buffers):
             buffers[index], here = device_view((pin or pinned_like)(buffer))
             in_place = in_place and here

@@ -359,3 +359,33 @@ def test_one_graph_per_batch_bucket_whatever_the_contexts() -> None:
     assert len(graphs) == 1, graphs
     assert captured.stats.snapshot()["captured_compile_ms"] > 0
     stop(eager, captured)
+
+
+def test_program_with_the_triton_scorer_equals_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """On CUDA the program scores blocks with sgl-kernel-oasis's Triton kernel (``ops`` dispatches on the
+    device): here that kernel (under Triton's interpreter, test/conftest.py) stands in for the reference,
+    and the steps leave the same outputs, the same blocks selected and the same state."""
+    import importlib
+
+    from sgl_kernel_oasis import ops
+
+    pytest.importorskip("triton")
+    triton_scorer = importlib.import_module("sgl_kernel_oasis.triton_kernels").score_paged_blocks
+    config, own_k, pins = configs("k_per_row")
+    reference, triton = admitted(config, own_k, pins), admitted(config, own_k, pins)
+    called = [0]
+
+    def scorer(*args: Any) -> torch.Tensor:
+        called[0] += 1
+        return triton_scorer(*args)
+
+    for step in range(6):
+        expected = captured_step(reference, step)
+        with monkeypatch.context() as patch:
+            patch.setattr(ops, "score_paged_blocks", scorer)
+            got = captured_step(triton, step)
+        torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
+        assert torch.equal(got[1], expected[1])
+        assert_same_state(reference, triton)
+    assert called[0] == 6
+    stop(reference, triton)

@@ -25,3 +25,5 @@ def test_sparse_servers_differ_only_in_the_decode_step() -> None:
     # every server holds the whole run's KV: 4 x (3000 + 128) tokens and a margin
     for mode, tokens in (("dense", "--max-total-tokens"), ("sparse_eager", "--oasis-host-kv-tokens")):
         assert int(argv[mode][argv[mode].index(tokens) + 1]) >= 4 * 3128
+    # the floor is the dense server itself; only its prompts are short (``main``'s input_len)
+    assert argv["dense_floor"] == argv["dense"]

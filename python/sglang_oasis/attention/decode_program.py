@@ -39,7 +39,7 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from sgl_kernel_oasis import score_paged_blocks, sparse_decode_attention
+from sgl_kernel_oasis import ops, sparse_decode_attention
 from sglang_oasis.memory.working_set import BLOCK_ID_SPAN, EMPTY, stable_ranks
 
 if TYPE_CHECKING:
@@ -238,7 +238,8 @@ def attend_and_plan(
     top_k = state.top_k[slots]
     capacity = top_k + shape.sink_blocks
     over = (full > capacity)[:, None, None]
-    scores = score_paged_blocks(q[:, None], state.kmin, state.kmax, plan.pages)[:, 0]  # [bs, H, N]
+    # Triton's kernel on CUDA (in the graph; no sync, a grid from the shapes), the reference on CPU
+    scores = ops.score_paged_blocks(q[:, None], state.kmin, state.kmax, plan.pages)[:, 0]  # [bs, H, N]
     pins = state.pinned[slots]
     pinned = torch.zeros((bs, heads, num_blocks + 1), dtype=torch.bool, device=device)
     pinned = pinned.scatter(-1, torch.where(pins >= 0, pins, num_blocks), True)[..., :num_blocks]

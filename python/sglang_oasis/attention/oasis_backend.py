@@ -106,7 +106,7 @@ class OasisAttnBackend(GraphHooks, CachedPrefixExtend, TorchNativeAttnBackend):
         self.step = 0
         self.pd.start(args)  # remote partial fetching under PD disaggregation
         self.retractions = Retractions(self.slots, self.selector, self.attention, self.recall, self.summarised,
-                                       self.stats, self.dense_layers, lambda: self.step, self.pd)  # fmt: skip
+                                       self.stats, self.sparse_layers, lambda: self.step, self.pd)  # fmt: skip
         self.captured = CapturedStep.for_backend(self) if config.decode_step == "captured" else None
         allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
         metrics = bool(getattr(args, "enable_metrics", False))

@@ -78,7 +78,7 @@ class SavedSelection(NamedTuple):
 class Retractions:
     def __init__(
         self, slots: RequestSlots, selector: Selector, attention: SparseAttention, recall: RecallProbe,
-        summarised: torch.Tensor, stats: OasisStats, dense_layers: frozenset[int], step: Callable[[], int],
+        summarised: torch.Tensor, stats: OasisStats, sparse_layers: list[int], step: Callable[[], int],
         pd: PDNode,
     ) -> None:  # fmt: skip
         self.slots, self.selector, self.attention, self.recall, self.pd = slots, selector, attention, recall, pd  # fmt: skip
@@ -87,7 +87,7 @@ class Retractions:
         self.summarised = summarised  # [req rows, layers] positions whose keys are in the summaries
         self.stats = stats
         self.req_pool, self.kv_pool = attention.req_to_token_pool, attention.kv_pool
-        self.layers = [layer for layer in range(int(self.kv_pool.layer_num)) if layer not in dense_layers]
+        self.layers = sparse_layers  # the backend's (its layers but ``--oasis-dense-layers``)
         self.limit = 4 * self.tier.num_request_slots
         self._saved: OrderedDict[str, SavedSelection | Arrival] = OrderedDict()
         self._restoring: dict[tuple[int, int], SavedKV] = {}  # (row, generation): this extend's to put back
