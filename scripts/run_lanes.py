@@ -9,8 +9,10 @@ servers (``UNIT_LANE``), while the other lane is still on its light modules.
 Memory, not CPU, bounds the lanes: a server here holds about 3 GiB, and 24 GiB do not hold the heavy
 modules' servers of both lanes at once (tried: the machine ran out and a start timed out). So the
 ``unit`` lane yields: each server it starts first waits until ``UNIT_LANE_WAITS_FOR_GIB`` are available
-(``SGLANG_OASIS_SPAWN_WAIT_FOR_GIB``, read by ``ServerProcess.spawn``); the ``servers`` lane never
-waits, so the two never wait on each other.
+(``SGLANG_OASIS_SPAWN_WAIT_FOR_GIB``, read by ``ServerProcess.spawn``). The ``servers`` lane waits too,
+for room for one server only (``SERVERS_LANE_WAITS``) and at most a few minutes: on a machine whose unit
+tests run fast the unit lane's last servers (TP ranks, compiling captured steps) met the servers lane's
+PD pairs, memory fell to 0.1 GiB and five PD servers did not start (2026-12-05, Intel Xeon with AMX).
 
 Each lane's lines are printed as they come, prefixed with the lane's name; both lanes' summaries and
 times, and the lowest available memory, at the end. A lane's temporary directory (its servers' logs) is
@@ -61,6 +63,7 @@ SERVERS_LANE_LAST = (
     "test_sparse_equivalence.py",
 )
 UNIT_LANE_WAITS_FOR_GIB = 9.0
+SERVERS_LANE_WAITS = "3.5:240"  # GiB, at most seconds: then it starts anyway (never both lanes stuck)
 
 
 def lanes() -> dict[str, list[str]]:
@@ -131,7 +134,10 @@ def main() -> int:
     width = max(len(name) for name in plan)
     out = threading.Lock()
     results: dict[str, tuple] = {}
-    envs = {"unit": {SPAWN_WAIT_ENV: str(UNIT_LANE_WAITS_FOR_GIB)}}
+    envs = {
+        "unit": {SPAWN_WAIT_ENV: str(UNIT_LANE_WAITS_FOR_GIB)},
+        "servers": {SPAWN_WAIT_ENV: SERVERS_LANE_WAITS},
+    }
     threads = [
         threading.Thread(target=run_lane, args=(name, paths, width, out, results, envs.get(name)))
         for name, paths in plan.items()

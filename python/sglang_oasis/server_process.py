@@ -99,6 +99,13 @@ def wait_for_memory(
     return waited
 
 
+def spawn_gate(value: str) -> tuple[float, float] | None:
+    """``SGLANG_OASIS_SPAWN_WAIT_FOR_GIB``'s ``GIB`` or ``GIB:SECONDS`` as (GiB, seconds; default 20
+    minutes); None when unset."""
+    gib, _, seconds = value.partition(":")
+    return (float(gib), float(seconds or 1200)) if gib else None
+
+
 class ServerProcess:
     """``python -m sglang_oasis.launch_server <args> --host 127.0.0.1 --port <free>``, logged to a file
     (``host``/``port`` override the address; ``module`` runs another server module taking ``--host``/``--port``, e.g. SGLang's router; it is
@@ -128,14 +135,16 @@ class ServerProcess:
 
     def spawn(self) -> ServerProcess:
         """Start the process (its own process group) without waiting for it to be ready. With
-        ``SGLANG_OASIS_SPAWN_WAIT_FOR_GIB`` set, first wait (up to 20 minutes) until that much memory is
-        available; the wait is written to the server's log."""
+        ``SGLANG_OASIS_SPAWN_WAIT_FOR_GIB`` set (``GIB`` or ``GIB:SECONDS``), first wait (up to SECONDS,
+        default 20 minutes) until that much memory is available; the wait is written to the server's log."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        gib = os.environ.get(SPAWN_WAIT_ENV)
-        waited = wait_for_memory(float(gib), 1200.0) if gib else 0.0
+        gate = spawn_gate(os.environ.get(SPAWN_WAIT_ENV, ""))
+        waited = wait_for_memory(*gate) if gate else 0.0
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
         if waited:
-            log.write(f"[server_process] waited {waited:.0f} s for {gib} GiB of available memory\n".encode())
+            log.write(
+                f"[server_process] waited {waited:.0f} s for {gate[0] if gate else 0:g} GiB of available memory\n".encode()
+            )
             log.flush()
         self.process = subprocess.Popen(
             self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env, start_new_session=True

@@ -60,7 +60,10 @@ def test_the_rows_computed_start_at_a_block_edge_and_are_never_too_few() -> None
     assert first_row(1968, 2000) == 1952  # 48 rows: the window's 32 and the block's start
     assert first_row(2048, 2049) == 2016  # one new token: a block earlier, 33 rows
     assert first_row(10, 20) == 0  # nothing to save: computed as SGLang does
+    assert first_row(1968, 2000, 64) == 1920  # half precision: 80 rows, the kernel packs as for all 2,000
     for prefix in range(0, 300, 7):
         for new in (1, 2, 3, 31, 32, 33):
             start = first_row(prefix, prefix + new)
             assert start % 32 == 0 and start <= prefix and (start == 0 or prefix + new - start >= MIN_ROWS)
+            half = first_row(prefix, prefix + new, 64)
+            assert half % 32 == 0 and half <= start and (half == 0 or prefix + new - half >= 64)

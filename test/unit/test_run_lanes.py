@@ -45,3 +45,12 @@ def test_the_yielding_lane_waits_for_memory_then_starts_anyway() -> None:
     slept.clear()
     assert wait_for_memory(9.0, 6.0, lambda: 1.0, slept.append) == 6.0  # never enough: it gives up
     assert wait_for_memory(9.0, 60.0, lambda: None, slept.append) == 0.0  # unreadable: no wait
+
+
+def test_both_lanes_gate_their_servers_the_servers_lane_briefly() -> None:
+    from sglang_oasis.server_process import spawn_gate
+
+    assert spawn_gate("") is None
+    assert spawn_gate(str(run_lanes.UNIT_LANE_WAITS_FOR_GIB)) == (9.0, 1200.0)
+    gib, seconds = spawn_gate(run_lanes.SERVERS_LANE_WAITS) or (0.0, 0.0)
+    assert 3.0 <= gib < run_lanes.UNIT_LANE_WAITS_FOR_GIB and seconds <= 300  # room for one server, minutes

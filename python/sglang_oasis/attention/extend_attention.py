@@ -11,8 +11,10 @@ query / 3 KV heads).
 ``extend_attention`` computes rows ``a .. p + n`` only, with the causal mask shifted by ``a``, and
 returns the last ``n``. The result is bitwise SGLang's: PyTorch's CPU flash kernel reduces each query row
 the same way whatever rows it is batched with, except that its blocks of query rows start at multiples of
-32 and a block of fewer than 4 rows takes another path; so ``a`` is ``p`` rounded down to a multiple of
-32, one block earlier when that would leave fewer than ``MIN_ROWS`` rows (``test_extend_attention.py``
+32, a block of fewer than 4 rows takes another path, and in bfloat16/float16 on CPUs that pack their
+GEMM operands (AMX) fewer than 64 query rows skip the packing (1-ulp differences seen on an Intel Xeon with
+AMX); so ``a`` is ``p`` rounded down to a multiple of 32, a block earlier while that would leave fewer
+than ``MIN_ROWS`` rows (``MIN_ROWS_REDUCED`` in half precision) (``test_extend_attention.py``
 compares the two bit for bit on awkward lengths, float32 and bfloat16). Where ``a`` would be 0 the
 request goes SGLang's way (nothing to save).
 """
@@ -24,12 +26,13 @@ from torch.nn.functional import scaled_dot_product_attention
 
 ROW_BLOCK = 32  # PyTorch's CPU flash attention: query blocks start at multiples of this
 MIN_ROWS = 32  # at least this many query rows (a block of under 4 rows reduces differently)
+MIN_ROWS_REDUCED = 64  # bfloat16 / float16: below 64 query rows the kernel does not pack (AMX CPUs)
 
 
-def first_row(prefix_len: int, seq_len: int) -> int:
+def first_row(prefix_len: int, seq_len: int, min_rows: int = MIN_ROWS) -> int:
     """The first query row computed for an extend of ``seq_len - prefix_len`` tokens after ``prefix_len``."""
     start = prefix_len // ROW_BLOCK * ROW_BLOCK
-    if seq_len - start < MIN_ROWS:
+    while start > 0 and seq_len - start < min_rows:
         start -= ROW_BLOCK
     return max(0, start)
 
@@ -56,7 +59,7 @@ def extend_attention(
         req_pool_indices.tolist(), seq_lens.tolist(), extend_prefix_lens.tolist(), extend_seq_lens.tolist(),
         strict=True,
     ):  # fmt: skip
-        first = first_row(prefix, seq_len)
+        first = first_row(prefix, seq_len, MIN_ROWS_REDUCED if query.element_size() == 2 else MIN_ROWS)
         rows = queries.new_zeros((queries.shape[0], seq_len - first, queries.shape[2]))
         rows[:, prefix - first :] = queries[:, start_q : start_q + new]
         tokens = req_to_token[req, :seq_len]
