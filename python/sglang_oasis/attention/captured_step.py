@@ -154,7 +154,8 @@ class CapturedStep:
         if self.pending:
             self.pending = False
             self.finish_pending()  # the eager step's jobs change the tables the plan reads
-            seq_lens = forward_batch.seq_lens.cpu().to(torch.int64)
+            cpu = getattr(forward_batch, "seq_lens_cpu", None)  # SGLang's host copy, if it has one
+            seq_lens = (forward_batch.seq_lens if cpu is None else cpu).cpu().to(torch.int64)
             locs = forward_batch.out_cache_loc.cpu().to(torch.int64)
             self.prepare(batch, seq_lens, locs)
         return self.plan is not None
@@ -219,9 +220,7 @@ class CapturedStep:
                 return torch.cat([t, t.new_zeros((rows - bs, *t.shape[1:]))])
 
             q, k, v = padded(q), padded(k), padded(v)
-        state = self._states.get(layer_id)
-        if state is None:
-            state = self._states[layer_id] = LayerState.of(self.tier, self.kv_pool, layer_id)
+        state = self.state(layer_id)
         first = rows not in self._compiled
         if first:
             logger.info(
@@ -249,6 +248,13 @@ class CapturedStep:
     def last_layer_done(self, batch_rows: int) -> None:
         """The pass's last sparse layer ran: its counts into the server's (``GraphedStep``: later)."""
         self._fold(batch_rows)
+
+    def state(self, layer_id: int) -> LayerState:
+        """The program's views of ``layer_id``'s tier and pool (made once per layer)."""
+        state = self._states.get(layer_id)
+        if state is None:
+            state = self._states[layer_id] = LayerState.of(self.tier, self.kv_pool, layer_id)
+        return state
 
     def _fold(self, batch_rows: int) -> None:
         """The pass's counts, as one finished selection job of every sparse layer, into the server's

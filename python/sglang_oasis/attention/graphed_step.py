@@ -7,8 +7,8 @@ each pass, this step owns one ``StepPlan`` of ``max_bs`` rows by every block a r
 (``static``), and the graph of ``bs`` rows reads its first ``bs`` rows. Per pass, on the host, before the
 replay:
 
-1. ``ready`` (SGLang's runner asks whether it may replay, ``sglang_hooks`` hook 14): the pass is planned as
-   ``CapturedStep.prepare`` plans it; a pass it does not cover (admissions, recall samples, tails the
+1. ``ready`` (``CapturedStep``'s; SGLang's runner asks whether it may replay, ``sglang_hooks`` hook 14):
+   the pass is planned as ``CapturedStep.prepare`` plans it; a pass it does not cover (admissions, recall samples, tails the
    active blocks do not hold) answers False and runs eagerly.
 2. ``load`` (``init_forward_metadata_out_graph``): the plan's rows into ``static`` (rows past the batch:
    padding rows, into the padding slot), the per-row counts zeroed.
@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from sglang_oasis.attention.captured_step import CapturedStep, StepParts
-from sglang_oasis.attention.decode_program import COUNTS, LayerState, StepPlan, decode_layer
+from sglang_oasis.attention.decode_program import COUNTS, StepPlan, decode_layer
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -73,33 +73,22 @@ class GraphedStep(CapturedStep):
         super().begin(plain_decode)
         self.graphing = False
 
-    def ready(self, batch: BatchView, forward_batch: ForwardBatch) -> bool:
-        """Whether this decode pass may replay a graph: planned here (host side; may sync)."""
-        if not self.pending:
-            return False
-        self.pending = False
-        self.finish_pending()  # the eager step's jobs change the tables the plan reads
-        cpu = getattr(forward_batch, "seq_lens_cpu", None)
-        seq_lens = (forward_batch.seq_lens if cpu is None else cpu).cpu().to(torch.int64)
-        return self.prepare(batch, seq_lens, forward_batch.out_cache_loc.cpu().to(torch.int64))
-
     def capture(self, bs: int) -> None:
         """SGLang's runner captures (and warms up) the graph of ``bs`` rows next: padding rows only."""
-        self.static.slots.fill_(self.shape.padding_slot)
-        self.static.seq_lens.fill_(1)
-        self.static.locs.zero_()
-        self.static.pages.zero_()
-        self.plan, self.rows, self.graphing, self.unfolded = self.view(bs), bs, True, 0
+        self._fill(self.padding_plan(*self.static.pages.shape), bs, live=0)
 
     def load(self, bs: int) -> None:
-        """The planned pass (``ready``) into ``static``'s first ``bs`` rows, before the graph replays."""
-        planned = self.plan
-        if planned is None:
+        """The planned pass (``ready``, by ``CapturedStep``) into ``static``'s first ``bs`` rows, before the
+        graph replays."""
+        if self.plan is None:
             raise RuntimeError(
                 "oasis: a CUDA graph replay of a pass that was not planned (hook 14 not applied?)"
             )
-        live = self.rows
-        for static, rows in zip(self.static, planned, strict=True):
+        self._fill(self.plan, bs, live=self.rows)
+
+    def _fill(self, plan: StepPlan, bs: int, live: int) -> None:
+        """``plan``'s first ``bs`` rows (``live`` of them a batch's) into ``static``; counts zeroed."""
+        for static, rows in zip(self.static, plan, strict=True):
             if static.dim() == 0:
                 static.copy_(rows, non_blocking=True)
             else:
@@ -123,11 +112,8 @@ class GraphedStep(CapturedStep):
         plan, bs, layer_id = self.plan, self.rows, layer.layer_id
         assert plan is not None
         heads = self.tier.shape.num_kv_heads
-        state = self._states.get(layer_id)
-        if state is None:
-            state = self._states[layer_id] = LayerState.of(self.tier, self.kv_pool, layer_id)
         out, counts = self.program(
-            self.shape, state, plan, q.reshape(bs, layer.tp_q_head_num, layer.qk_head_dim),
+            self.shape, self.state(layer_id), plan, q.reshape(bs, layer.tp_q_head_num, layer.qk_head_dim),
             k.reshape(bs, heads, -1), v.reshape(bs, heads, -1), layer.scaling,
         )  # fmt: skip
         self.static_counts[:bs] += counts
