@@ -10,7 +10,7 @@ and the capped delta plan; the copies of the next step's blocks. Here a Qwen3-8B
 The host tier (every request's ``context`` tokens, one pool shared by the layers as in ``gpu_pipeline.py``)
 is pinned host memory. The step reads it in place: its index kernels get a device view of the pinned
 pages (CUDA's unified addressing), so the copies of the next step's blocks cross PCIe inside the graph.
-Each layer's copies (``decode_program.copy_blocks``) run on a side stream forked from the step's stream
+Each layer's copies (``decode_ops.copy_blocks``) run on a side stream forked from the step's stream
 after that layer's attention and plan, so they overlap the later layers, and joined at the step's end
 (the next step's attention reads them); both inside the captured graph. Summaries, working sets (K
 blocks per KV head) and the active blocks are on the device.

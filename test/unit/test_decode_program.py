@@ -361,31 +361,45 @@ def test_one_graph_per_batch_bucket_whatever_the_contexts() -> None:
     stop(eager, captured)
 
 
-def test_program_with_the_triton_scorer_equals_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
-    """On CUDA the program scores blocks with sgl-kernel-oasis's Triton kernel (``ops`` dispatches on the
-    device): here that kernel (under Triton's interpreter, test/conftest.py) stands in for the reference,
-    and the steps leave the same outputs, the same blocks selected and the same state."""
+@pytest.mark.parametrize("case", ["k_per_row", "k_sparse_capped"])
+def test_program_with_the_triton_kernels_equals_the_reference(
+    case: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On CUDA the program's scoring, summary update, attention and copies are sgl-kernel-oasis's Triton
+    kernels (``ops.uses_triton``: CUDA tensors): here, with the kernels under Triton's interpreter
+    (test/conftest.py) on the CPU tensors, the steps leave the reference's outputs (fp32, up to the online
+    softmax's summation order), the same counts, the same blocks selected and the same state."""
     import importlib
 
     from sgl_kernel_oasis import ops
 
     pytest.importorskip("triton")
-    triton_scorer = importlib.import_module("sgl_kernel_oasis.triton_kernels").score_paged_blocks
-    config, own_k, pins = configs("k_per_row")
+    kernels = importlib.import_module("sgl_kernel_oasis.triton_kernels")
+    config, own_k, pins = configs(case)
     reference, triton = admitted(config, own_k, pins), admitted(config, own_k, pins)
-    called = [0]
+    called: dict[str, int] = {}
 
-    def scorer(*args: Any) -> torch.Tensor:
-        called[0] += 1
-        return triton_scorer(*args)
+    def counted(name: str) -> Any:
+        kernel = getattr(kernels, name)
 
-    for step in range(6):
+        def run(*args: Any) -> Any:
+            called[name] = called.get(name, 0) + 1
+            return kernel(*args)
+
+        return run
+
+    steps = 6
+    for step in range(steps):
         expected = captured_step(reference, step)
         with monkeypatch.context() as patch:
-            patch.setattr(ops, "score_paged_blocks", scorer)
+            patch.setattr(ops, "uses_triton", lambda tensor: True)
+            for name in kernels.__all__:
+                patch.setattr(kernels, name, counted(name))
             got = captured_step(triton, step)
-        torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
         assert torch.equal(got[1], expected[1])
         assert_same_state(reference, triton)
-    assert called[0] == 6
+    # one launch each per step, two for the copies (host tier, active ring)
+    assert called == {"score_paged_blocks": steps, "update_page_summaries": steps,
+                      "headwise_decode_attention": steps, "copy_blocks_to_slots": 2 * steps}, called  # fmt: skip
     stop(reference, triton)

@@ -39,16 +39,14 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from sgl_kernel_oasis import ops, sparse_decode_attention
+from sgl_kernel_oasis import ops
+from sglang_oasis.attention.decode_ops import INT64_MAX, Copies, attend, copy_blocks, fold_summaries
+from sglang_oasis.attention.layer_state import LayerState
 from sglang_oasis.memory.working_set import BLOCK_ID_SPAN, EMPTY, stable_ranks
 
 if TYPE_CHECKING:
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
-
     from sglang_oasis.config import OasisConfig
-    from sglang_oasis.memory.device_tier import DeviceTier
 
-INT64_MAX = torch.iinfo(torch.int64).max
 # Per row, what ``decode_layer`` returns in its counts (columns).
 COUNTS = ("loads", "fresh", "from_active", "deferred", "scored", "overflow")
 
@@ -74,37 +72,6 @@ class StepShape(NamedTuple):
             copies = min(slots_per_head, math.ceil(config.fetch_ratio * config.max_top_k) + 1)
         return cls(config.block_size, span, config.sink_blocks, config.max_top_k, float(config.fetch_ratio),
                    copies, padding_slot)  # fmt: skip
-
-
-class LayerState(NamedTuple):
-    """One layer's views of the device tier and of the host tier (SGLang's pool), as the program reads
-    and writes them; the same strides at every layer, so one compiled graph serves them all."""
-
-    host_k: torch.Tensor  # [tokens, H, D]
-    host_v: torch.Tensor
-    kmin: torch.Tensor  # [pages, H, D]
-    kmax: torch.Tensor
-    ws_k: torch.Tensor  # [slots, H, S, B, D]
-    ws_v: torch.Tensor
-    slot_block: torch.Tensor  # [slots, H, S] int64, EMPTY where free
-    last_selected: torch.Tensor  # [slots, H, S] int64
-    covered: torch.Tensor  # [slots] int64
-    top_k: torch.Tensor  # [slots] int64
-    pinned: torch.Tensor  # [slots, H, P] int64, -1: none
-    active_k: torch.Tensor  # [slots * span, H, D]
-    active_v: torch.Tensor
-    active_start: torch.Tensor  # [slots] int64
-    active_end: torch.Tensor
-
-    @classmethod
-    def of(cls, tier: DeviceTier, kv_pool: MHATokenToKVPool, layer: int) -> LayerState:
-        ws, active, summaries = tier.working_sets, tier.active, tier.summaries
-        return cls(
-            kv_pool.get_key_buffer(layer), kv_pool.get_value_buffer(layer), summaries.kmin[layer],
-            summaries.kmax[layer], ws.k[:, layer], ws.v[:, layer], ws.slot_block[:, layer],
-            ws.last_selected[:, layer], ws.covered[:, layer], ws.top_k[:, layer], tier.pinned[:, layer],
-            active.k[layer], active.v[layer], active.start[:, layer], active.end[:, layer],
-        )  # fmt: skip
 
 
 class StepPlan(NamedTuple):
@@ -141,18 +108,6 @@ class StepPlan(NamedTuple):
                    torch.tensor(step, dtype=torch.int64))  # fmt: skip
 
 
-class Copies(NamedTuple):
-    """A layer's copies of next-step blocks (``[bs, H, M]``; tokens ``[bs, H, M, B]``): on CUDA what a side
-    stream carries while later layers compute (``benchmark/gpu_step.py``), joined before the next step."""
-
-    slot: torch.Tensor  # request slot (masked copies: the padding slot)
-    head: torch.Tensor
-    target: torch.Tensor  # working-set slot
-    from_active: torch.Tensor  # bool: from the active blocks' ring, else the host tier
-    host_tokens: torch.Tensor
-    ring_tokens: torch.Tensor
-
-
 def decode_layer(
     shape: StepShape, state: LayerState, plan: StepPlan, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     scale: float,
@@ -163,18 +118,6 @@ def decode_layer(
     out, counts, copies = attend_and_plan(shape, state, plan, q, k, v, scale)
     copy_blocks(state, copies)
     return out, counts
-
-
-def copy_blocks(state: LayerState, copies: Copies) -> None:
-    """The planned copies into the working sets (``attend_and_plan`` wrote the tables they match)."""
-    head = copies.head[..., None].expand_as(copies.host_tokens)  # [bs, H, M, B]
-    for ws, host, ring in ((state.ws_k, state.host_k, state.active_k), (state.ws_v, state.host_v, state.active_v)):  # fmt: skip
-        data = torch.where(
-            copies.from_active[..., None, None],
-            ring[copies.ring_tokens, head].to(ws.dtype),
-            host[copies.host_tokens, head].to(ws.dtype),
-        )  # [bs, H, M, B, D]
-        ws.index_put_((copies.slot, copies.head, copies.target), data)
 
 
 def attend_and_plan(
@@ -191,11 +134,7 @@ def attend_and_plan(
     #    active blocks' ring.
     state.host_k.index_put_((locs,), k.to(state.host_k.dtype))
     state.host_v.index_put_((locs,), v.to(state.host_v.dtype))
-    page = locs // block
-    restart = (locs % block == 0)[:, None, None]
-    key = k.to(state.kmin.dtype)
-    state.kmin.index_put_((page,), torch.where(restart, key, torch.minimum(state.kmin[page], key)))
-    state.kmax.index_put_((page,), torch.where(restart, key, torch.maximum(state.kmax[page], key)))
+    fold_summaries(state, locs, k.to(state.kmin.dtype), block)
     new_row = slots * span + position % span
     state.active_k.index_put_((new_row,), k.to(state.active_k.dtype))
     state.active_v.index_put_((new_row,), v.to(state.active_v.dtype))
@@ -210,24 +149,12 @@ def attend_and_plan(
     #    active tail (positions covered * B .. position), this step's token.
     covered = state.covered[slots]
     blocks = state.slot_block[slots]  # [bs, H, S]
-    order = torch.where(blocks == EMPTY, INT64_MAX, blocks).argsort(dim=-1)
-    head = torch.arange(heads, device=device)[None, :, None]
-    ws_keys = state.ws_k[slots[:, None, None], head, order]  # [bs, H, S, B, D]
-    ws_values = state.ws_v[slots[:, None, None], head, order]
-    num_slots, dim = ws_keys.shape[2], ws_keys.shape[-1]
     tail_positions = (covered * block)[:, None] + torch.arange(span - 1, device=device)
     tail_rows = torch.cat([slots[:, None] * span + tail_positions % span, new_row[:, None]], dim=1)
     tail_valid = torch.cat(
         [tail_positions < position[:, None], torch.ones((bs, 1), dtype=torch.bool, device=device)], dim=1
     )
-    tail_keys = state.active_k[tail_rows].transpose(1, 2)  # [bs, H, span, D]
-    tail_values = state.active_v[tail_rows].transpose(1, 2)
-    keys = torch.cat([ws_keys.reshape(bs, heads, num_slots * block, dim), tail_keys], dim=2)
-    values = torch.cat([ws_values.reshape(bs, heads, num_slots * block, dim), tail_values], dim=2)
-    ws_valid = (blocks.gather(-1, order) != EMPTY)[..., None].expand(-1, -1, -1, block)
-    valid = torch.cat([ws_valid.reshape(bs, heads, num_slots * block), tail_valid[:, None].expand(-1, heads, -1)],
-                      dim=2)  # fmt: skip
-    out = sparse_decode_attention(q[:, None], keys, values, valid, scale)[:, 0]
+    out = attend(state, q, slots, blocks, tail_rows, tail_valid, scale)
 
     # 3. Selection for the next step (``BlockPrefetcher._choose``): rows with more full blocks than their
     #    working sets hold keep their sinks, their pinned blocks and their top-K by summary score.
@@ -272,7 +199,7 @@ def attend_and_plan(
     victim_key = torch.where(occupied, last * BLOCK_ID_SPAN + blocks, -1)
     victims = torch.where(holds_selected, INT64_MAX, victim_key).sort(dim=-1, stable=True).indices
     missing_first = (~missing).to(torch.int8).sort(dim=-1, stable=True).indices  # missing ids, ascending
-    ranks = min(num_slots, num_blocks)
+    ranks = min(blocks.shape[-1], num_blocks)
     count = missing.sum(dim=-1, keepdim=True)
     take = torch.arange(ranks, device=device) < count  # [bs, H, ranks]
     dest, new_blocks = victims[..., :ranks], missing_first[..., :ranks]
@@ -292,6 +219,7 @@ def attend_and_plan(
     copies = min(shape.copies, ranks)
     take, dest, new_blocks = take[..., :copies], dest[..., :copies], new_blocks[..., :copies]
     row = torch.arange(bs, device=device)[:, None, None]
+    head = torch.arange(heads, device=device)[None, :, None]
     offsets = torch.arange(block, device=device)
     host_tokens = (plan.pages[row, new_blocks] * block)[..., None] + offsets  # [bs, H, M, B]
     per_slot = span // block
@@ -302,6 +230,7 @@ def attend_and_plan(
     planned = Copies(
         torch.where(take, slots[:, None, None], shape.padding_slot), head.expand(bs, -1, copies),
         torch.where(take, dest, torch.arange(copies, device=device)), from_active, host_tokens, ring_tokens,
+        shape.padding_slot,
     )  # fmt: skip
     per_row = (take, take & just_filled, from_active)  # COUNTS' order
     counts = torch.stack([*(c.sum(dim=(1, 2)) for c in per_row), deferred, over[:, 0, 0].to(torch.int64),

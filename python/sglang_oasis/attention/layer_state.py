@@ -1,0 +1,43 @@
+"""One layer's views of the device tier and of the host tier, as the captured decode program reads them."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from sglang_oasis.memory.device_tier import DeviceTier
+
+
+class LayerState(NamedTuple):
+    """One layer's views of the device tier and of the host tier (SGLang's pool), as the program reads
+    and writes them; the same strides at every layer, so one compiled graph serves them all."""
+
+    host_k: torch.Tensor  # [tokens, H, D]
+    host_v: torch.Tensor
+    kmin: torch.Tensor  # [pages, H, D]
+    kmax: torch.Tensor
+    ws_k: torch.Tensor  # [slots, H, S, B, D]
+    ws_v: torch.Tensor
+    slot_block: torch.Tensor  # [slots, H, S] int64, EMPTY where free
+    last_selected: torch.Tensor  # [slots, H, S] int64
+    covered: torch.Tensor  # [slots] int64
+    top_k: torch.Tensor  # [slots] int64
+    pinned: torch.Tensor  # [slots, H, P] int64, -1: none
+    active_k: torch.Tensor  # [slots * span, H, D]
+    active_v: torch.Tensor
+    active_start: torch.Tensor  # [slots] int64
+    active_end: torch.Tensor
+
+    @classmethod
+    def of(cls, tier: DeviceTier, kv_pool: MHATokenToKVPool, layer: int) -> LayerState:
+        ws, active, summaries = tier.working_sets, tier.active, tier.summaries
+        return cls(
+            kv_pool.get_key_buffer(layer), kv_pool.get_value_buffer(layer), summaries.kmin[layer],
+            summaries.kmax[layer], ws.k[:, layer], ws.v[:, layer], ws.slot_block[:, layer],
+            ws.last_selected[:, layer], ws.covered[:, layer], ws.top_k[:, layer], tier.pinned[:, layer],
+            active.k[layer], active.v[layer], active.start[:, layer], active.end[:, layer],
+        )  # fmt: skip
