@@ -24,6 +24,7 @@ DRAFT_POLICIES = ("reject", "verify")
 VERIFY_ROWS = 2  # --speculative-num-draft-tokens of the lookahead: the real token and one draft
 PREFETCH_MODES = ("async", "sync")
 DECODE_STEPS = ("eager", "captured")
+PREFILL_ATTENTIONS = ("auto", "torch", "triton")
 
 
 class OasisConfigError(ValueError):
@@ -219,6 +220,17 @@ class OasisConfig:
             "choices": DECODE_STEPS,
         },
     )
+    prefill_attention: str = field(
+        default="auto",
+        metadata={
+            "help": "What computes a sparse-mode extend's dense attention (prefill, a suffix after a cached "
+            "prefix, a chunk). 'torch': SGLang's torch_native backend (SDPA per request), the CPU path. "
+            "'triton': SGLang's Triton attention backend, each layer's KV written into the host tier as "
+            "it goes (on a GPU; on a CPU only under Triton's interpreter, TRITON_INTERPRET=1, which tests "
+            "use). 'auto': triton on CUDA, torch otherwise.",
+            "choices": PREFILL_ATTENTIONS,
+        },
+    )
     remote_fetch: bool = field(
         default=True,
         metadata={
@@ -287,6 +299,7 @@ class OasisConfig:
             ("draft_policy", DRAFT_POLICIES),
             ("prefetch", PREFETCH_MODES),
             ("decode_step", DECODE_STEPS),
+            ("prefill_attention", PREFILL_ATTENTIONS),
         ):
             if getattr(self, name) not in choices:
                 raise OasisConfigError(

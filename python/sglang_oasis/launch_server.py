@@ -19,6 +19,7 @@ import time
 from collections.abc import Sequence
 from pathlib import Path
 
+from sglang_oasis.attention.triton_prefill import TritonPrefillError, wants_triton
 from sglang_oasis.config import OasisConfig, OasisConfigError
 from sglang_oasis.memory.device_layout import DeviceTierError, TierShape, budget_bytes
 from sglang_oasis.memory.device_layout import layout as device_tier_layout
@@ -465,8 +466,9 @@ def prepare(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
         try:
             if not on_cpu:
                 check_untested_cuda(sglang_argv, config)
+            wants_triton(config.prefill_attention, "cpu" if on_cpu else "cuda")  # raises, naming the option
             sglang_argv += sparse_mode_args(sglang_argv, config, on_cpu)
-        except LaunchError as error:
+        except (LaunchError, TritonPrefillError) as error:
             build_oasis_parser().error(str(error))
     if on_cpu:
         # Both must be in the environment before SGLang is imported: its modules read them at import

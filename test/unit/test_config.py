@@ -150,6 +150,8 @@ def test_a_pd_decode_server_on_cpu_backs_up_retracted_requests_in_plain_tensors(
         (["--oasis-lookahead", "medusa"], "--oasis-lookahead"),
         (["--oasis-draft-policy", "maybe"], "--oasis-draft-policy"),
         (["--oasis-decode-step", "graph"], "--oasis-decode-step"),
+        (["--oasis-prefill-attention", "flash"], "--oasis-prefill-attention"),
+        (["--oasis-prefill-attention", "triton"], "--oasis-prefill-attention triton on cpu"),
         (["--oasis-decode-step", "captured", "--oasis-adaptive-cap", "true"], "--oasis-decode-step captured"),
         (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm"),
         (["--speculative-draft-model-path", "/x"], "--speculative-draft-model-path needs --oasis-lookahead"),

@@ -6,11 +6,11 @@ class adapts SGLang's backend interface to the parts that do the work, one file 
 ``request_slots.py`` (which request holds which device slot; warm starts), ``sparse_attention.py``
 (attention over working set + active tail), ``selector.py`` (each step's top-K and the prefetch jobs
 that move blocks), ``captured_step.py`` and ``graph_hooks.py`` (the step compiled on CPU, in CUDA
-graphs), ``pd_node.py`` (PD arrivals), ``transfer_failures.py`` and ``extend_attention.py`` (dense extends
-after a cached prefix, computing only their own rows).
+graphs), ``pd_node.py`` (PD arrivals), ``transfer_failures.py``, ``extend_attention.py`` and ``triton_prefill.py``
+(dense extends: after a cached prefix computing only their own rows; on CUDA SGLang's Triton backend).
 
 Per layer, an extend (prefill, or a suffix after a prefix hit) attends densely over the pool as SGLang's
-torch_native backend does, folds the new keys into the summaries and selects the first working sets
+torch_native (or Triton) backend does, folds the new keys into the summaries and selects the first working sets
 (by the prefill window's exact attention, ``--oasis-prefill-window``, or the summaries). Decode step t
 attends over each KV head's working set plus the active tail, then the step's query (or the
 lookahead's) selects the blocks for step t+1, which load in the background; step t+1 at that layer
@@ -44,6 +44,7 @@ from sglang_oasis.attention.selector import FaultInjection, Selector
 from sglang_oasis.attention.sparse_attention import SparseAttention
 from sglang_oasis.attention.strict_mode import StrictMode
 from sglang_oasis.attention.transfer_failures import TransferFailures
+from sglang_oasis.attention.triton_prefill import TritonPrefill
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.memory.device_tier import DeviceTier
 from sglang_oasis.sglang_hooks import pool_in_pinned_host_memory
@@ -58,7 +59,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 
-class OasisAttnBackend(GraphHooks, CachedPrefixExtend, TorchNativeAttnBackend):
+class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativeAttnBackend):
     # SGLang declares them KVCache and ReqToTokenPool | None: this backend serves MHA pools (``head_num``)
     token_to_kv_pool: MHATokenToKVPool
     req_to_token_pool: ReqToTokenPool
@@ -71,6 +72,7 @@ class OasisAttnBackend(GraphHooks, CachedPrefixExtend, TorchNativeAttnBackend):
         pool, self.config, self.block_size = self.token_to_kv_pool, config, config.block_size
         if str(self.device).startswith("cuda"):  # the host tier: SGLang's pool, moved to pinned host memory
             pool_in_pinned_host_memory(pool)
+        self.init_triton_prefill(model_runner, config.prefill_attention)  # triton_prefill.py: extends
         if pool.page_size != self.block_size:
             raise ValueError(f"oasis backend needs --page-size {self.block_size} (= --oasis-block-size), got "
                              f"{pool.page_size}")  # fmt: skip
@@ -118,8 +120,6 @@ class OasisAttnBackend(GraphHooks, CachedPrefixExtend, TorchNativeAttnBackend):
             self.tier.nbytes / 2**20, self.tier.layout.budget_bytes / 2**20, self.tier.num_request_slots,
             self.summaries.nbytes / 2**20,
         )  # fmt: skip
-
-    # --- per forward batch ------------------------------------------------------------------------
 
     def init_forward_metadata(self, forward_batch: ForwardBatch) -> None:
         super().init_forward_metadata(forward_batch)
