@@ -215,7 +215,10 @@ def server_args(
     uncapped = not mode.startswith("sparse_k_sparse") and not mode.endswith("_captured")
     fetch = ["--oasis-fetch-ratio", "1.0"] if uncapped else []
     recall = ["--oasis-recall-sample-every", str(recall_every)] if mode == RECALL_MODE else []
-    step = ["--oasis-decode-step", "captured"] if mode.endswith("_captured") else []
+    step = [
+        "--oasis-decode-step",
+        "captured" if mode.endswith("_captured") else "eager",
+    ]  # eager: not the CPU default
     return [*recall, *step,
         *common, "--oasis-mode", "sparse", "--oasis-top-k", str(top_k), "--oasis-block-size", str(block_size),
         *fetch, "--oasis-prefetch", "sync" if mode == "sparse_sync" else "async",

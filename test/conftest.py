@@ -16,6 +16,11 @@ if not torch.cuda.is_available():
     # the tests do not inherit it (ServerProcess drops it).
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+# Servers the tests start decode eagerly unless a test asks for the captured step (the launcher's CPU
+# default, which compiles each batch bucket at its first pass: 13-22 s per bucket and shape on a fresh
+# machine, for ~40 servers of many shapes). test_captured_step.py and the default server run it.
+os.environ.setdefault("SGLANG_OASIS_CPU_DECODE_STEP", "eager")
+
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.server_process import ServerProcess
 from sglang_oasis_testing.tiny_models import TinyModelSpec, build_tiny_model
@@ -56,8 +61,10 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
     Gauges.stop_all()
 
 
-def _serve(args: list[str], name: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    with ServerProcess(args, log_path=tmp_path_factory.mktemp("logs") / f"{name}.log") as server:
+def _serve(
+    args: list[str], name: str, tmp_path_factory: pytest.TempPathFactory, env: dict[str, str] | None = None
+) -> Iterator[ServerProcess]:
+    with ServerProcess(args, log_path=tmp_path_factory.mktemp("logs") / f"{name}.log", env=env) as server:
         yield server
 
 
@@ -66,7 +73,8 @@ def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
     """The README's first command as a newcomer runs it: no model path, sparse mode, CPU defaults. Module
     scope: it is the largest server (all 30 layers, working sets for 32 requests, ~5 GiB here) and one
     module uses it; 24 GiB do not hold it beside every later module's servers."""
-    yield from _serve([], "default-server", tmp_path_factory)
+    # the launcher's own defaults, the captured decode step among them
+    yield from _serve([], "default-server", tmp_path_factory, {"SGLANG_OASIS_CPU_DECODE_STEP": ""})
 
 
 @pytest.fixture(scope="module")

@@ -213,10 +213,11 @@ class OasisConfig:
             "the selection and its copies in the prefetch pipeline (--oasis-prefetch). 'captured': plain decode "
             "batches run one torch.compile'd program per layer on fixed shapes (batches padded to 1, 2, 4, 8... "
             "rows, blocks to 64, 128, 256...; no host sync), its next-step copies inside the step; compiled once "
-            "per batch bucket at its first pass (10-25 s on a CPU while running requests wait, 1-3 s once "
-            "torch has cached it across starts), and one "
-            "device request slot goes to padding rows. Steps it does not cover (extends, verify rows, PD "
-            "arrivals and remote reads, recall samples) run eagerly.",
+            "per batch bucket at its first pass (~20 s on a CPU the first time while running requests wait, "
+            "~2 s once torch has cached it across starts), and one device request slot goes to padding rows. "
+            "Steps it does not cover (extends, verify rows, PD arrivals and remote reads, recall samples) run "
+            "eagerly. Without the option the launcher's CPU defaults choose 'captured' (unless "
+            "--oasis-adaptive-cap; SGLANG_OASIS_CPU_DECODE_STEP=eager changes that default).",
             "choices": DECODE_STEPS,
         },
     )
@@ -271,7 +272,7 @@ class OasisConfig:
         default=True,
         metadata={
             "help": "Without a GPU, serve on SGLang's CPU engine with CPU-friendly settings "
-            "(--device cpu, --attention-backend torch_native, --max-total-tokens "
+            "(--device cpu, --oasis-decode-step captured, --attention-backend torch_native, --max-total-tokens "
             "<oasis-cpu-max-total-tokens>, --sleep-on-idle, --dtype: the type this CPU computes "
             "fastest, float32 unless it has native bf16/fp16 matrix support; OMP_NUM_THREADS: the "
             "usable cores per model rank). Any of them given explicitly wins; 'false' applies none "

@@ -12,6 +12,7 @@ Takes every SGLang server argument plus the ``--oasis-*`` options of :class:`Oas
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 import threading
@@ -20,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from sglang_oasis.attention.triton_prefill import TritonPrefillError, wants_triton
-from sglang_oasis.config import OasisConfig, OasisConfigError
+from sglang_oasis.config import DECODE_STEPS, OasisConfig, OasisConfigError
 from sglang_oasis.memory.device_layout import DeviceTierError, TierShape, budget_bytes
 from sglang_oasis.memory.device_layout import layout as device_tier_layout
 from sglang_oasis.memory.host_tier import (
@@ -33,6 +34,7 @@ from sglang_oasis.memory.host_tier import (
     kv_footprint,
     model_config,
 )
+from sglang_oasis.paths import cache_root
 from sglang_oasis.platform.cpu.capabilities import (
     cpu_flags,
     fastest_dtype,
@@ -124,6 +126,34 @@ def cpu_dtype_args(sglang_argv: Sequence[str]) -> list[str]:
     choice = fastest_dtype(cpu_flags())
     say(f"dtype {choice.dtype}: {choice.reason} (--dtype overrides)")
     return ["--dtype", choice.dtype]
+
+
+DECODE_STEP_ENV = "SGLANG_OASIS_CPU_DECODE_STEP"
+INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
+
+
+def cpu_decode_step(argv: Sequence[str], config: OasisConfig) -> OasisConfig:
+    """The CPU default of ``--oasis-decode-step`` (sparse mode): ``captured`` (its TPOT 0.69-0.93x the
+    eager step's, docs/results.md), or ``$SGLANG_OASIS_CPU_DECODE_STEP``; none where the option is given,
+    or ``--oasis-adaptive-cap`` (which the captured step refuses). Its compiles go to a cache that outlives
+    reboots (``$TORCHINDUCTOR_CACHE_DIR``, unless set: torch's under the project's cache)."""
+    if given(argv, "--oasis-decode-step") or config.adaptive_cap:
+        return config
+    step = os.environ.get(DECODE_STEP_ENV) or "captured"
+    if step not in DECODE_STEPS:
+        raise LaunchError(f"{DECODE_STEP_ENV}={step!r} is not one of {', '.join(DECODE_STEPS)}")
+    if step == "captured" and INDUCTOR_CACHE_ENV not in os.environ:
+        os.environ[INDUCTOR_CACHE_ENV] = str(cache_root() / "torchinductor")
+    say(
+        f"--oasis-decode-step {step}"
+        + (
+            ": each batch bucket compiles at its first decode pass (13-22 s the first time on 2 cores, ~2 s "
+            f"from {os.environ[INDUCTOR_CACHE_ENV]}; --oasis-decode-step eager overrides)"
+            if step == "captured"
+            else f" ({DECODE_STEP_ENV})"
+        )
+    )
+    return dataclasses.replace(config, decode_step=step)
 
 
 TENSOR_PARALLEL_OPTIONS = ("--tp-size", "--tensor-parallel-size", "--tp")
@@ -464,6 +494,8 @@ def prepare(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
     on_cpu = wants_cpu(sglang_argv)
     if config.mode == "sparse":
         try:
+            if on_cpu and config.cpu_defaults:
+                config = cpu_decode_step(argv, config)
             if not on_cpu:
                 check_untested_cuda(sglang_argv, config)
             wants_triton(config.prefill_attention, "cpu" if on_cpu else "cuda")  # raises, naming the option

@@ -124,3 +124,13 @@ def test_serves_the_fastest_dtype_and_announces_a_request_to_try(default_server:
     curl = next(line.strip() for line in log.splitlines() if line.strip().startswith("curl -s "))
     reply = subprocess.run(shlex.split(curl), capture_output=True, text=True, timeout=120, check=True)
     assert "Paris" in json.loads(reply.stdout)["choices"][0]["message"]["content"]
+
+
+def test_the_default_server_decodes_through_the_captured_step(default_server: ServerProcess) -> None:
+    """The launcher's CPU defaults include ``--oasis-decode-step captured``: plain decode passes run the
+    compiled step (its batch bucket compiled at SGLang's warm-up, or here at the first pass)."""
+    before = default_server.oasis_stats()["captured_decode_passes"]
+    response = chat(default_server)
+    assert response.status_code == 200, response.text
+    passes = default_server.oasis_stats()["captured_decode_passes"] - before
+    assert passes >= response.json()["usage"]["completion_tokens"] - 2, passes

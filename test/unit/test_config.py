@@ -10,7 +10,16 @@ import sys
 import pytest
 
 from sglang_oasis.config import ENV_VAR, OasisConfig, OasisConfigError
-from sglang_oasis.launch_server import cpu_defaults, given, option_value, split_argv
+from sglang_oasis.launch_server import (
+    DECODE_STEP_ENV,
+    INDUCTOR_CACHE_ENV,
+    LaunchError,
+    cpu_decode_step,
+    cpu_defaults,
+    given,
+    option_value,
+    split_argv,
+)
 from sglang_oasis.server_process import child_env
 
 
@@ -96,6 +105,26 @@ def test_cpu_defaults_only_fill_what_is_missing() -> None:
     assert cpu_defaults(explicit, config) == []
     assert cpu_defaults(["--mem-fraction-static", "0.1"], config).count("--max-total-tokens") == 0
     assert cpu_defaults([], OasisConfig(cpu_defaults=False)) == ["--device", "cpu"]
+
+
+def test_the_cpu_default_decode_step_is_captured_unless_told(
+    monkeypatch: pytest.MonkeyPatch, tmp_path
+) -> None:
+    """The launcher's CPU default: the captured step, its compiles cached under the project's cache; an
+    explicit --oasis-decode-step, --oasis-adaptive-cap (which it refuses) or the environment wins."""
+    monkeypatch.delenv(DECODE_STEP_ENV, raising=False)
+    monkeypatch.delenv(INDUCTOR_CACHE_ENV, raising=False)
+    monkeypatch.setenv("SGLANG_OASIS_CACHE", str(tmp_path))
+    assert cpu_decode_step([], OasisConfig()).decode_step == "captured"
+    assert __import__("os").environ[INDUCTOR_CACHE_ENV] == str(tmp_path / "torchinductor")
+    for argv in (["--oasis-decode-step", "eager"], ["--oasis-decode-step=eager"]):
+        assert cpu_decode_step(argv, OasisConfig()).decode_step == "eager"
+    assert cpu_decode_step([], OasisConfig(adaptive_cap=True)).decode_step == "eager"
+    monkeypatch.setenv(DECODE_STEP_ENV, "eager")
+    assert cpu_decode_step([], OasisConfig()).decode_step == "eager"
+    monkeypatch.setenv(DECODE_STEP_ENV, "graph")
+    with pytest.raises(LaunchError, match=DECODE_STEP_ENV):
+        cpu_decode_step([], OasisConfig())
 
 
 def test_a_pd_decode_server_on_cpu_backs_up_retracted_requests_in_plain_tensors() -> None:
