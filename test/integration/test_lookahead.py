@@ -8,7 +8,8 @@ the drafts are:
 - eagle3 + reject: a random EAGLE-3 head; no draft is ever accepted (one verify step per token);
 - ngram + verify: SGLang's NGRAM drafter with normal acceptance; some drafts are accepted (more than one
   token per verify step), which exercises committing accepted drafts into the summaries; layer 1 is
-  listed in --oasis-dense-layers and two sink blocks are kept, so those paths are served too.
+  listed in --oasis-dense-layers and two sink blocks are kept, so those paths are served too; and the
+  same with the verify passes through the captured step (``--oasis-decode-step captured``).
 """
 
 from __future__ import annotations
@@ -80,6 +81,19 @@ def ngram_verify_server(
     yield from _module_server(args, "tiny-ngram-verify", tmp_path_factory)
 
 
+@pytest.fixture(scope="module")
+def ngram_verify_captured_server(
+    tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[ServerProcess]:
+    """ngram + verify with the verify passes through the compiled program (``--oasis-decode-step
+    captured``; each batch bucket compiles at its first pass)."""
+    args = [
+        "--model-path", str(tiny_qwen3_dir), "--oasis-lookahead", "ngram", "--oasis-draft-policy", "verify",
+        "--oasis-decode-step", "captured", *SPARSE,
+    ]  # fmt: skip
+    yield from _module_server(args, "tiny-ngram-verify-captured", tmp_path_factory)
+
+
 def prompts() -> list[list[int]]:
     gen = torch.Generator().manual_seed(4)
     return [torch.randint(3, 49152, (n,), generator=gen).tolist() for n in PROMPT_LENGTHS]
@@ -118,6 +132,22 @@ def test_ngram_verify_equals_dense_and_accepts_drafts(
     assert [r["output_ids"] for r in sparse] == [r["output_ids"] for r in dense]
     steps = sum(r["meta_info"]["spec_verify_ct"] for r in sparse)
     assert steps < len(batch) * (NEW_TOKENS - 1), "no NGRAM draft was ever accepted"
+
+
+def test_ngram_verify_through_the_captured_step_equals_dense(
+    ngram_verify_captured_server: ServerProcess, tiny_qwen3_server: ServerProcess
+) -> None:
+    before = ngram_verify_captured_server.oasis_stats()
+    batch = prompts()
+    sparse = concurrently(ngram_verify_captured_server, batch)
+    dense = concurrently(tiny_qwen3_server, batch)
+    assert [r["output_ids"] for r in sparse] == [r["output_ids"] for r in dense]
+    steps = sum(r["meta_info"]["spec_verify_ct"] for r in sparse)
+    assert steps < len(batch) * (NEW_TOKENS - 1), "no NGRAM draft was ever accepted"
+    after = ngram_verify_captured_server.oasis_stats()
+    passes = after["captured_decode_passes"] - before["captured_decode_passes"]
+    verify_passes = after["decode_steps"] - before["decode_steps"]
+    assert passes > verify_passes // 2, (passes, verify_passes)  # all but recall samples and admissions
 
 
 # --- the shipped EAGLE-3 head on the default model (SmolLM2-135M-Instruct, all 30 layers) -------------

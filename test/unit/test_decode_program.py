@@ -403,3 +403,108 @@ def test_program_with_the_triton_kernels_equals_the_reference(
     assert called == {"score_paged_blocks": steps, "update_page_summaries": steps,
                       "headwise_decode_attention": steps, "copy_blocks_to_slots": 2 * steps}, called  # fmt: skip
     stop(reference, triton)
+
+
+VERIFY_ROWS = 2  # the lookahead's: the real token and one draft
+
+
+def verify_step(oasis: OasisAttnBackend, step: int, first: torch.Tensor) -> torch.Tensor:
+    """A TARGET_VERIFY pass through the backend: row 0 of each request at position ``first`` (SGLang's
+    seq_lens), its draft at ``first + 1``; the same random q, k, v for both backends."""
+    generator = torch.Generator().manual_seed(500 + step)
+    bs, rows = len(REQS), VERIFY_ROWS
+    q, k, v = (
+        torch.randn(bs * rows, heads * DIM, generator=generator) for heads in (Q_HEADS, KV_HEADS, KV_HEADS)
+    )
+    positions = first[:, None] + torch.arange(rows)
+    locs = oasis.req_to_token_pool.req_to_token[torch.tensor(REQS)[:, None], positions].long().flatten()
+    batch = SimpleNamespace(
+        forward_mode=ForwardMode.TARGET_VERIFY, req_pool_indices=torch.tensor(REQS), seq_lens=first.clone(),
+        out_cache_loc=locs, encoder_lens=None, spec_info=None,
+    )  # fmt: skip
+    oasis.begin_batch(ForwardMode.TARGET_VERIFY, list(REQS), first.tolist(), None)
+    return oasis.forward_extend(q, k, v, layer(SPARSE_LAYER), batch).view(bs, rows, Q_HEADS, DIM)
+
+
+@pytest.mark.parametrize("case", ["k_sparse_capped", "k_covering"])
+def test_backend_runs_verify_passes_captured(case: str) -> None:
+    """The lookahead's verify passes (a real and a draft row per request) through the compiled program:
+    the same outputs and state as the eager backend's ``forward_verify``, step after step, with drafts
+    accepted at random (an accepted draft joins the summaries at the next pass: the catch-up); passes a
+    recall sample is due in run eagerly, and the mix stays equal."""
+    config, own_k, pins = configs(case)
+    eager = admitted(config, own_k, pins)
+    captured = admitted(dataclasses.replace(config, decode_step="captured"), own_k, pins)
+    assert captured.captured is not None
+    captured.captured.program = decode_layer
+    first = torch.tensor(CONTEXTS)
+    accepts = torch.rand(STEPS, len(REQS), generator=torch.Generator().manual_seed(7)) < 0.5
+    for step in range(STEPS):
+        torch.testing.assert_close(
+            verify_step(captured, step, first), verify_step(eager, step, first), rtol=1e-5, atol=1e-6
+        )
+        assert_same_state(eager, captured)
+        first = first + 1 + accepts[step].long()  # the draft accepted: two tokens committed
+    theirs = captured.stats.snapshot()
+    assert theirs["captured_decode_passes"] > STEPS // 2, theirs
+    assert theirs["decode_steps"] - theirs["captured_decode_passes"] > 0  # the recall samples' passes
+    stop(eager, captured)
+
+
+def verify_inputs(oasis: OasisAttnBackend, step: int) -> tuple[Any, ...]:
+    """``decode_layer``'s arguments for a verify pass (every row's draft rejected: row 0 at ``CONTEXTS +
+    step``), padded to the batch bucket."""
+    generator = torch.Generator().manual_seed(900 + step)
+    bs, rows, pad = len(REQS), VERIFY_ROWS, BATCH_BUCKET - len(REQS)
+    q, k, v = (
+        torch.randn(BATCH_BUCKET, rows, heads, DIM, generator=generator)
+        for heads in (Q_HEADS, KV_HEADS, KV_HEADS)
+    )
+    reqs, first = torch.tensor(REQS), torch.tensor(CONTEXTS) + step
+    req_to_token = oasis.req_to_token_pool.req_to_token
+    locs = req_to_token[reqs[:, None], first[:, None] + torch.arange(rows)].long()
+    slots = torch.tensor([oasis.tier.slot(req) for req in REQS])
+    tree = torch.ones(rows, rows, dtype=torch.bool).tril().expand(bs, -1, -1)
+    plan = StepPlan.build(slots, first + 1, locs[:, 0], req_to_token, reqs, step + 1, shape_of(oasis), BATCH_BUCKET,
+                          BLOCK_BUCKET, locs[:, 1:], tree)  # fmt: skip
+    assert plan.tree is not None and plan.tree.shape == (BATCH_BUCKET, rows, rows) and pad > 0
+    state = LayerState.of(oasis.tier, oasis.token_to_kv_pool, SPARSE_LAYER)
+    return shape_of(oasis), state, plan, q, k, v, SCALE
+
+
+def test_verify_program_has_no_host_sync_and_compiles_whole() -> None:
+    """With the lookahead's rows the program still passes the sync guard, and compiles as one graph across
+    steps (fullgraph) with the uncompiled program's outputs and counts."""
+    torch._dynamo.reset()
+    graphs, counting = graph_counter()
+    compiled = torch.compile(decode_layer, fullgraph=True, dynamic=False, backend=counting)
+    config, own_k, pins = configs("k_sparse_capped")
+    plain, captured = admitted(config, own_k, pins), admitted(config, own_k, pins)
+    for step in range(4):
+        inputs = verify_inputs(plain, step)  # the host plan may sync; the step may not
+        with SyncGuard() as guard:
+            expected, expected_counts = decode_layer(*inputs)
+        assert guard.ops > 100 and expected.shape == (BATCH_BUCKET, VERIFY_ROWS, Q_HEADS, DIM)
+        out, counts = compiled(*verify_inputs(captured, step))
+        torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+        assert torch.equal(counts, expected_counts)
+    assert len(graphs) == 1, graphs
+    stop(plain, captured)
+
+
+def test_verify_program_with_the_triton_kernels_equals_the_reference(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A verify pass's rows through the Triton kernels (under the interpreter) as through the torch forms."""
+    from sgl_kernel_oasis import ops
+
+    pytest.importorskip("triton")
+    config, own_k, pins = configs("k_per_row")
+    reference, triton = admitted(config, own_k, pins), admitted(config, own_k, pins)
+    for step in range(3):
+        expected = decode_layer(*verify_inputs(reference, step))
+        with monkeypatch.context() as patch:
+            patch.setattr(ops, "uses_triton", lambda tensor: True)
+            got = decode_layer(*verify_inputs(triton, step))
+        torch.testing.assert_close(got[0], expected[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(got[1], expected[1])
+        assert_same_state(reference, triton)
+    stop(reference, triton)

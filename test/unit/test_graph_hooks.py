@@ -86,7 +86,7 @@ class Recorder:
         self.addresses: list[tuple[int, ...]] = []
 
     def __call__(self, shape: Any, state: Any, plan: Any, q: Any, k: Any, v: Any, scale: float) -> Any:
-        self.addresses.append(tuple(t.data_ptr() for t in (*state, *plan)))
+        self.addresses.append(tuple(t.data_ptr() for t in (*state, *plan) if t is not None))
         return decode_layer(shape, state, plan, q, k, v, scale)
 
 

@@ -1,5 +1,5 @@
 """``--oasis-decode-step captured``: plain decode batches' sparse layers through the compiled
-``decode_layer`` (``decode_program.py``).
+``decode_layer`` (``decode_program.py``), and verify passes' (the lookahead's real and draft rows).
 
 Per decode pass, at its first sparse layer, ``CapturedStep.prepare`` (host side) decides whether the pass
 runs captured (``eligible``: every row an ordinary decode row whose tail the active blocks hold, no recall
@@ -34,6 +34,7 @@ from sglang_oasis.attention.decode_program import (
     decode_layer,
 )
 from sglang_oasis.attention.request_slots import RequestSlots
+from sglang_oasis.attention.sparse_attention import SparseAttention
 from sglang_oasis.memory.device_tier import DeviceTier
 from sglang_oasis.stats import OasisStats
 
@@ -42,6 +43,7 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
+    from sglang_oasis.attention.kv_intake import KVIntake
     from sglang_oasis.attention.selector import Selector
     from sglang_oasis.attention.strict_mode import StrictMode
     from sglang_oasis.config import OasisConfig
@@ -75,11 +77,14 @@ class StepParts(Protocol):
     stats: OasisStats
     sparse_layers: list[int]
     selector: Selector
+    intake: KVIntake
     summarised: torch.Tensor
     strict: StrictMode | None
 
 
 class CapturedStep:
+    verify_rows = True  # TARGET_VERIFY passes run the program too (``GraphedStep``: not yet)
+
     def __init__(
         self, config: OasisConfig, tier: DeviceTier, kv_pool: MHATokenToKVPool, req_to_token: torch.Tensor,
         slots: RequestSlots, stats: OasisStats, sparse_layers: Sequence[int],
@@ -117,6 +122,8 @@ class CapturedStep:
         self.covers: Callable[[], bool] = lambda: True
         # [request rows, layers]: positions whose keys are in the summaries (``KVIntake.summarised``)
         self.summarised: torch.Tensor | None = None
+        # A verify pass's accepted drafts into every sparse layer's summaries (``KVIntake.catch_up``)
+        self.catch_up: Callable[[BatchView, torch.Tensor], None] = lambda batch, upto: None
 
     @classmethod
     def for_backend(cls, backend: StepParts) -> CapturedStep:
@@ -129,6 +136,12 @@ class CapturedStep:
         step.finish_pending, step.before_select = selector.finish_pending, selector.before_select
         step.account = selector.account
         step.summarised = backend.summarised
+
+        def catch_up(batch: BatchView, upto: torch.Tensor) -> None:
+            for layer in backend.sparse_layers:
+                backend.intake.catch_up(batch, layer, upto)
+
+        step.catch_up = catch_up
         step.covers = lambda: backend.strict is None and selector.faults.prompt_len is None and (
             selector.prefetcher.remote is None
         )  # fmt: skip
@@ -157,15 +170,24 @@ class CapturedStep:
             cpu = getattr(forward_batch, "seq_lens_cpu", None)  # SGLang's host copy, if it has one
             seq_lens = (forward_batch.seq_lens if cpu is None else cpu).cpu().to(torch.int64)
             locs = forward_batch.out_cache_loc.cpu().to(torch.int64)
-            self.prepare(batch, seq_lens, locs)
+            bs = len(batch.reqs)
+            rows = len(locs) // max(1, bs)
+            if rows == 1:
+                self.prepare(batch, seq_lens, locs)
+            elif self.verify_rows:  # TARGET_VERIFY: SGLang's seq_lens leave out row 0, committed here
+                tree = SparseAttention.tree_mask(forward_batch, bs, rows)
+                self.prepare(batch, seq_lens + 1, locs.view(bs, rows), tree)
         return self.plan is not None
 
-    def prepare(self, batch: BatchView, seq_lens: torch.Tensor, locs: torch.Tensor) -> bool:
-        """Plan a decode pass of ``batch`` (``seq_lens`` with this step's token at host ``locs``); False:
-        it runs eagerly."""
+    def prepare(
+        self, batch: BatchView, seq_lens: torch.Tensor, locs: torch.Tensor, tree: torch.Tensor | None = None
+    ) -> bool:
+        """Plan a decode pass of ``batch`` (``seq_lens`` with this step's token at host ``locs``; a verify
+        pass: ``locs`` ``[bs, R]``, row 0 the committed token, and the rows' ``tree``); False: it runs
+        eagerly."""
         self.plan = None
-        bs = len(batch.reqs)
-        if bs == 0 or bs > self.batch_buckets[-1] or not self._tails_held(batch, seq_lens):
+        bs, rows = len(batch.reqs), 1 if tree is None else tree.shape[1]
+        if bs == 0 or bs > self.batch_buckets[-1] or not self._tails_held(batch, seq_lens, rows):
             return False
         block = self.shape.block_size
         full = int(seq_lens.max()) // block
@@ -173,11 +195,15 @@ class CapturedStep:
             return False
         if self.before_select is not None:  # retraction's snapshot of the tables the step will change
             self.before_select(batch, None, seq_lens.tolist())
+        drafts = None
+        if tree is not None:  # drafts the last verify accepted join the summaries, every layer's, first
+            self.catch_up(batch, seq_lens - 1)
+            locs, drafts = locs[:, 0], locs[:, 1:]
         summaries = self.tier.summaries
         summaries.restart_epochs(locs)  # once per pass, as the eager step does at the epoch layer
         plan = StepPlan.build(
             batch.slots, seq_lens, locs, self.req_to_token, batch.req_index, batch.step, self.shape,
-            bucket(bs, self.batch_buckets), bucket(full, self.block_buckets),
+            bucket(bs, self.batch_buckets), bucket(full, self.block_buckets), drafts, tree,
         )  # fmt: skip
         torch._dynamo.maybe_mark_dynamic(plan.pages, 1)  # one graph for every block bucket
         self.slots.prefixes.record(batch.slots, plan.pages[:bs, :full], seq_lens // block, summaries.epoch)
@@ -187,9 +213,9 @@ class CapturedStep:
         self.counts = torch.zeros((len(plan.slots), len(COUNTS)), dtype=torch.int64)
         return True
 
-    def _tails_held(self, batch: BatchView, seq_lens: torch.Tensor) -> bool:
+    def _tails_held(self, batch: BatchView, seq_lens: torch.Tensor, rows: int) -> bool:
         """Every sparse layer's tail (positions ``covered * B .. seq_len - 1``) is in the active blocks with
-        room for the step's token, and at most one block filled up since the last selection."""
+        room for the step's ``rows`` tokens, and at most one block filled up since the last selection."""
         layers, slots = self.sparse_layers, batch.slots
         if bool((slots < 0).any()):
             return False
@@ -197,7 +223,7 @@ class CapturedStep:
         position = (seq_lens - 1)[:, None]
         starts = covered * self.shape.block_size
         held = self.tier.active.holds(slots[:, None], torch.tensor(layers), starts, position)
-        short = position - starts + 1 <= self.shape.span
+        short = position - starts + rows <= self.shape.span
         fresh = (seq_lens // self.shape.block_size)[:, None] - covered <= 1
         return bool((held & short & fresh).all())
 
@@ -210,9 +236,10 @@ class CapturedStep:
         one, changed nothing)."""
         plan, bs, layer_id = self.plan, self.rows, layer.layer_id
         assert plan is not None
-        heads = self.tier.shape.num_kv_heads
-        q = q.reshape(bs, layer.tp_q_head_num, layer.qk_head_dim)
-        k, v = k.reshape(bs, heads, -1), v.reshape(bs, heads, -1)
+        heads, per_request = self.tier.shape.num_kv_heads, 1 if plan.tree is None else plan.tree.shape[1]
+        lead = (bs,) if plan.tree is None else (bs, per_request)  # a verify pass: its rows per request
+        q = q.reshape(*lead, layer.tp_q_head_num, layer.qk_head_dim)
+        k, v = k.reshape(*lead, heads, -1), v.reshape(*lead, heads, -1)
         rows = len(plan.slots)
         if rows > bs:  # padding rows: zeros (their outputs are dropped)
 
@@ -243,7 +270,7 @@ class CapturedStep:
         self.counts += counts
         if layer_id == self.sparse_layers[-1]:
             self.last_layer_done(bs)
-        return out[:bs].reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
+        return out[:bs].reshape(bs * per_request, layer.tp_q_head_num * layer.v_head_dim)
 
     def last_layer_done(self, batch_rows: int) -> None:
         """The pass's last sparse layer ran: its counts into the server's (``GraphedStep``: later)."""

@@ -73,8 +73,11 @@ def attend(
 ) -> torch.Tensor:  # fmt: skip
     """Attention of ``q`` ``[bs, q_heads, D]`` over each KV head's working set (``blocks`` ``[bs, H, S]``
     the block each slot holds, EMPTY masked) and its active tail (``tail_rows`` ``[bs, T]`` rows of the
-    active ring, ``tail_valid`` ``[bs, T]``). The torch form reads the slots in block order (the eager
-    step's summation order); the Triton form in slot order, online."""
+    active ring, ``tail_valid`` ``[bs, T]``); a verify pass's rows: ``q`` ``[bs, R, q_heads, D]`` and
+    ``tail_valid`` ``[bs, R, T]`` (every row sees the whole working set). The torch form reads the slots in
+    block order (the eager step's summation order); the Triton form in slot order, online."""
+    rows_q = q if q.dim() == 4 else q[:, None]  # [bs, R, q_heads, D]
+    rows_valid = tail_valid if tail_valid.dim() == 3 else tail_valid[:, None]  # [bs, R, T]
     if ops.uses_triton(q):
         rows_k, per_slot = block_rows(state.ws_k)
         rows_v, _ = block_rows(state.ws_v)
@@ -83,10 +86,10 @@ def attend(
             slots[:, None, None] * per_slot + torch.arange(heads, device=q.device)[None, :, None] * num_slots
         )
         slot_rows = torch.where(blocks == EMPTY, -1, first + torch.arange(num_slots, device=q.device))
-        return ops.headwise_decode_attention(
-            q[:, None], rows_k, rows_v, slot_rows, state.active_k, state.active_v, tail_rows,
-            tail_valid[:, None], scale,
-        )[:, 0]  # fmt: skip
+        out = ops.headwise_decode_attention(
+            rows_q, rows_k, rows_v, slot_rows, state.active_k, state.active_v, tail_rows, rows_valid, scale
+        )
+        return out if q.dim() == 4 else out[:, 0]
     bs, heads = blocks.shape[:2]
     order = torch.where(blocks == EMPTY, INT64_MAX, blocks).argsort(dim=-1)
     head = torch.arange(heads, device=q.device)[None, :, None]
@@ -98,9 +101,14 @@ def attend(
     keys = torch.cat([ws_keys.reshape(bs, heads, num_slots * block, dim), tail_keys], dim=2)
     values = torch.cat([ws_values.reshape(bs, heads, num_slots * block, dim), tail_values], dim=2)
     ws_valid = (blocks.gather(-1, order) != EMPTY)[..., None].expand(-1, -1, -1, block)
-    valid = torch.cat([ws_valid.reshape(bs, heads, num_slots * block), tail_valid[:, None].expand(-1, heads, -1)],
-                      dim=2)  # fmt: skip
-    return sparse_decode_attention(q[:, None], keys, values, valid, scale)[:, 0]
+    ws_valid = ws_valid.reshape(bs, heads, num_slots * block)
+    if q.dim() == 3:  # one row: a mask shared by the group's query heads
+        valid = torch.cat([ws_valid, tail_valid[:, None].expand(-1, heads, -1)], dim=2)
+        return sparse_decode_attention(q[:, None], keys, values, valid, scale)[:, 0]
+    rows = q.shape[1]
+    valid = torch.cat([ws_valid[:, :, None].expand(-1, -1, rows, -1), tail_valid[:, None].expand(-1, heads, -1, -1)],
+                      dim=3)  # fmt: skip
+    return sparse_decode_attention(q, keys, values, valid, scale)
 
 
 def copy_blocks(state: LayerState, copies: Copies) -> None:

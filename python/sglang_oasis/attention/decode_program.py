@@ -28,7 +28,7 @@ retraction, between steps). No thread runs beside it: the next step's blocks are
 It is the eager step's decision over the padded shape (the same selection, the same plan as
 ``WorkingSetPool.plan_selections``, the same attention up to the summation order over masked slots), but it
 always plans where the eager step skips planning when nothing changed (tested: it then changes nothing).
-What it does not cover runs eagerly (``CapturedStep.prepare``): admissions, verify rows, recall samples,
+What it does not cover runs eagerly (``CapturedStep.prepare``): admissions, recall samples,
 remote reads, fault injection, the adaptive cap, strict mode, tails the active blocks do not hold.
 """
 
@@ -82,14 +82,20 @@ class StepPlan(NamedTuple):
     locs: torch.Tensor  # [bs] int64 host-tier location of this step's token (padding rows: 0)
     pages: torch.Tensor  # [bs, N] int64 host page of each logical block (padding: 0)
     step: torch.Tensor  # [] int64 the decode step (a tensor: a new step is not a new graph)
+    # A verify pass (R query rows per request: the real token, then R - 1 draft tokens): the drafts'
+    # host-tier locations [bs, R - 1] and which rows each row sees [bs, R, R] bool. None: plain decode.
+    draft_locs: torch.Tensor | None = None
+    tree: torch.Tensor | None = None
 
     @classmethod
     def build(
         cls, slots: torch.Tensor, seq_lens: torch.Tensor, locs: torch.Tensor, req_to_token: torch.Tensor,
         reqs: torch.Tensor, step: int, shape: StepShape, batch_bucket: int, block_bucket: int,
+        draft_locs: torch.Tensor | None = None, tree: torch.Tensor | None = None,
     ) -> StepPlan:  # fmt: skip
         """Pad ``bs`` live rows (request ``slots``, SGLang's ``reqs`` rows, ``seq_lens`` with this step's
-        token at ``locs``) to ``batch_bucket`` rows and their pages to ``block_bucket`` blocks."""
+        token at ``locs``; a verify pass: its ``draft_locs`` and ``tree``) to ``batch_bucket`` rows and
+        their pages to ``block_bucket`` blocks."""
         live, block = len(slots), shape.block_size
         if live > batch_bucket:
             raise ValueError(f"{live} rows do not fit a batch bucket of {batch_bucket}")
@@ -104,8 +110,14 @@ class StepPlan(NamedTuple):
         def padded(values: torch.Tensor, fill: int) -> torch.Tensor:
             return torch.cat([values.to(torch.int64), torch.full((pad,), fill, dtype=torch.int64)])
 
-        return cls(padded(slots, shape.padding_slot), padded(seq_lens, 1), padded(locs, 0), pages,
+        plan = cls(padded(slots, shape.padding_slot), padded(seq_lens, 1), padded(locs, 0), pages,
                    torch.tensor(step, dtype=torch.int64))  # fmt: skip
+        if draft_locs is None or tree is None:
+            return plan
+        chain = torch.ones(tree.shape[1:], dtype=torch.bool).tril().expand(pad, -1, -1)  # padding rows
+        pad_locs = torch.zeros((pad, draft_locs.shape[1]), dtype=torch.int64)
+        return plan._replace(draft_locs=torch.cat([draft_locs.to(torch.int64), pad_locs]),
+                             tree=torch.cat([tree.to(torch.bool), chain]))  # fmt: skip
 
 
 def decode_layer(
@@ -114,7 +126,17 @@ def decode_layer(
 ) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
     """One sparse layer's decode step for ``bs`` rows: ``q`` ``[bs, q_heads, D]``, ``k``, ``v`` ``[bs, H,
     D]`` (this step's token). Returns the attention output ``[bs, q_heads, D]`` and per-row counts ``[bs,
-    len(COUNTS)]`` of the copies it made for the next step. Writes the layer's state in place."""
+    len(COUNTS)]`` of the copies it made for the next step. Writes the layer's state in place.
+
+    A verify pass (``plan.tree``): ``q`` ``[bs, R, q_heads, D]``, ``k``, ``v`` ``[bs, R, H, D]``, output
+    ``[bs, R, q_heads, D]``. Row 0 (the real token, committed whatever the verification decides) is this
+    step's token above; the drafts' tokens go to the host tier and, uncommitted, into the active blocks'
+    ring after it (where the next pass finds an accepted one, ``KVIntake.catch_up``)::
+
+        keys per request and KV head: | working set | active tail (< position) | row 0 | row 1 | ...
+        row r sees:                   |     all     |          all             | tree[r] (rows 0..r)
+
+    and the last row's query (the draft's: the lookahead) selects the next step's blocks."""
     out, counts, copies = attend_and_plan(shape, state, plan, q, k, v, scale)
     copy_blocks(state, copies)
     return out, counts
@@ -126,21 +148,30 @@ def attend_and_plan(
 ) -> tuple[torch.Tensor, torch.Tensor, Copies]:  # fmt: skip
     """``decode_layer`` but its copies, which it returns."""
     block, span = shape.block_size, shape.span
-    slots, seq_lens, locs = plan.slots, plan.seq_lens, plan.locs
+    slots, seq_lens, locs, tree = plan.slots, plan.seq_lens, plan.locs, plan.tree
     bs, heads, device = slots.shape[0], state.kmin.shape[1], slots.device  # every tensor on one device
     position = seq_lens - 1
+    rows = 1 if tree is None else tree.shape[1]
+    k_rows, v_rows = (k[:, None], v[:, None]) if tree is None else (k, v)  # [bs, R, H, D]
 
-    # 1. This step's token: the host tier, its page's summary (restarted at the page's first token), the
-    #    active blocks' ring.
-    state.host_k.index_put_((locs,), k.to(state.host_k.dtype))
-    state.host_v.index_put_((locs,), v.to(state.host_v.dtype))
-    fold_summaries(state, locs, k.to(state.kmin.dtype), block)
-    new_row = slots * span + position % span
-    state.active_k.index_put_((new_row,), k.to(state.active_k.dtype))
-    state.active_v.index_put_((new_row,), v.to(state.active_v.dtype))
+    # 1. This step's token (a verify pass: row 0's): the host tier, its page's summary (restarted at the
+    #    page's first token), the active blocks' ring; a verify pass's drafts: the host tier, the ring.
+    state.host_k.index_put_((locs,), k_rows[:, 0].to(state.host_k.dtype))
+    state.host_v.index_put_((locs,), v_rows[:, 0].to(state.host_v.dtype))
+    if plan.draft_locs is not None:
+        drafts = plan.draft_locs.flatten()
+        state.host_k.index_put_((drafts,), k_rows[:, 1:].flatten(0, 1).to(state.host_k.dtype))
+        state.host_v.index_put_((drafts,), v_rows[:, 1:].flatten(0, 1).to(state.host_v.dtype))
+    fold_summaries(state, locs, k_rows[:, 0].to(state.kmin.dtype), block)
+    new_rows = (
+        slots[:, None] * span + (position[:, None] + torch.arange(rows, device=device)) % span
+    )  # [bs, R]
+    state.active_k.index_put_((new_rows.flatten(),), k_rows.flatten(0, 1).to(state.active_k.dtype))
+    state.active_v.index_put_((new_rows.flatten(),), v_rows.flatten(0, 1).to(state.active_v.dtype))
     start, end = state.active_start[slots], state.active_end[slots]
     joins = (position >= start) & (position <= end)
-    end = torch.where(joins, torch.maximum(end, seq_lens), seq_lens)
+    stored = position + rows  # ``ActiveBlocks.store`` of positions position .. position + R - 1
+    end = torch.where(joins, torch.maximum(end, stored), stored)
     start = torch.maximum(torch.where(joins, start, position), end - span)
     state.active_start.index_put_((slots,), start)
     state.active_end.index_put_((slots,), end)
@@ -150,11 +181,14 @@ def attend_and_plan(
     covered = state.covered[slots]
     blocks = state.slot_block[slots]  # [bs, H, S]
     tail_positions = (covered * block)[:, None] + torch.arange(span - 1, device=device)
-    tail_rows = torch.cat([slots[:, None] * span + tail_positions % span, new_row[:, None]], dim=1)
-    tail_valid = torch.cat(
-        [tail_positions < position[:, None], torch.ones((bs, 1), dtype=torch.bool, device=device)], dim=1
-    )
+    tail_rows = torch.cat([slots[:, None] * span + tail_positions % span, new_rows], dim=1)
+    committed = tail_positions < position[:, None]
+    if tree is None:
+        tail_valid = torch.cat([committed, torch.ones((bs, 1), dtype=torch.bool, device=device)], dim=1)
+    else:  # [bs, R, T + R]
+        tail_valid = torch.cat([committed[:, None, :].expand(-1, rows, -1), tree], dim=2)
     out = attend(state, q, slots, blocks, tail_rows, tail_valid, scale)
+    query = q if tree is None else q[:, -1]  # the selection's (a verify pass: the last draft row's)
 
     # 3. Selection for the next step (``BlockPrefetcher._choose``): rows with more full blocks than their
     #    working sets hold keep their sinks, their pinned blocks and their top-K by summary score.
@@ -166,7 +200,7 @@ def attend_and_plan(
     capacity = top_k + shape.sink_blocks
     over = (full > capacity)[:, None, None]
     # Triton's kernel on CUDA (in the graph; no sync, a grid from the shapes), the reference on CPU
-    scores = ops.score_paged_blocks(q[:, None], state.kmin, state.kmax, plan.pages)[:, 0]  # [bs, H, N]
+    scores = ops.score_paged_blocks(query[:, None], state.kmin, state.kmax, plan.pages)[:, 0]  # [bs, H, N]
     pins = state.pinned[slots]
     pinned = torch.zeros((bs, heads, num_blocks + 1), dtype=torch.bool, device=device)
     pinned = pinned.scatter(-1, torch.where(pins >= 0, pins, num_blocks), True)[..., :num_blocks]

@@ -43,6 +43,7 @@ class GraphedStep(CapturedStep):
     static: StepPlan  # ``max_bs`` rows x every block a request may have, on the tier's device
     static_counts: torch.Tensor  # [max_bs, len(COUNTS)]: what the replayed layers counted
     graphing = False  # True between ``capture``/``load`` and the next pass's ``begin``
+    verify_rows = False  # SGLang's decode graphs hold one row per request; verify passes run eagerly
     unfolded = 0  # rows of the last replay whose counts are not folded yet
 
     @classmethod
@@ -54,7 +55,7 @@ class GraphedStep(CapturedStep):
         step.batch_buckets, step.block_buckets = (max_bs,), (blocks,)  # one plan shape: ``static``'s
         device = step.tier.working_sets.covered.device
         padding = step.padding_plan(max_bs, blocks)
-        step.static = StepPlan(*(t.to(device) for t in padding))
+        step.static = StepPlan(*(t.to(device) for t in padding[:5]))  # a decode plan: no verify fields
         step.static_counts = torch.zeros((max_bs, len(COUNTS)), dtype=torch.int64, device=device)
         return step
 
@@ -89,6 +90,8 @@ class GraphedStep(CapturedStep):
     def _fill(self, plan: StepPlan, bs: int, live: int) -> None:
         """``plan``'s first ``bs`` rows (``live`` of them a batch's) into ``static``; counts zeroed."""
         for static, rows in zip(self.static, plan, strict=True):
+            if static is None or rows is None:  # a verify pass's fields: decode graphs have none
+                continue
             if static.dim() == 0:
                 static.copy_(rows, non_blocking=True)
             else:

@@ -2,19 +2,17 @@
 
 In sparse mode SGLang's KV pool is the host tier (page size = block size); the device tier
 (``memory/device_tier.py``) holds the block summaries and each running request's working sets. This
-class adapts SGLang's backend interface to the parts that do the work, one file each:
-``request_slots.py`` (which request holds which device slot; warm starts), ``sparse_attention.py``
-(attention over working set + active tail), ``selector.py`` (each step's top-K and the prefetch jobs
-that move blocks), ``captured_step.py`` and ``graph_hooks.py`` (the step compiled on CPU, in CUDA
-graphs), ``pd_node.py`` (PD arrivals), ``transfer_failures.py``, ``extend_attention.py`` and ``triton_prefill.py``
-(dense extends: after a cached prefix computing only their own rows; on CUDA SGLang's Triton backend).
+class adapts SGLang's backend interface to the parts that do the work, one file each: ``request_slots.py``
+(device slots; warm starts), ``sparse_attention.py`` (working set + active tail), ``selector.py`` (top-K
+and the prefetch jobs), ``captured_step.py`` and ``graph_hooks.py`` (the step compiled on CPU, in CUDA
+graphs), ``pd_node.py`` (PD arrivals), ``transfer_failures.py``, ``extend_attention.py`` and
+``triton_prefill.py`` (dense extends: after a cached prefix only their own rows; on CUDA SGLang's Triton).
 
-Per layer, an extend (prefill, or a suffix after a prefix hit) attends densely over the pool as SGLang's
-torch_native (or Triton) backend does, folds the new keys into the summaries and selects the first working sets
-(by the prefill window's exact attention, ``--oasis-prefill-window``, or the summaries). Decode step t
-attends over each KV head's working set plus the active tail, then the step's query (or the
-lookahead's) selects the blocks for step t+1, which load in the background; step t+1 at that layer
-waits for that job only. Layers in ``dense_layers`` decode densely. K covering every block: dense output.
+An extend attends densely, folds the new keys into the summaries and selects the first working sets (by
+the prefill window's exact attention, ``--oasis-prefill-window``, or the summaries). Decode step t attends
+over each KV head's working set plus the active tail, then the step's query (or the lookahead's) selects
+the blocks for step t+1, loaded in the background; step t+1 at that layer waits for that job only.
+Layers in ``dense_layers`` decode densely. K covering every block: dense output.
 """
 
 from __future__ import annotations
@@ -167,8 +165,9 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
         self.set_batch(reqs, admission, generations, options)
         if mode.is_decode() or mode.is_target_verify():
             self.recall.begin(self.batch)
-        if self.captured is not None:  # captured_step.py: plain decode passes, no recall sample due
-            self.captured.begin(mode.is_decode() and not self.batch.admits and not self.recall.due())
+        if self.captured is not None:  # captured_step.py: decode and verify passes, no recall sample due
+            stepping = mode.is_decode() or mode.is_target_verify()
+            self.captured.begin(stepping and not self.batch.admits and not self.recall.due())
 
     def set_batch(
         self, reqs: list[int], admission: bool | torch.Tensor = False, generations: list[int] | None = None,
@@ -197,8 +196,6 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
         self.stats.add("requests", done.requests)
         self.stats.add("warm_starts", done.warm_starts)
         self.stats.add("blocks_reused", done.blocks_reused)
-
-    # --- attention -------------------------------------------------------------------------------
 
     # ignore[override]: SGLang's base passes a layer's extra **kwargs on; torch_native (our base) takes none
     def forward_extend(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):  # type: ignore[override]
@@ -266,11 +263,14 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
             keys per request and KV head: | working set | active tail (< seq_len) | row 0 | row 1 | ...
             row r sees:                   |     all     |          all            | rows 0..r (tree mask)
 
-        Row 0 is committed whatever the verification decides, so its key joins the summaries now; drafts
-        join later, once accepted (``KVIntake.catch_up``). The last draft row's query selects the
-        blocks for the next step: the lookahead.
+        Row 0 is committed whatever the verification decides: its key joins the summaries now; drafts
+        join once accepted (``KVIntake.catch_up``). The last draft row's query selects the next blocks.
         """
         layer_id = layer.layer_id
+        sparse, captured = layer_id not in self.dense_layers, self.captured
+        out = captured.run(self.batch, forward_batch, layer, q, k, v) if captured and sparse else None
+        if out is not None:  # captured_step.py: the pass's sparse layers run the compiled program
+            return out
         self.selector.wait(layer_id)
         batch = len(self.batch.reqs)
         rows = q.shape[0] // batch
@@ -282,7 +282,7 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
         draft_locs = forward_batch.out_cache_loc.view(batch, rows).to(torch.int64)
         tree = SparseAttention.tree_mask(forward_batch, batch, rows)  # [bs, rows, rows]
         q_rows = q.reshape(batch, rows, heads, dim)
-        if layer_id in self.dense_layers:
+        if not sparse:
             out = self.attention.dense_verify(self.batch, q_rows, layer, seq_lens, draft_locs, tree)
             return out.reshape(-1, heads * layer.v_head_dim)
         self.intake.catch_up(self.batch, layer_id, seq_lens)
