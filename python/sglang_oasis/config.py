@@ -217,7 +217,8 @@ class OasisConfig:
             "~2 s once torch has cached it across starts), and one device request slot goes to padding rows. "
             "Verify passes (--oasis-lookahead's rows) run it too. Steps it does not cover (extends, PD arrivals and remote reads, recall samples) run "
             "eagerly. Without the option the launcher's CPU defaults choose 'captured' (unless "
-            "--oasis-adaptive-cap; SGLANG_OASIS_CPU_DECODE_STEP=eager changes that default).",
+            "--oasis-adaptive-cap, or --oasis-fetch-ratio 1, where it loses; SGLANG_OASIS_CPU_DECODE_STEP=eager "
+            "changes that default).",
             "choices": DECODE_STEPS,
         },
     )

@@ -133,11 +133,13 @@ INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
 def cpu_decode_step(argv: Sequence[str], config: OasisConfig) -> OasisConfig:
-    """The CPU default of ``--oasis-decode-step`` (sparse mode): ``captured`` (its TPOT 0.69-0.93x the
-    eager step's, docs/results.md), or ``$SGLANG_OASIS_CPU_DECODE_STEP``; none where the option is given,
-    or ``--oasis-adaptive-cap`` (which the captured step refuses). Its compiles go to a cache that outlives
-    reboots (``$TORCHINDUCTOR_CACHE_DIR``, unless set: torch's under the project's cache)."""
-    if given(argv, "--oasis-decode-step") or config.adaptive_cap:
+    """The CPU default of ``--oasis-decode-step`` (sparse mode): ``captured`` where it wins (its TPOT
+    0.69-0.93x the eager step's, docs/results.md), or ``$SGLANG_OASIS_CPU_DECODE_STEP``; none where the
+    option is given, with ``--oasis-adaptive-cap`` (which the captured step refuses) or with no fetch cap
+    (``--oasis-fetch-ratio 1``: its fixed shape then copies a whole working set per head every step, 1.68x
+    dense against the eager step's ~1.3x). Its compiles go to a cache that outlives reboots
+    (``$TORCHINDUCTOR_CACHE_DIR``, unless set: torch's under the project's cache)."""
+    if given(argv, "--oasis-decode-step") or config.adaptive_cap or config.fetch_ratio >= 1:
         return config
     step = os.environ.get(DECODE_STEP_ENV) or "captured"
     if step not in DECODE_STEPS:

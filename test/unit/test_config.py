@@ -111,7 +111,8 @@ def test_the_cpu_default_decode_step_is_captured_unless_told(
     monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
     """The launcher's CPU default: the captured step, its compiles cached under the project's cache; an
-    explicit --oasis-decode-step, --oasis-adaptive-cap (which it refuses) or the environment wins."""
+    explicit --oasis-decode-step, --oasis-adaptive-cap (which it refuses), no fetch cap (where it loses) or
+    the environment wins."""
     monkeypatch.delenv(DECODE_STEP_ENV, raising=False)
     monkeypatch.delenv(INDUCTOR_CACHE_ENV, raising=False)
     monkeypatch.setenv("SGLANG_OASIS_CACHE", str(tmp_path))
@@ -120,6 +121,7 @@ def test_the_cpu_default_decode_step_is_captured_unless_told(
     for argv in (["--oasis-decode-step", "eager"], ["--oasis-decode-step=eager"]):
         assert cpu_decode_step(argv, OasisConfig()).decode_step == "eager"
     assert cpu_decode_step([], OasisConfig(adaptive_cap=True)).decode_step == "eager"
+    assert cpu_decode_step([], OasisConfig(fetch_ratio=1.0)).decode_step == "eager"  # no cap: eager wins
     monkeypatch.setenv(DECODE_STEP_ENV, "eager")
     assert cpu_decode_step([], OasisConfig()).decode_step == "eager"
     monkeypatch.setenv(DECODE_STEP_ENV, "graph")
