@@ -13,6 +13,9 @@ Four servers, one after another, on SmolLM2 (``--num-layers`` truncates it):
   the context's N full blocks (64 for 1,024 tokens of 16) and the product's default fetch ratio, so every
   decode step scores the block summaries and runs top-K in every layer. Its output may differ from
   dense's; that does not fail the run.
+- ``sparse_k_sparse_ngram`` and ``sparse_k_sparse_ngram_captured`` (opt-in, ``--modes``):
+  ``sparse_k_sparse`` and ``sparse_k_sparse_captured`` with SGLang's NGRAM drafter and normal acceptance
+  (``--oasis-lookahead ngram --oasis-draft-policy verify``): the verify step eager and captured.
 - ``sparse_captured`` and ``sparse_k_sparse_captured``: ``sparse_async`` and ``sparse_k_sparse`` with
   ``--oasis-decode-step captured`` (the compiled decode step; it always scores and plans, no shortcut).
   ``sparse_captured`` keeps the default fetch ratio: a fixed-shape step has room for as many copies per
@@ -85,6 +88,9 @@ MODES = (
     "sparse_captured",
     "sparse_k_sparse_captured",
 )
+# Opt-in (not in the default --modes): sparse_k_sparse with SGLang's NGRAM drafter and normal acceptance
+# (--oasis-lookahead ngram --oasis-draft-policy verify), its verify passes eager or captured.
+LOOKAHEAD_MODES = ("sparse_k_sparse_ngram", "sparse_k_sparse_ngram_captured")
 COVERING_MODES = ("sparse_async", "sparse_sync", "sparse_captured")  # K covering every block, no fetch cap
 RECALL_MODE = "sparse_k_sparse_recall"  # sparse_k_sparse with recall telemetry (--recall-sample-every N)
 TARGET_RATIO_TPOT = 1.15
@@ -96,6 +102,8 @@ RATIOS = {
     "ratio_tpot_sync": "sparse_sync",
     "ratio_k_covering_captured": "sparse_captured",
     "ratio_k_sparse_captured": "sparse_k_sparse_captured",
+    "ratio_k_sparse_ngram": "sparse_k_sparse_ngram",
+    "ratio_k_sparse_ngram_captured": "sparse_k_sparse_ngram_captured",
 }
 
 
@@ -215,10 +223,10 @@ def server_args(
     uncapped = not mode.startswith("sparse_k_sparse") and not mode.endswith("_captured")
     fetch = ["--oasis-fetch-ratio", "1.0"] if uncapped else []
     recall = ["--oasis-recall-sample-every", str(recall_every)] if mode == RECALL_MODE else []
-    step = [
-        "--oasis-decode-step",
-        "captured" if mode.endswith("_captured") else "eager",
-    ]  # eager: not the CPU default
+    # every mode names its decode step (the launcher's CPU default is the captured one)
+    step = ["--oasis-decode-step", "captured" if mode.endswith("_captured") else "eager"]
+    if "_ngram" in mode:
+        step += ["--oasis-lookahead", "ngram", "--oasis-draft-policy", "verify"]
     return [*recall, *step,
         *common, "--oasis-mode", "sparse", "--oasis-top-k", str(top_k), "--oasis-block-size", str(block_size),
         *fetch, "--oasis-prefetch", "sync" if mode == "sparse_sync" else "async",
@@ -310,10 +318,11 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="bench-overhead-"))
     print(f"server logs in {logs}", flush=True)
     chosen = {"dense", *args.modes.split(",")}
-    unknown = chosen - set(MODES)
+    unknown = chosen - set(MODES) - set(LOOKAHEAD_MODES)
     if unknown:
-        parser.error(f"--modes: unknown {', '.join(sorted(unknown))}; choose from {', '.join(MODES)}")
-    modes = tuple(mode for mode in MODES if mode in chosen)
+        known = ", ".join((*MODES, *LOOKAHEAD_MODES))
+        parser.error(f"--modes: unknown {', '.join(sorted(unknown))}; choose from {known}")
+    modes = tuple(mode for mode in (*MODES, *LOOKAHEAD_MODES) if mode in chosen)
     modes = (*modes, RECALL_MODE) if args.recall_sample_every > 0 else modes
     results["settings"]["recall_sample_every"] = args.recall_sample_every
     for mode in modes:

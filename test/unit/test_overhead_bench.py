@@ -12,6 +12,7 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
 
 from bench_overhead import (
+    LOOKAHEAD_MODES,
     MODES,
     agreement_with_dense,
     check_sparse_top_k,
@@ -75,6 +76,8 @@ def test_tpot_ratios_divide_each_mode_by_dense() -> None:
         "sparse_k_sparse": {"tpot_ms": 40.0},
         "sparse_captured": {"tpot_ms": 45.0},
         "sparse_k_sparse_captured": {"tpot_ms": 30.0},
+        "sparse_k_sparse_ngram": {"tpot_ms": 70.0},
+        "sparse_k_sparse_ngram_captured": {"tpot_ms": 35.0},
     }
     assert tpot_ratios(results) == {
         "ratio_k_covering": 1.1,
@@ -83,6 +86,8 @@ def test_tpot_ratios_divide_each_mode_by_dense() -> None:
         "ratio_tpot_sync": 1.2,
         "ratio_k_covering_captured": 0.9,
         "ratio_k_sparse_captured": 0.6,
+        "ratio_k_sparse_ngram": 1.4,
+        "ratio_k_sparse_ngram_captured": 0.7,
     }
 
 
@@ -100,6 +105,8 @@ def test_tpot_ratios_of_a_failed_mode_are_none() -> None:
         "ratio_tpot_sync": None,
         "ratio_k_covering_captured": None,
         "ratio_k_sparse_captured": None,
+        "ratio_k_sparse_ngram": None,
+        "ratio_k_sparse_ngram_captured": None,
     }
     no_dense = {"dense": {"error": "x"}, "sparse_async": {"tpot_ms": 75.0}}
     assert set(tpot_ratios(no_dense).values()) == {None}
@@ -223,3 +230,15 @@ def test_the_recall_mode_is_k_sparse_with_the_telemetry_on() -> None:
     plain = server_args("sparse_k_sparse", Path("m"), 16, 16, 4096, 2048, "float32", recall_every=32)
     assert args[:2] == ["--oasis-recall-sample-every", "32"] and args[2:] == plain
     assert "--oasis-recall-sample-every" not in plain and "--oasis-fetch-ratio" not in plain
+
+
+def test_lookahead_modes_add_the_ngram_drafter_to_k_sparse() -> None:
+    """The opt-in lookahead modes are sparse_k_sparse (and its captured twin) with the NGRAM drafter and
+    normal acceptance: nothing else differs, so their TPOTs compare the verify step's two forms."""
+    model = Path("/models/smollm2")
+    lookahead = ["--oasis-lookahead", "ngram", "--oasis-draft-policy", "verify"]
+    for mode, plain in zip(LOOKAHEAD_MODES, ("sparse_k_sparse", "sparse_k_sparse_captured"), strict=True):
+        argv = server_args(mode, model, 16, 16, 8192, 1344, "float32")
+        at = argv.index("--oasis-lookahead")
+        assert argv[at : at + 4] == lookahead
+        assert argv[:at] + argv[at + 4 :] == server_args(plain, model, 16, 16, 8192, 1344, "float32")
