@@ -15,7 +15,7 @@ tests run fast the unit lane's last servers (TP ranks, compiling captured steps)
 PD pairs, memory fell to 0.1 GiB and five PD servers did not start (2026-12-05, Intel Xeon with AMX).
 
 Each lane's lines are printed as they come, prefixed with the lane's name; both lanes' summaries and
-times, and the lowest available memory, at the end. A lane's temporary directory (its servers' logs) is
+times, and the lowest available memory (when, and the module each lane had last finished), at the end. A lane's temporary directory (its servers' logs) is
 kept under /tmp when it fails. Exits 0 only when both lanes pass. With one CPU (or
 ``SGLANG_OASIS_TEST_LANES=1``) it runs one pytest over everything, as ``pytest`` alone would.
 
@@ -32,6 +32,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 from sglang_oasis.server_process import SPAWN_WAIT_ENV, mem_available_gib
@@ -80,18 +81,46 @@ def lanes() -> dict[str, list[str]]:
 
 
 class LowestMemory(threading.Thread):
-    """The machine's lowest ``MemAvailable`` while the lanes run (sampled every 2 s)."""
+    """The machine's lowest ``MemAvailable`` while the lanes run (sampled every 2 s), when it was, and the
+    test module each lane had last finished then (``finished``, which ``run_lane`` fills): where a later
+    run should look."""
 
-    def __init__(self) -> None:
+    def __init__(self, finished: dict[str, str], read: Callable[[], float] = mem_available_gib) -> None:
         super().__init__(daemon=True)
+        self.finished, self.read = finished, read
         self.lowest: float | None = None
+        self.at_s = 0.0
+        self.lanes_then: dict[str, str] = {}
+        self.started = time.monotonic()
         self.done = threading.Event()
 
     def run(self) -> None:
         while not self.done.wait(2.0):
-            now = mem_available_gib()
-            if self.lowest is None or now < self.lowest:
-                self.lowest = now
+            self.sample()
+
+    def sample(self) -> None:
+        now = self.read()
+        if self.lowest is None or now < self.lowest:
+            self.lowest, self.at_s, self.lanes_then = (
+                now,
+                time.monotonic() - self.started,
+                dict(self.finished),
+            )
+
+    def report(self) -> str:
+        if self.lowest is None:
+            return ""
+        after = ", ".join(f"{lane} after {module}" for lane, module in sorted(self.lanes_then.items()))
+        return (
+            f"  lowest available memory while they ran: {self.lowest:.1f} GiB at {self.at_s / 60:.1f} min"
+            + (f" ({after})" if after else "")
+        )
+
+
+def finished_module(line: str) -> str | None:
+    """The test module a pytest progress line reports (``path.py ..s  [ 42%]``), else None."""
+    first = line.split(" ", 1)[0]
+    return first if first.endswith(".py") and "[" in line else None
 
 
 RUNNING: list[subprocess.Popen[str]] = []  # the lanes' pytest processes, told to stop on Ctrl-C
@@ -104,7 +133,10 @@ def run_lane(
     out: threading.Lock,
     results: dict[str, tuple],
     env: dict[str, str] | None = None,
+    finished: dict[str, str] | None = None,
 ) -> None:
+    """One lane's pytest; ``finished[name]``: the last test module it reported done (pytest prints a
+    module's line when it finishes)."""
     started = time.monotonic()
     basetemp = tempfile.mkdtemp(prefix=f"pytest-{name}-")  # each lane its own; pytest empties it first
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--basetemp={basetemp}", *paths]
@@ -120,6 +152,9 @@ def run_lane(
             print(f"[{name:<{width}}] {line}", end="", flush=True)
         if line.strip():
             last = line.strip()
+        module = finished_module(line)
+        if module is not None and finished is not None:
+            finished[name] = module
     code = process.wait()
     if code == 0:  # kept when it failed: the servers' logs are in it
         shutil.rmtree(basetemp, ignore_errors=True)
@@ -138,11 +173,12 @@ def main() -> int:
         "unit": {SPAWN_WAIT_ENV: str(UNIT_LANE_WAITS_FOR_GIB)},
         "servers": {SPAWN_WAIT_ENV: SERVERS_LANE_WAITS},
     }
+    finished: dict[str, str] = {}
     threads = [
-        threading.Thread(target=run_lane, args=(name, paths, width, out, results, envs.get(name)))
+        threading.Thread(target=run_lane, args=(name, paths, width, out, results, envs.get(name), finished))
         for name, paths in plan.items()
     ]
-    memory = LowestMemory()
+    memory = LowestMemory(finished)
     memory.start()
     for thread in threads:
         thread.start()
@@ -161,7 +197,7 @@ def main() -> int:
         kept = f"  (its servers' logs: {basetemp})" if code else ""
         print(f"  {name:<{width}}  exit {code}  {seconds / 60:.1f} min  {last}{kept}")
     if memory.lowest is not None:
-        print(f"  lowest available memory while they ran: {memory.lowest:.1f} GiB")
+        print(memory.report())
     return 0 if all(result[0] == 0 for result in results.values()) else 1
 
 

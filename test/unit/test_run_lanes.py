@@ -29,10 +29,12 @@ def test_a_lane_reports_its_pytest_exit_status_and_summary(tmp_path: Path) -> No
     (tmp_path / "test_fails.py").write_text("def test_one():\n    assert False\n")
     results: dict[str, tuple] = {}
     out = threading.Lock()
-    run_lanes.run_lane("good", [str(tmp_path / "test_passes.py")], 4, out, results)
+    finished: dict[str, str] = {}
+    run_lanes.run_lane("good", [str(tmp_path / "test_passes.py")], 4, out, results, None, finished)
     run_lanes.run_lane("bad", [str(tmp_path / "test_fails.py")], 4, out, results)
     assert results["good"][0] == 0 and "1 passed" in results["good"][2]
     assert results["bad"][0] == 1 and "1 failed" in results["bad"][2]
+    assert list(finished) == ["good"] and finished["good"].endswith("test_passes.py")  # as pytest names it
 
 
 def test_the_yielding_lane_waits_for_memory_then_starts_anyway() -> None:
@@ -54,3 +56,25 @@ def test_both_lanes_gate_their_servers_the_servers_lane_briefly() -> None:
     assert spawn_gate(str(run_lanes.UNIT_LANE_WAITS_FOR_GIB)) == (9.0, 1200.0)
     gib, seconds = spawn_gate(run_lanes.SERVERS_LANE_WAITS) or (0.0, 0.0)
     assert 3.0 <= gib < run_lanes.UNIT_LANE_WAITS_FOR_GIB and seconds <= 300  # room for one server, minutes
+
+
+def test_the_memory_low_point_says_when_and_where_each_lane_was() -> None:
+    """The summary's lowest available memory comes with its time and the module each lane had last
+    finished then (read from pytest's progress lines), so a run near empty says where to look."""
+    assert (
+        run_lanes.finished_module("test/integration/test_pd.py ..s     [ 42%]\n")
+        == "test/integration/test_pd.py"
+    )
+    assert run_lanes.finished_module("=== 3 passed in 1.0s ===") is None
+    assert run_lanes.finished_module("E   assert x.py == 1") is None
+    readings = iter([5.0, 0.4, 2.0])
+    finished = {"unit": "test/unit/test_a.py"}
+    memory = run_lanes.LowestMemory(finished, read=lambda: next(readings))
+    memory.sample()
+    finished.update({"unit": "test/unit/test_b.py", "servers": "test/integration/test_pd.py"})
+    memory.sample()  # the low point: the lanes' modules now
+    finished.update({"unit": "test/unit/test_c.py"})
+    memory.sample()
+    report = memory.report()
+    assert report.startswith("  lowest available memory while they ran: 0.4 GiB at 0.0 min")
+    assert "servers after test/integration/test_pd.py, unit after test/unit/test_b.py" in report
