@@ -144,16 +144,13 @@ def cpu_decode_step(argv: Sequence[str], config: OasisConfig) -> OasisConfig:
     step = os.environ.get(DECODE_STEP_ENV) or "captured"
     if step not in DECODE_STEPS:
         raise LaunchError(f"{DECODE_STEP_ENV}={step!r} is not one of {', '.join(DECODE_STEPS)}")
-    if step == "captured" and INDUCTOR_CACHE_ENV not in os.environ:
-        os.environ[INDUCTOR_CACHE_ENV] = str(cache_root() / "torchinductor")
+    if step == "eager":
+        say(f"--oasis-decode-step eager ({DECODE_STEP_ENV})")
+        return dataclasses.replace(config, decode_step=step)
+    cache = os.environ.setdefault(INDUCTOR_CACHE_ENV, str(cache_root() / "torchinductor"))
     say(
-        f"--oasis-decode-step {step}"
-        + (
-            ": each batch bucket compiles at its first decode pass (13-22 s the first time on 2 cores, ~2 s "
-            f"from {os.environ[INDUCTOR_CACHE_ENV]}; --oasis-decode-step eager overrides)"
-            if step == "captured"
-            else f" ({DECODE_STEP_ENV})"
-        )
+        "--oasis-decode-step captured: each batch bucket compiles at its first decode pass (13-22 s the first "
+        f"time on 2 cores, ~2 s from {cache}; --oasis-decode-step eager overrides)"
     )
     return dataclasses.replace(config, decode_step=step)
 

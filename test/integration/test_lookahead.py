@@ -42,6 +42,8 @@ SPARSE = [
     "8192",
 ]
 
+NGRAM_VERIFY = ["--oasis-lookahead", "ngram", "--oasis-draft-policy", "verify"]
+
 
 def _module_server(args: list[str], name: str, factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     with ServerProcess(args, log_path=factory.mktemp("logs") / f"{name}.log") as server:
@@ -69,15 +71,7 @@ def eagle3_reject_server(
 def ngram_verify_server(
     tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    args = [
-        "--model-path",
-        str(tiny_qwen3_dir),
-        "--oasis-lookahead",
-        "ngram",
-        "--oasis-draft-policy",
-        "verify",
-        *SPARSE,
-    ]
+    args = ["--model-path", str(tiny_qwen3_dir), *NGRAM_VERIFY, *SPARSE]
     yield from _module_server(args, "tiny-ngram-verify", tmp_path_factory)
 
 
@@ -87,10 +81,7 @@ def ngram_verify_captured_server(
 ) -> Iterator[ServerProcess]:
     """ngram + verify with the verify passes through the compiled program (``--oasis-decode-step
     captured``; each batch bucket compiles at its first pass)."""
-    args = [
-        "--model-path", str(tiny_qwen3_dir), "--oasis-lookahead", "ngram", "--oasis-draft-policy", "verify",
-        "--oasis-decode-step", "captured", *SPARSE,
-    ]  # fmt: skip
+    args = ["--model-path", str(tiny_qwen3_dir), *NGRAM_VERIFY, "--oasis-decode-step", "captured", *SPARSE]
     yield from _module_server(args, "tiny-ngram-verify-captured", tmp_path_factory)
 
 
@@ -123,27 +114,27 @@ def test_eagle3_reject_equals_dense_one_token_per_step(
     assert after["decode_steps"] - before["decode_steps"] >= NEW_TOKENS - 1
 
 
-def test_ngram_verify_equals_dense_and_accepts_drafts(
-    ngram_verify_server: ServerProcess, tiny_qwen3_server: ServerProcess
-) -> None:
+def assert_ngram_verify_equals_dense(ngram: ServerProcess, dense_server: ServerProcess) -> None:
+    """The prompts at once on both: the same greedy tokens, and some NGRAM draft accepted."""
     batch = prompts()
-    sparse = concurrently(ngram_verify_server, batch)
-    dense = concurrently(tiny_qwen3_server, batch)
+    sparse = concurrently(ngram, batch)
+    dense = concurrently(dense_server, batch)
     assert [r["output_ids"] for r in sparse] == [r["output_ids"] for r in dense]
     steps = sum(r["meta_info"]["spec_verify_ct"] for r in sparse)
     assert steps < len(batch) * (NEW_TOKENS - 1), "no NGRAM draft was ever accepted"
+
+
+def test_ngram_verify_equals_dense_and_accepts_drafts(
+    ngram_verify_server: ServerProcess, tiny_qwen3_server: ServerProcess
+) -> None:
+    assert_ngram_verify_equals_dense(ngram_verify_server, tiny_qwen3_server)
 
 
 def test_ngram_verify_through_the_captured_step_equals_dense(
     ngram_verify_captured_server: ServerProcess, tiny_qwen3_server: ServerProcess
 ) -> None:
     before = ngram_verify_captured_server.oasis_stats()
-    batch = prompts()
-    sparse = concurrently(ngram_verify_captured_server, batch)
-    dense = concurrently(tiny_qwen3_server, batch)
-    assert [r["output_ids"] for r in sparse] == [r["output_ids"] for r in dense]
-    steps = sum(r["meta_info"]["spec_verify_ct"] for r in sparse)
-    assert steps < len(batch) * (NEW_TOKENS - 1), "no NGRAM draft was ever accepted"
+    assert_ngram_verify_equals_dense(ngram_verify_captured_server, tiny_qwen3_server)
     after = ngram_verify_captured_server.oasis_stats()
     passes = after["captured_decode_passes"] - before["captured_decode_passes"]
     verify_passes = after["decode_steps"] - before["decode_steps"]

@@ -219,15 +219,17 @@ def test_captured_step_equals_eager_step(case: str) -> None:
     stop(eager)
 
 
-def graph_counter() -> tuple[list[int], Any]:
-    """A torch.compile backend that runs each graph as traced and records it (its node count) in the list."""
+def counted_program() -> tuple[list[int], Any]:
+    """``decode_layer`` under ``torch.compile(fullgraph=True, dynamic=False)`` from a fresh Dynamo cache,
+    with a backend that runs each graph as traced and records it (its node count) in the list."""
+    torch._dynamo.reset()
     graphs: list[int] = []
 
     def counting(gm: torch.fx.GraphModule, inputs: list[Any]) -> Any:
         graphs.append(len(gm.graph.nodes))
         return gm.forward
 
-    return graphs, counting
+    return graphs, torch.compile(decode_layer, fullgraph=True, dynamic=False, backend=counting)
 
 
 def _with_one_item(*args: Any) -> Any:
@@ -263,9 +265,7 @@ def test_eager_step_is_what_the_guard_catches() -> None:
 def test_compiled_step_captures_whole_once_per_bucket() -> None:
     """fullgraph: no graph break; one graph per batch bucket across steps and layers (the views of
     layer 0 and layer 1 have the same strides); outputs equal to the eager program's."""
-    torch._dynamo.reset()
-    graphs, counting = graph_counter()
-    compiled = torch.compile(decode_layer, fullgraph=True, dynamic=False, backend=counting)
+    graphs, compiled = counted_program()
     config, own_k, pins = configs("k_sparse_capped")
     eager, captured = admitted(config, own_k, pins), admitted(config, own_k, pins)
     for step in range(6):
@@ -338,13 +338,11 @@ def test_one_graph_per_batch_bucket_whatever_the_contexts() -> None:
     one batch bucket share one graph while the contexts grow across block buckets (64 -> 128 here: the
     1,000-token request passes 64 full blocks at its 24th step), with outputs and state still the eager
     backend's; the compile time is counted."""
-    torch._dynamo.reset()
-    graphs, counting = graph_counter()
+    graphs, compiled = counted_program()
     config, own_k, pins = configs("k_sparse_capped")
     eager = admitted(config, own_k, pins)
     captured = admitted(dataclasses.replace(config, decode_step="captured"), own_k, pins)
     assert captured.captured is not None
-    compiled = torch.compile(decode_layer, fullgraph=True, dynamic=False, backend=counting)
     buckets: set[int] = set()
 
     def program(*args: Any) -> Any:
@@ -475,9 +473,7 @@ def verify_inputs(oasis: OasisAttnBackend, step: int) -> tuple[Any, ...]:
 def test_verify_program_has_no_host_sync_and_compiles_whole() -> None:
     """With the lookahead's rows the program still passes the sync guard, and compiles as one graph across
     steps (fullgraph) with the uncompiled program's outputs and counts."""
-    torch._dynamo.reset()
-    graphs, counting = graph_counter()
-    compiled = torch.compile(decode_layer, fullgraph=True, dynamic=False, backend=counting)
+    graphs, compiled = counted_program()
     config, own_k, pins = configs("k_sparse_capped")
     plain, captured = admitted(config, own_k, pins), admitted(config, own_k, pins)
     for step in range(4):

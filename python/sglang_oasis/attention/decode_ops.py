@@ -55,6 +55,13 @@ def block_rows(ws: torch.Tensor) -> tuple[torch.Tensor, int]:
     return ws.as_strided((rows, block, dim), (block * dim, dim, 1)), per_slot
 
 
+def row_of(
+    slot: torch.Tensor | int, head: torch.Tensor, index: torch.Tensor, per_slot: int, per_head: int
+) -> torch.Tensor:
+    """The block row (in ``block_rows``) of working-set slot ``index`` of KV head ``head`` of ``slot``."""
+    return slot * per_slot + head * per_head + index
+
+
 def fold_summaries(state: LayerState, locs: torch.Tensor, key: torch.Tensor, block: int) -> None:
     """This step's keys ``[bs, H, D]`` (at host locations ``locs``) into their pages' min/max summaries; a
     page restarts at its first token."""
@@ -76,16 +83,15 @@ def attend(
     active ring, ``tail_valid`` ``[bs, T]``); a verify pass's rows: ``q`` ``[bs, R, q_heads, D]`` and
     ``tail_valid`` ``[bs, R, T]`` (every row sees the whole working set). The torch form reads the slots in
     block order (the eager step's summation order); the Triton form in slot order, online."""
-    rows_q = q if q.dim() == 4 else q[:, None]  # [bs, R, q_heads, D]
-    rows_valid = tail_valid if tail_valid.dim() == 3 else tail_valid[:, None]  # [bs, R, T]
     if ops.uses_triton(q):
+        rows_q = q if q.dim() == 4 else q[:, None]  # [bs, R, q_heads, D]
+        rows_valid = tail_valid if tail_valid.dim() == 3 else tail_valid[:, None]  # [bs, R, T]
         rows_k, per_slot = block_rows(state.ws_k)
         rows_v, _ = block_rows(state.ws_v)
         heads, num_slots = blocks.shape[1:]
-        first = (
-            slots[:, None, None] * per_slot + torch.arange(heads, device=q.device)[None, :, None] * num_slots
-        )
-        slot_rows = torch.where(blocks == EMPTY, -1, first + torch.arange(num_slots, device=q.device))
+        head, index = torch.arange(heads, device=q.device)[:, None], torch.arange(num_slots, device=q.device)
+        held = row_of(slots[:, None, None], head, index, per_slot, num_slots)  # [bs, H, S]
+        slot_rows = torch.where(blocks == EMPTY, -1, held)
         out = ops.headwise_decode_attention(
             rows_q, rows_k, rows_v, slot_rows, state.active_k, state.active_v, tail_rows, rows_valid, scale
         )
@@ -119,8 +125,8 @@ def copy_blocks(state: LayerState, copies: Copies) -> None:
         rows_k, per_slot = block_rows(state.ws_k)
         rows_v, _ = block_rows(state.ws_v)
         per_head = state.ws_k.shape[2]
-        unused = copies.padding_slot * per_slot + copies.head * per_head + copies.target
-        used = copies.slot * per_slot + copies.head * per_head + copies.target
+        unused = row_of(copies.padding_slot, copies.head, copies.target, per_slot, per_head)
+        used = row_of(copies.slot, copies.head, copies.target, per_slot, per_head)
         block = rows_k.shape[1]
         for source_k, source_v, tokens, mine in (
             (state.host_k, state.host_v, copies.host_tokens, ~copies.from_active),

@@ -55,7 +55,9 @@ class GraphedStep(CapturedStep):
         step.batch_buckets, step.block_buckets = (max_bs,), (blocks,)  # one plan shape: ``static``'s
         device = step.tier.working_sets.covered.device
         padding = step.padding_plan(max_bs, blocks)
-        step.static = StepPlan(*(t.to(device) for t in padding[:5]))  # a decode plan: no verify fields
+        step.static = padding._replace(
+            **{name: t.to(device) for name, t in padding._asdict().items() if t is not None}
+        )
         step.static_counts = torch.zeros((max_bs, len(COUNTS)), dtype=torch.int64, device=device)
         return step
 
