@@ -46,9 +46,12 @@ to; with K covering every block it is expected to be 0.
         [--output-tokens 64] [--repeats 3] [--sparse-top-k 16] [--block-size 16] [--dtype float32]
         [--recall-sample-every N] [--tp-size N] [--batch 1]
 
-With ``--recall-sample-every N`` a fifth server, ``sparse_k_sparse_recall``, is ``sparse_k_sparse`` with
-the recall telemetry on (``--oasis-recall-sample-every N``); ``recall_cost_ratio`` = its TPOT over
-``sparse_k_sparse``'s (the telemetry's cost), and it records ``recall_mean``, ``recall_p10``,
+Every other sparse mode runs with the recall telemetry off (``--oasis-recall-sample-every 0``; before
+2026-12-05 they ran the server's default, a sample every 32 steps). With ``--recall-sample-every N`` two
+more servers, ``sparse_k_sparse_recall`` and ``sparse_k_sparse_recall_captured``, are ``sparse_k_sparse``
+and ``sparse_k_sparse_captured`` with the telemetry on (``--oasis-recall-sample-every N``; captured: the
+sample inside the compiled step); ``recall_cost_ratio`` and ``recall_cost_ratio_captured`` = their TPOT
+over their twin's (the telemetry's cost), and each records ``recall_mean``, ``recall_p10``,
 ``lookahead_agreement`` and ``recall_samples`` as the server reports them after its repeats.
 
 Writes ``ratio_k_covering`` (sparse_async TPOT / dense TPOT, K covering every block), ``ratio_k_sparse``
@@ -92,7 +95,11 @@ MODES = (
 # (--oasis-lookahead ngram --oasis-draft-policy verify), its verify passes eager or captured.
 LOOKAHEAD_MODES = ("sparse_k_sparse_ngram", "sparse_k_sparse_ngram_captured")
 COVERING_MODES = ("sparse_async", "sparse_sync", "sparse_captured")  # K covering every block, no fetch cap
-RECALL_MODE = "sparse_k_sparse_recall"  # sparse_k_sparse with recall telemetry (--recall-sample-every N)
+# sparse_k_sparse and its captured twin with recall telemetry (--recall-sample-every N): mode -> twin
+RECALL_MODES = {
+    "sparse_k_sparse_recall": "sparse_k_sparse",
+    "sparse_k_sparse_recall_captured": "sparse_k_sparse_captured",
+}
 TARGET_RATIO_TPOT = 1.15
 # ratio key -> the sparse mode whose TPOT it divides by dense's
 RATIOS = {
@@ -222,7 +229,7 @@ def server_args(
     # slot without one; with K covering the cap never binds, admission and filled-up blocks are uncapped)
     uncapped = not mode.startswith("sparse_k_sparse") and not mode.endswith("_captured")
     fetch = ["--oasis-fetch-ratio", "1.0"] if uncapped else []
-    recall = ["--oasis-recall-sample-every", str(recall_every)] if mode == RECALL_MODE else []
+    recall = ["--oasis-recall-sample-every", str(recall_every if mode in RECALL_MODES else 0)]
     # every mode names its decode step (the launcher's CPU default is the captured one)
     step = ["--oasis-decode-step", "captured" if mode.endswith("_captured") else "eager"]
     if "_ngram" in mode:
@@ -284,7 +291,8 @@ def main() -> int:
         "--recall-sample-every",
         type=int,
         default=0,
-        help="N > 0: also run sparse_k_sparse with --oasis-recall-sample-every N (its cost: recall_cost_ratio)",
+        help="N > 0: also run sparse_k_sparse and sparse_k_sparse_captured with --oasis-recall-sample-every N "
+        "(their cost: recall_cost_ratio, recall_cost_ratio_captured); other modes run with none",
     )
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--modes", default=",".join(MODES), help="the modes to run (dense always runs)")
@@ -323,7 +331,7 @@ def main() -> int:
         known = ", ".join((*MODES, *LOOKAHEAD_MODES))
         parser.error(f"--modes: unknown {', '.join(sorted(unknown))}; choose from {known}")
     modes = tuple(mode for mode in (*MODES, *LOOKAHEAD_MODES) if mode in chosen)
-    modes = (*modes, RECALL_MODE) if args.recall_sample_every > 0 else modes
+    modes = (*modes, *RECALL_MODES) if args.recall_sample_every > 0 else modes
     results["settings"]["recall_sample_every"] = args.recall_sample_every
     for mode in modes:
         print(f"[bench_overhead] {mode} ...", flush=True)
@@ -344,7 +352,7 @@ def main() -> int:
         try:
             with ServerProcess(argv, log_path=logs / f"{mode}.log") as server:
                 results[mode] = measure(server, prompt, args.output_tokens, args.repeats, args.batch)
-                if mode == RECALL_MODE:
+                if mode in RECALL_MODES:
                     stats = oasis_stats(server.url)
                     for name in ("recall_mean", "recall_p10", "lookahead_agreement", "recall_samples"):
                         results[mode][name] = stats.get(name)
@@ -364,10 +372,10 @@ def main() -> int:
             results[mode].update(agreement_with_dense(outputs, reference))
     results.update(tpot_ratios(results))
     results["target_ratio_tpot"] = TARGET_RATIO_TPOT
-    if RECALL_MODE in results:  # the telemetry's cost: the same server with and without it
-        results["recall_cost_ratio"] = ratio(
-            results[RECALL_MODE].get("tpot_ms"), results["sparse_k_sparse"].get("tpot_ms")
-        )
+    for mode, twin in RECALL_MODES.items():  # the telemetry's cost: the same server with and without it
+        if mode in results and twin in results:
+            key = "recall_cost_ratio" + mode.removeprefix("sparse_k_sparse_recall")
+            results[key] = ratio(results[mode].get("tpot_ms"), results[twin].get("tpot_ms"))
 
     dense_ms = results["dense"].get("tpot_ms")
     rows = []
@@ -399,13 +407,14 @@ def main() -> int:
         f"ratio_k_sparse {_fmt(results['ratio_k_sparse'])} (K={args.sparse_top_k} of {full_blocks} blocks),",
         f"{args.context_tokens}+{args.output_tokens} tokens",
     )
-    if RECALL_MODE in results:
-        r = results[RECALL_MODE]
-        print(
-            f"recall_cost_ratio {_fmt(results['recall_cost_ratio'])} (every {args.recall_sample_every} steps):",
-            f"recall_mean {_fmt(r.get('recall_mean'))}, recall_p10 {_fmt(r.get('recall_p10'))},",
-            f"lookahead_agreement {_fmt(r.get('lookahead_agreement'))}",
-        )
+    for mode in RECALL_MODES:
+        if mode in results:
+            r, key = results[mode], "recall_cost_ratio" + mode.removeprefix("sparse_k_sparse_recall")
+            print(
+                f"{key} {_fmt(results.get(key))} (every {args.recall_sample_every} steps):",
+                f"recall_mean {_fmt(r.get('recall_mean'))}, recall_p10 {_fmt(r.get('recall_p10'))},",
+                f"lookahead_agreement {_fmt(r.get('lookahead_agreement'))}",
+            )
     args.json.parent.mkdir(parents=True, exist_ok=True)
     first = (*RATIOS, "target_ratio_tpot", *modes)  # run_all shows the first 8 numbers
     results = {**{key: results[key] for key in first}, **results}

@@ -150,11 +150,12 @@ class Program:
         return out
 
     def snapshot(self) -> list[list[torch.Tensor]]:
-        return [[t.clone() for t in state[2:]] for state in self.states]  # everything but the host tier
+        # everything but the host tier (and the recall probe's fields: this step has none)
+        return [[t.clone() for t in state[2:] if t is not None] for state in self.states]
 
     def restore(self, saved: list[list[torch.Tensor]]) -> None:
         for state, tensors in zip(self.states, saved, strict=True):
-            for t, kept in zip(state[2:], tensors, strict=True):
+            for t, kept in zip([t for t in state[2:] if t is not None], tensors, strict=True):
                 t.copy_(kept)  # in place: a captured graph keeps its addresses
 
 

@@ -86,6 +86,21 @@ def admitted(config: OasisConfig, own_k: dict[int, int], pins: dict[int, list[in
     return oasis
 
 
+def backend_pair(
+    config: OasisConfig, own_k: dict[int, int], pins: dict[int, list[int]]
+) -> tuple[OasisAttnBackend, OasisAttnBackend]:
+    """An eager backend and a ``--oasis-decode-step captured`` one, alike (the program run uncompiled)."""
+    eager = admitted(config, own_k, pins)
+    captured = admitted(dataclasses.replace(config, decode_step="captured"), own_k, pins)
+    assert captured.captured is not None
+    captured.captured.program = decode_layer
+    return eager, captured
+
+
+# which rows' drafts a verify pass accepts, step after step
+ACCEPTS = torch.rand(STEPS, len(REQS), generator=torch.Generator().manual_seed(7)) < 0.5
+
+
 def stop(*backends: OasisAttnBackend) -> None:
     """Stop the backends' threads (one still inside a torch op at exit aborts the process)."""
     for oasis in backends:
@@ -291,22 +306,86 @@ def test_compiled_step_captures_whole_once_per_bucket() -> None:
 def test_backend_runs_plain_decode_passes_captured() -> None:
     """``--oasis-decode-step captured`` through ``OasisAttnBackend.forward_decode`` (its program run
     uncompiled here; compiled in the server test): the same outputs, state and counters as the eager
-    backend, step after step; the passes a recall sample is due in run eagerly, and the mix stays equal."""
+    backend, step after step, the recall samples' passes too (the sample inside the program)."""
     config, own_k, pins = configs("k_sparse_capped")
-    eager = admitted(config, own_k, pins)
-    captured = admitted(dataclasses.replace(config, decode_step="captured"), own_k, pins)
-    assert captured.captured is not None and captured.tier.padding_slot == captured.tier.num_request_slots
-    captured.captured.program = decode_layer
+    eager, captured = backend_pair(config, own_k, pins)
+    assert captured.tier.padding_slot == captured.tier.num_request_slots
     for step in range(STEPS):
         torch.testing.assert_close(eager_step(captured, step), eager_step(eager, step), rtol=1e-5, atol=1e-6)
         assert_same_state(eager, captured)
     eager.selector.finish_pending()
     ours, theirs = eager.stats.snapshot(), captured.stats.snapshot()
-    recall_passes = theirs["decode_steps"] - theirs["captured_decode_passes"]
-    assert 0 < recall_passes < STEPS // 2 and theirs["captured_decode_passes"] > STEPS // 2
+    assert_captured_samples(captured, theirs)
     for name in ("selections", "scored_selections", "selection_changes", "blocks_loaded", "decode_bytes_host_to_device",
                  "blocks_just_filled", "blocks_from_active", "blocks_deferred"):  # fmt: skip
         assert ours[name] == theirs[name], name
+    assert_same_recall(ours, theirs)
+    stop(eager, captured)
+
+
+def assert_captured_samples(captured: OasisAttnBackend, stats: dict[str, int], verify: bool = False) -> None:
+    """Every decode pass ran captured (verify passes: most; a tail of a just-filled block plus the rows that
+    outgrows the active blocks' ring runs eagerly), and the program took recall samples (it alone leaves
+    the figures in the tier)."""
+    passes = stats["captured_decode_passes"]
+    assert stats["decode_steps"] == STEPS and (passes > STEPS // 2 if verify else passes == STEPS), stats
+    assert bool((captured.tier.recall[[captured.tier.slot(req) for req in REQS], SPARSE_LAYER] != 0).any())
+
+
+def assert_same_recall(ours: dict[str, int], theirs: dict[str, int]) -> None:
+    """The recall probe's counters and window alike (the figures in fp32, up to the summation order: a
+    ppm or two per sample); at least one sample taken."""
+    samples = ours["recall_samples"]
+    assert (
+        samples > 0
+        and theirs["recall_samples"] == samples
+        and ours["telemetry_bytes"] == theirs["telemetry_bytes"]
+    )
+    for name in ("recall_sum_ppm", "lookahead_agreement_sum_ppm"):
+        assert abs(ours[name] - theirs[name]) <= 2 * samples, name
+    for name in (
+        "recall_mean_ppm",
+        "recall_p10_ppm",
+        "lookahead_agreement_ppm",
+        f"recall_layer_ppm_{SPARSE_LAYER}",
+    ):
+        assert abs(ours[name] - theirs[name]) <= 2, name
+    for name in ("recall_below_target", "recall_target_grows", "recall_target_shrinks"):
+        assert ours[name] == theirs[name], name
+
+
+TARGET = dict(top_k=4, recall_max_top_k=64, recall_target=0.6, recall_sample_every=3, sink_blocks=1)
+
+
+@pytest.mark.parametrize("verify", [False, True], ids=["decode", "verify"])
+def test_backend_holds_a_recall_target_captured(verify: bool) -> None:
+    """A recall target (K 4, grown up to 64; a sample at each request's first and every 3rd step) through
+    the captured program: its samples' figures, its growths (as samples fall below the target and as
+    blocks fill up past a working set grown to hold them all) and its shrinks (after samples well above)
+    leave the same top-K, streaks, working sets and outputs as the eager backend's, pass after pass,
+    every pass captured; decode passes and verify passes (drafts accepted at random)."""
+    config, own_k, pins = configs("k_sparse_capped")
+    config = dataclasses.replace(config, **TARGET)
+    eager, captured = backend_pair(config, own_k, pins)
+    first = torch.tensor(CONTEXTS)
+    slots = [eager.tier.slot(req) for req in REQS]
+    seen_k: set[int] = set()
+    for step in range(STEPS):
+        if verify:
+            got, expected = verify_step(captured, step, first), verify_step(eager, step, first)
+            first = first + 1 + ACCEPTS[step].long()
+        else:
+            got, expected = eager_step(captured, step), eager_step(eager, step)
+        torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+        assert_same_state(eager, captured)
+        assert torch.equal(eager.tier.recall_streak[slots], captured.tier.recall_streak[slots])
+        seen_k |= set(captured.tier.working_sets.top_k[slots, SPARSE_LAYER].tolist())
+    eager.selector.finish_pending()
+    ours, theirs = eager.stats.snapshot(), captured.stats.snapshot()
+    assert_captured_samples(captured, theirs, verify)
+    assert_same_recall(ours, theirs)
+    assert ours["recall_below_target"] > 0 and ours["recall_target_grows"] > 0, ours
+    assert ours["recall_target_shrinks"] > 0 and len(seen_k) >= 3, (ours, seen_k)
     stop(eager, captured)
 
 
@@ -337,7 +416,8 @@ def test_one_graph_per_batch_bucket_whatever_the_contexts() -> None:
     """Through the backend (``CapturedStep.decode``): the block dimension is symbolic, so the passes of
     one batch bucket share one graph while the contexts grow across block buckets (64 -> 128 here: the
     1,000-token request passes 64 full blocks at its 24th step), with outputs and state still the eager
-    backend's; the compile time is counted."""
+    backend's; a recall sample's passes have a graph of their own (one more, whatever the contexts); the
+    compile time is counted."""
     graphs, compiled = counted_program()
     config, own_k, pins = configs("k_sparse_capped")
     eager = admitted(config, own_k, pins)
@@ -354,7 +434,7 @@ def test_one_graph_per_batch_bucket_whatever_the_contexts() -> None:
         torch.testing.assert_close(eager_step(captured, step), eager_step(eager, step), rtol=1e-5, atol=1e-6)
         assert_same_state(eager, captured)
     assert buckets == {64, 128}, buckets
-    assert len(graphs) == 1, graphs
+    assert len(graphs) == 2 and captured.stats.snapshot()["recall_samples"] > 0, graphs
     assert captured.stats.snapshot()["captured_compile_ms"] > 0
     stop(eager, captured)
 
@@ -428,24 +508,20 @@ def verify_step(oasis: OasisAttnBackend, step: int, first: torch.Tensor) -> torc
 def test_backend_runs_verify_passes_captured(case: str) -> None:
     """The lookahead's verify passes (a real and a draft row per request) through the compiled program:
     the same outputs and state as the eager backend's ``forward_verify``, step after step, with drafts
-    accepted at random (an accepted draft joins the summaries at the next pass: the catch-up); passes a
-    recall sample is due in run eagerly, and the mix stays equal."""
+    accepted at random (an accepted draft joins the summaries at the next pass: the catch-up), the recall
+    samples' passes too (the real row's query sampled)."""
     config, own_k, pins = configs(case)
-    eager = admitted(config, own_k, pins)
-    captured = admitted(dataclasses.replace(config, decode_step="captured"), own_k, pins)
-    assert captured.captured is not None
-    captured.captured.program = decode_layer
+    eager, captured = backend_pair(config, own_k, pins)
     first = torch.tensor(CONTEXTS)
-    accepts = torch.rand(STEPS, len(REQS), generator=torch.Generator().manual_seed(7)) < 0.5
     for step in range(STEPS):
         torch.testing.assert_close(
             verify_step(captured, step, first), verify_step(eager, step, first), rtol=1e-5, atol=1e-6
         )
         assert_same_state(eager, captured)
-        first = first + 1 + accepts[step].long()  # the draft accepted: two tokens committed
-    theirs = captured.stats.snapshot()
-    assert theirs["captured_decode_passes"] > STEPS // 2, theirs
-    assert theirs["decode_steps"] - theirs["captured_decode_passes"] > 0  # the recall samples' passes
+        first = first + 1 + ACCEPTS[step].long()  # the draft accepted: two tokens committed
+    ours, theirs = eager.stats.snapshot(), captured.stats.snapshot()
+    assert_captured_samples(captured, theirs, verify=True)
+    assert_same_recall(ours, theirs)
     stop(eager, captured)
 
 
@@ -485,6 +561,49 @@ def test_verify_program_has_no_host_sync_and_compiles_whole() -> None:
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
         assert torch.equal(counts, expected_counts)
     assert len(graphs) == 1, graphs
+    stop(plain, captured)
+
+
+def sampled_inputs(oasis: OasisAttnBackend, step: int, verify: bool) -> tuple[Any, ...]:
+    """``decode_layer``'s arguments for a recall-sample pass with a target (rows 0 and 2 sampled; row 1's
+    own target 0: none), a decode or a verify pass."""
+    inputs = list(verify_inputs(oasis, step) if verify else captured_inputs(oasis, step))
+    own_k, target = torch.tensor([4, 8, 4]), torch.tensor([0.9, 0.0, 0.6], dtype=torch.float64)
+    sampled = torch.tensor([True, True, True]) if step % 2 else torch.tensor([True, False, True])
+    pad = BATCH_BUCKET - len(REQS)
+    inputs[2] = inputs[2]._replace(
+        own_k=torch.cat([own_k, torch.ones(pad, dtype=torch.int64)]),
+        target=torch.cat([target, torch.zeros(pad, dtype=torch.float64)]),
+        sampled=torch.cat([sampled, torch.zeros(pad, dtype=torch.bool)]),
+    )
+    return tuple(inputs)
+
+
+def test_recall_sample_program_has_no_host_sync_and_compiles_whole() -> None:
+    """A recall sample with targets inside the program, decode and verify passes: no host sync; compiled,
+    one graph each across steps, leaving the uncompiled program's outputs, counts, figures, streaks and
+    top-K (its decisions taken: some rows grow)."""
+    graphs, compiled = counted_program()
+    config, own_k, pins = configs("k_sparse_capped")
+    config = dataclasses.replace(config, **TARGET)
+    plain, captured = admitted(config, own_k, pins), admitted(config, own_k, pins)
+    slots = [plain.tier.slot(req) for req in REQS]
+    for verify in (False, True):
+        for step in range(4):
+            inputs = sampled_inputs(plain, step, verify)  # the host plan may sync; the step may not
+            with SyncGuard() as guard:
+                expected, expected_counts = decode_layer(*inputs)
+            assert guard.ops > 100
+            out, counts = compiled(*sampled_inputs(captured, step, verify))
+            torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
+            assert torch.equal(counts, expected_counts)
+            assert_same_state(plain, captured)
+            for name in ("recall_streak", "recall"):
+                ours, theirs = getattr(plain.tier, name)[slots], getattr(captured.tier, name)[slots]
+                torch.testing.assert_close(ours, theirs, rtol=1e-5, atol=1e-6)
+    grown = plain.tier.working_sets.top_k[slots, SPARSE_LAYER]
+    assert int(grown[0]) > 4 and int(grown[1]) == 4, grown  # row 0 grew; row 1 (no target) did not
+    assert len(graphs) == 2, graphs
     stop(plain, captured)
 
 

@@ -223,13 +223,17 @@ def test_server_args_k_sparse_keeps_the_default_fetch_ratio() -> None:
     assert "--oasis-top-k" not in argv["dense"]
 
 
-def test_the_recall_mode_is_k_sparse_with_the_telemetry_on() -> None:
-    from bench_overhead import RECALL_MODE, server_args
+def test_the_recall_modes_are_their_twins_with_the_telemetry_on() -> None:
+    """sparse_k_sparse_recall[_captured] differ from sparse_k_sparse[_captured] only by the telemetry's
+    period; every other sparse mode runs without telemetry."""
+    from bench_overhead import RECALL_MODES, server_args
 
-    args = server_args(RECALL_MODE, Path("m"), 16, 16, 4096, 2048, "float32", recall_every=32)
-    plain = server_args("sparse_k_sparse", Path("m"), 16, 16, 4096, 2048, "float32", recall_every=32)
-    assert args[:2] == ["--oasis-recall-sample-every", "32"] and args[2:] == plain
-    assert "--oasis-recall-sample-every" not in plain and "--oasis-fetch-ratio" not in plain
+    for mode, twin in RECALL_MODES.items():
+        args = server_args(mode, Path("m"), 16, 16, 4096, 2048, "float32", recall_every=8)
+        plain = server_args(twin, Path("m"), 16, 16, 4096, 2048, "float32", recall_every=8)
+        assert args[:2] == ["--oasis-recall-sample-every", "8"] and args[2:] == plain[2:]
+        assert plain[:2] == ["--oasis-recall-sample-every", "0"] and "--oasis-fetch-ratio" not in plain
+    assert set(RECALL_MODES.values()) == {"sparse_k_sparse", "sparse_k_sparse_captured"}
 
 
 def test_lookahead_modes_add_the_ngram_drafter_to_k_sparse() -> None:

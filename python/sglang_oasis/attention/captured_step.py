@@ -2,8 +2,8 @@
 ``decode_layer`` (``decode_program.py``), and verify passes' (the lookahead's real and draft rows).
 
 Per decode pass, at its first sparse layer, ``CapturedStep.prepare`` (host side) decides whether the pass
-runs captured (``eligible``: every row an ordinary decode row whose tail the active blocks hold, no recall
-sample due, nothing the program does not cover), waits for any eager prefetch job still pending, does the
+runs captured (``eligible``: every row an ordinary decode row whose tail the active blocks hold, nothing
+the program does not cover; a recall sample's rows and a recall target go into the plan), waits for any eager prefetch job still pending, does the
 step's host bookkeeping once for every layer (the new pages' epochs, the warm-start record, the retraction
 snapshot, the summarised positions) and pads the batch to its buckets. Each sparse layer then runs the
 compiled program; the counts it returns are folded into the server's counters after the last sparse layer.
@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
     from sglang_oasis.attention.kv_intake import KVIntake
+    from sglang_oasis.attention.recall_probe import RecallProbe
     from sglang_oasis.attention.selector import Selector
     from sglang_oasis.attention.strict_mode import StrictMode
     from sglang_oasis.config import OasisConfig
@@ -80,10 +81,13 @@ class StepParts(Protocol):
     intake: KVIntake
     summarised: torch.Tensor
     strict: StrictMode | None
+    recall: RecallProbe
 
 
 class CapturedStep:
     verify_rows = True  # TARGET_VERIFY passes run the program too (``GraphedStep``: not yet)
+    recall_passes = True  # passes with a recall sample or target too (``GraphedStep``: not yet)
+    probe: RecallProbe | None = None  # the server's recall probe (None: no sample, no target)
 
     def __init__(
         self, config: OasisConfig, tier: DeviceTier, kv_pool: MHATokenToKVPool, req_to_token: torch.Tensor,
@@ -111,6 +115,7 @@ class CapturedStep:
         self._states: dict[int, LayerState] = {}
         self._compiled: set[int] = set()  # batch buckets compiled
         self.plan: StepPlan | None = None
+        self.planned = (BatchView.empty(), torch.zeros(0, dtype=torch.int64))  # the plan's batch, seq_lens
         self.rows = 0
         self.counts = torch.zeros((0, len(COUNTS)), dtype=torch.int64)
         self.pending = False  # a decode pass began that may run captured; its first sparse layer plans it
@@ -135,7 +140,7 @@ class CapturedStep:
         selector = backend.selector
         step.finish_pending, step.before_select = selector.finish_pending, selector.before_select
         step.account = selector.account
-        step.summarised = backend.summarised
+        step.summarised, step.probe = backend.summarised, backend.recall
 
         def catch_up(batch: BatchView, upto: torch.Tensor) -> None:
             for layer in backend.sparse_layers:
@@ -148,8 +153,8 @@ class CapturedStep:
         return step
 
     def begin(self, plain_decode: bool) -> None:
-        """A forward pass begins: a decode pass of ordinary rows with no recall sample due may run
-        captured (decided at its first sparse layer, ``ready``)."""
+        """A forward pass begins: a decode pass of ordinary rows may run captured (decided at its first
+        sparse layer, ``ready``)."""
         self.plan, self.pending = None, plain_decode and self.covers()
 
     def run(
@@ -195,6 +200,9 @@ class CapturedStep:
             return False
         if self.before_select is not None:  # retraction's snapshot of the tables the step will change
             self.before_select(batch, None, seq_lens.tolist())
+        recall = None if self.probe is None else self.probe.plan_fields(batch)
+        if recall is not None and not self.recall_passes:
+            return False
         drafts = None
         if tree is not None:  # drafts the last verify accepted join the summaries, every layer's, first
             self.catch_up(batch, seq_lens - 1)
@@ -203,13 +211,13 @@ class CapturedStep:
         summaries.restart_epochs(locs)  # once per pass, as the eager step does at the epoch layer
         plan = StepPlan.build(
             batch.slots, seq_lens, locs, self.req_to_token, batch.req_index, batch.step, self.shape,
-            bucket(bs, self.batch_buckets), bucket(full, self.block_buckets), drafts, tree,
+            bucket(bs, self.batch_buckets), bucket(full, self.block_buckets), drafts, tree, recall,
         )  # fmt: skip
         torch._dynamo.maybe_mark_dynamic(plan.pages, 1)  # one graph for every block bucket
         self.slots.prefixes.record(batch.slots, plan.pages[:bs, :full], seq_lens // block, summaries.epoch)
         if self.summarised is not None:  # the step folds its token into every sparse layer's summaries
             self.summarised[batch.req_index[:, None], torch.tensor(self.sparse_layers)] = seq_lens[:, None]
-        self.plan, self.rows = plan, bs
+        self.plan, self.rows, self.planned = plan, bs, (batch, seq_lens)
         self.counts = torch.zeros((len(plan.slots), len(COUNTS)), dtype=torch.int64)
         return True
 
@@ -294,11 +302,8 @@ class CapturedStep:
                 "oasis: a captured step had more loads than its %d copies per head", self.shape.copies
             )
         host = counts["loads"] - counts["from_active"]
-        loads = []
-        for slot, n in zip(plan.slots[:batch_rows].tolist(), host.tolist(), strict=True):
-            owner = self.tier.owner(slot)
-            if n and owner is not None:
-                loads.append((owner[0], owner[1], n))
+        owners = [self.tier.owner(slot) for slot in plan.slots[:batch_rows].tolist()]
+        loads = [(o[0], o[1], n) for o, n in zip(owners, host.tolist(), strict=True) if n and o is not None]
         layers = len(self.sparse_layers)
         total = {name: int(values.sum()) for name, values in counts.items()}
         self.account(JobResult(
@@ -308,3 +313,7 @@ class CapturedStep:
             transfer_ns=0, failed={}, host_loads=tuple(loads),
         ))  # fmt: skip
         self.stats.add("captured_decode_passes")
+        for name in ("below_target", "target_grows", "target_shrinks"):
+            self.stats.add(f"recall_{name}", total[name])
+        if plan.sampled is not None and self.probe is not None:  # the sample's figures, from the tier
+            self.probe.fold(self.planned[0], self.sparse_layers, self.planned[1].tolist())

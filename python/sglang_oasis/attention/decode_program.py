@@ -21,103 +21,37 @@ above every row's full blocks), ``B`` tokens per block, ``M`` copies per head an
 
 **Who writes what.** During a captured step this program is the only writer of one layer's working sets
 (``k``, ``v``, ``slot_block``, ``last_selected``), ``covered``, active blocks and summaries, for the
-batch's slots; ``top_k`` and ``pinned`` it only reads (the host side sets them at admission and
-retraction, between steps). No thread runs beside it: the next step's blocks are copied inside the step
-(``copy_blocks``: on CPU within one memory; on CUDA from pinned host memory, on a side stream).
+batch's slots, and with a recall target ``top_k`` and the probe's ``recall_streak`` and ``recall``
+(``recall_program.py``: the probe's decisions, which the host makes on the eager step); ``pinned`` it only
+reads (the host side sets it, and ``top_k``, at admission and retraction, between steps). No thread
+runs beside it: the next step's blocks are copied inside the step (``copy_blocks``: on CPU within one
+memory; on CUDA from pinned host memory, on a side stream).
 
 It is the eager step's decision over the padded shape (the same selection, the same plan as
 ``WorkingSetPool.plan_selections``, the same attention up to the summation order over masked slots), but it
 always plans where the eager step skips planning when nothing changed (tested: it then changes nothing).
-What it does not cover runs eagerly (``CapturedStep.prepare``): admissions, recall samples,
-remote reads, fault injection, the adaptive cap, strict mode, tails the active blocks do not hold.
+A recall sample is in it (another graph per bucket: a plain pass pays nothing for it). What it does
+not cover runs eagerly (``CapturedStep.prepare``): admissions (PD arrivals, retraction resumes), remote
+reads, fault injection, the adaptive cap, strict mode, tails the active blocks do not hold.
 """
 
 from __future__ import annotations
 
-import math
-from typing import TYPE_CHECKING, NamedTuple
-
 import torch
 
 from sgl_kernel_oasis import ops
+from sglang_oasis.attention import recall_program
 from sglang_oasis.attention.decode_ops import INT64_MAX, Copies, attend, copy_blocks, fold_summaries
 from sglang_oasis.attention.layer_state import LayerState
+from sglang_oasis.attention.step_plan import StepPlan, StepShape
 from sglang_oasis.memory.working_set import BLOCK_ID_SPAN, EMPTY, stable_ranks
 
-if TYPE_CHECKING:
-    from sglang_oasis.config import OasisConfig
+__all__ = ["COUNTS", "LayerState", "StepPlan", "StepShape", "attend_and_plan", "decode_layer"]
 
-# Per row, what ``decode_layer`` returns in its counts (columns).
-COUNTS = ("loads", "fresh", "from_active", "deferred", "scored", "overflow")
-
-
-class StepShape(NamedTuple):
-    """The compile-time constants of a captured step (one graph per batch bucket and block bucket)."""
-
-    block_size: int
-    span: int  # active-block ring positions per request slot (``ActiveBlocks.span``)
-    sink_blocks: int
-    max_top_k: int  # the largest K a row may have (``--oasis-recall-max-top-k``): the top-K width
-    fetch_ratio: float  # per-head cap = ceil(ratio x the row's K); >= 1: no cap
-    copies: int  # M: the copies per KV head and step the graph has room for
-    padding_slot: int  # request slot padding rows (and masked copies) write into
-
-    @classmethod
-    def of(cls, config: OasisConfig, span: int, slots_per_head: int, padding_slot: int) -> StepShape:
-        """From ``OasisConfig``: ``copies`` = the largest fetch cap + 1 (a decode step fills at most one
-        block per request), or every slot without a cap."""
-        if config.fetch_ratio >= 1:
-            copies = slots_per_head
-        else:
-            copies = min(slots_per_head, math.ceil(config.fetch_ratio * config.max_top_k) + 1)
-        return cls(config.block_size, span, config.sink_blocks, config.max_top_k, float(config.fetch_ratio),
-                   copies, padding_slot)  # fmt: skip
-
-
-class StepPlan(NamedTuple):
-    """One decode batch as every layer's captured step reads it (host-built; rows padded to ``bs``)."""
-
-    slots: torch.Tensor  # [bs] int64 request slots (padding rows: the padding slot)
-    seq_lens: torch.Tensor  # [bs] int64 tokens including this step's (padding rows: 1)
-    locs: torch.Tensor  # [bs] int64 host-tier location of this step's token (padding rows: 0)
-    pages: torch.Tensor  # [bs, N] int64 host page of each logical block (padding: 0)
-    step: torch.Tensor  # [] int64 the decode step (a tensor: a new step is not a new graph)
-    # A verify pass (R query rows per request: the real token, then R - 1 draft tokens): the drafts'
-    # host-tier locations [bs, R - 1] and which rows each row sees [bs, R, R] bool. None: plain decode.
-    draft_locs: torch.Tensor | None = None
-    tree: torch.Tensor | None = None
-
-    @classmethod
-    def build(
-        cls, slots: torch.Tensor, seq_lens: torch.Tensor, locs: torch.Tensor, req_to_token: torch.Tensor,
-        reqs: torch.Tensor, step: int, shape: StepShape, batch_bucket: int, block_bucket: int,
-        draft_locs: torch.Tensor | None = None, tree: torch.Tensor | None = None,
-    ) -> StepPlan:  # fmt: skip
-        """Pad ``bs`` live rows (request ``slots``, SGLang's ``reqs`` rows, ``seq_lens`` with this step's
-        token at ``locs``; a verify pass: its ``draft_locs`` and ``tree``) to ``batch_bucket`` rows and
-        their pages to ``block_bucket`` blocks."""
-        live, block = len(slots), shape.block_size
-        if live > batch_bucket:
-            raise ValueError(f"{live} rows do not fit a batch bucket of {batch_bucket}")
-        pad = batch_bucket - live
-        full = int(seq_lens.max()) // block if live else 0
-        if full > block_bucket:
-            raise ValueError(f"{full} full blocks do not fit a block bucket of {block_bucket}")
-        pages = torch.zeros((batch_bucket, block_bucket), dtype=torch.int64)
-        if full:
-            pages[:live, :full] = req_to_token[reqs, 0 : full * block : block].to(torch.int64) // block
-
-        def padded(values: torch.Tensor, fill: int) -> torch.Tensor:
-            return torch.cat([values.to(torch.int64), torch.full((pad,), fill, dtype=torch.int64)])
-
-        plan = cls(padded(slots, shape.padding_slot), padded(seq_lens, 1), padded(locs, 0), pages,
-                   torch.tensor(step, dtype=torch.int64))  # fmt: skip
-        if draft_locs is None or tree is None:
-            return plan
-        chain = torch.ones(tree.shape[1:], dtype=torch.bool).tril().expand(pad, -1, -1)  # padding rows
-        pad_locs = torch.zeros((pad, draft_locs.shape[1]), dtype=torch.int64)
-        return plan._replace(draft_locs=torch.cat([draft_locs.to(torch.int64), pad_locs]),
-                             tree=torch.cat([tree.to(torch.bool), chain]))  # fmt: skip
+# Per row, what ``decode_layer`` returns in its counts (columns); the last three: a recall target's
+# decisions (``recall_program.py``)
+COUNTS = ("loads", "fresh", "from_active", "deferred", "scored", "overflow", "below_target", "target_grows",
+          "target_shrinks")  # fmt: skip
 
 
 def decode_layer(
@@ -189,6 +123,16 @@ def attend_and_plan(
         tail_valid = torch.cat([committed[:, None, :].expand(-1, rows, -1), tree], dim=2)
     out = attend(state, q, slots, blocks, tail_rows, tail_valid, scale)
     query = q if tree is None else q[:, -1]  # the selection's (a verify pass: the last draft row's)
+
+    # 2b. The recall probe, before the selection takes its K: a sample (the real token's query), and a
+    #     target's growth as blocks fill up (``recall_program.py``).
+    recall = torch.zeros((bs, 3), dtype=torch.int64, device=device)
+    if plan.sampled is not None:
+        real = q if tree is None else q[:, 0]
+        recall = recall_program.sample(shape, state, plan, real, blocks, covered, scale)
+    if plan.target is not None:
+        grew = recall_program.keep_holding_every_block(shape, state, plan, blocks, covered)
+        recall = recall + torch.stack([torch.zeros_like(grew), grew, torch.zeros_like(grew)], dim=1)
 
     # 3. Selection for the next step (``BlockPrefetcher._choose``): rows with more full blocks than their
     #    working sets hold keep their sinks, their pinned blocks and their top-K by summary score.
@@ -268,7 +212,7 @@ def attend_and_plan(
     )  # fmt: skip
     per_row = (take, take & just_filled, from_active)  # COUNTS' order
     counts = torch.stack([*(c.sum(dim=(1, 2)) for c in per_row), deferred, over[:, 0, 0].to(torch.int64),
-                          (count.squeeze(-1) > copies).sum(dim=1)], dim=1)  # fmt: skip
+                          (count.squeeze(-1) > copies).sum(dim=1), *recall.unbind(1)], dim=1)  # fmt: skip
     return out, counts, planned
 
 

@@ -8,8 +8,8 @@ each pass, this step owns one ``StepPlan`` of ``max_bs`` rows by every block a r
 replay:
 
 1. ``ready`` (``CapturedStep``'s; SGLang's runner asks whether it may replay, ``sglang_hooks`` hook 14):
-   the pass is planned as ``CapturedStep.prepare`` plans it; a pass it does not cover (admissions, recall samples, tails the
-   active blocks do not hold) answers False and runs eagerly.
+   the pass is planned as ``CapturedStep.prepare`` plans it; a pass it does not cover (admissions, recall
+   samples and targets, tails the active blocks do not hold) answers False and runs eagerly.
 2. ``load`` (``init_forward_metadata_out_graph``): the plan's rows into ``static`` (rows past the batch:
    padding rows, into the padding slot), the per-row counts zeroed.
 3. The replay runs ``decode_layer`` per sparse layer on ``static`` (what ``decode`` recorded at capture).
@@ -44,6 +44,7 @@ class GraphedStep(CapturedStep):
     static_counts: torch.Tensor  # [max_bs, len(COUNTS)]: what the replayed layers counted
     graphing = False  # True between ``capture``/``load`` and the next pass's ``begin``
     verify_rows = False  # SGLang's decode graphs hold one row per request; verify passes run eagerly
+    recall_passes = False  # ``static`` has no recall fields: samples and targets run eagerly
     unfolded = 0  # rows of the last replay whose counts are not folded yet
 
     @classmethod

@@ -31,6 +31,9 @@ class LayerState(NamedTuple):
     active_v: torch.Tensor
     active_start: torch.Tensor  # [slots] int64
     active_end: torch.Tensor
+    # the recall probe's (a recall-sample pass): its streak [slots] int64 and last sample [slots, 2, H]
+    recall_streak: torch.Tensor | None = None
+    recall: torch.Tensor | None = None
 
     @classmethod
     def of(cls, tier: DeviceTier, kv_pool: MHATokenToKVPool, layer: int) -> LayerState:
@@ -40,4 +43,5 @@ class LayerState(NamedTuple):
             summaries.kmax[layer], ws.k[:, layer], ws.v[:, layer], ws.slot_block[:, layer],
             ws.last_selected[:, layer], ws.covered[:, layer], ws.top_k[:, layer], tier.pinned[:, layer],
             active.k[layer], active.v[layer], active.start[:, layer], active.end[:, layer],
+            tier.recall_streak[:, layer], tier.recall[:, layer],
         )  # fmt: skip

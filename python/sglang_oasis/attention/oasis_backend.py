@@ -165,9 +165,9 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
         self.set_batch(reqs, admission, generations, options)
         if mode.is_decode() or mode.is_target_verify():
             self.recall.begin(self.batch)
-        if self.captured is not None:  # captured_step.py: decode and verify passes, no recall sample due
+        if self.captured is not None:  # captured_step.py: decode and verify passes of ordinary rows
             stepping = mode.is_decode() or mode.is_target_verify()
-            self.captured.begin(stepping and not self.batch.admits and not self.recall.due())
+            self.captured.begin(stepping and not self.batch.admits)
 
     def set_batch(
         self, reqs: list[int], admission: bool | torch.Tensor = False, generations: list[int] | None = None,

@@ -108,7 +108,8 @@ class RecallProbe:
         self._per_layer: dict[int, deque[float]] = {}
         self._steps: dict[int, tuple[int, int]] = {}  # request row -> (generation, decode steps since
         # its last extend): a new request on the row (a PD arrival too) starts from 0
-        self._above: dict[tuple[int, int], int] = {}  # (request slot, layer) -> samples well above target
+        # [request slots, layers]: samples in a row well above target (the tier's; the captured step writes it too)
+        self.streak = tier.recall_streak
         self.rows: list[int] = []  # batch rows the current pass samples
 
     def restart(self, reqs: list[int]) -> None:
@@ -116,24 +117,21 @@ class RecallProbe:
         and their slots' shrink streaks are forgotten."""
         for req in reqs:
             self._steps.pop(req, None)
-            slot = self.tier.slot_of(req)
-            for layer in range(int(self.working_sets.top_k.shape[1])):
-                self._above.pop((slot, layer), None)
+            self.streak[self.tier.slot_of(req)] = 0
         self.rows = []
 
     def state_of(self, req: int, slot: int) -> tuple[int, dict[int, int]]:
         """Request row ``req``'s own decode steps and its slot's shrink streaks per layer (a retraction
         keeps them; ``resume`` gives them to the row and slot it resumes in)."""
-        return self._steps.get(req, (0, 0))[1], {
-            layer: n for (s, layer), n in self._above.items() if s == slot
-        }
+        streaks = self.streak[slot].tolist()
+        return self._steps.get(req, (0, 0))[1], {layer: n for layer, n in enumerate(streaks) if n}
 
     def resume(self, req: int, generation: int, slot: int, state: tuple[int, dict[int, int]]) -> None:
         steps, above = state
         self._steps[req] = (generation, steps)
-        for key in [key for key in self._above if key[0] == slot]:
-            del self._above[key]
-        self._above.update({(slot, layer): n for layer, n in above.items()})
+        self.streak[slot] = 0
+        for layer, n in above.items():
+            self.streak[slot, layer] = n
 
     def begin(self, batch: BatchView) -> None:
         """A decode or verify pass of ``batch``: count each request's step and choose the rows sampled
@@ -165,6 +163,19 @@ class RecallProbe:
     def due(self) -> bool:
         return self.every > 0 and bool(self.rows)
 
+    def plan_fields(self, batch: BatchView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+        """What a captured pass of ``batch`` takes from the probe (``StepPlan``'s ``own_k``, ``target`` and
+        ``sampled``): each row's own K and target, and the rows a sample due now measures (None: no sample
+        due); None: no sample due and no target."""
+        targets = batch.targets(self.target)
+        sampled = None
+        if self.due():
+            sampled = torch.zeros(len(batch.reqs), dtype=torch.bool)
+            sampled[self.rows] = True
+        if sampled is None and not bool((targets > 0).any()):
+            return None
+        return batch.top_ks(self.top_k), targets, sampled
+
     def sample_safely(self, *args: Any) -> None:
         """``sample``; an error turns the telemetry off (logged) instead of failing the step's requests."""
         try:
@@ -190,16 +201,34 @@ class RecallProbe:
             )
             if targets[row]:
                 self.hold_target(slot, layer_id, float(recall.min()), targets[row], own_k[row])
-            self.stats.add("recall_samples", len(recall))
-            self.stats.add("recall_sum_ppm", round(1e6 * float(recall.sum())))
-            self.stats.add("lookahead_agreement_sum_ppm", round(1e6 * float(agreement.sum())))
-            self.stats.requests.add_recall(
-                batch.reqs[row], len(recall), float(recall.sum()), float(agreement.sum())
-            )
-            self._recall.extend(recall.tolist())
-            self._agreement.extend(agreement.tolist())
-            self._per_layer.setdefault(layer_id, deque(maxlen=WINDOW)).extend(recall.tolist())
+            self._record(batch.reqs[row], layer_id, recall.tolist(), agreement.tolist())
         self._publish(layer_id)
+
+    def fold(self, batch: BatchView, layers: list[int], seq_lens: list[int]) -> None:
+        """A captured pass's samples (``recall_program.py`` left each sampled row's figures per layer in the
+        tier's ``recall``; its target decisions are made, counted in the pass's counts): into the
+        counters and the window, as ``sample`` would have (``seq_lens`` count the step's token)."""
+        if not self.rows:
+            return
+        figures = self.tier.recall[batch.slots[self.rows]][:, layers]  # [rows, layers, 2, H]
+        kv_pool = self.kv_pool
+        token_bytes = kv_pool.head_num * kv_pool.head_dim * torch.empty(0, dtype=kv_pool.dtype).element_size()
+        for row, per_layer in zip(self.rows, figures.tolist(), strict=True):
+            self.stats.add("telemetry_bytes", len(layers) * seq_lens[row] * token_bytes)
+            for layer, (recall, agreement) in zip(layers, per_layer, strict=True):
+                self._record(batch.reqs[row], layer, recall, agreement)
+        for layer in layers:
+            self._publish(layer)
+
+    def _record(self, req: int, layer_id: int, recall: list[float], agreement: list[float]) -> None:
+        """One sample of request row ``req`` at ``layer_id`` (per KV head) into the counters and the window."""
+        self.stats.add("recall_samples", len(recall))
+        self.stats.add("recall_sum_ppm", round(1e6 * sum(recall)))
+        self.stats.add("lookahead_agreement_sum_ppm", round(1e6 * sum(agreement)))
+        self.stats.requests.add_recall(req, len(recall), sum(recall), sum(agreement))
+        self._recall.extend(recall)
+        self._agreement.extend(agreement)
+        self._per_layer.setdefault(layer_id, deque(maxlen=WINDOW)).extend(recall)
 
     def measure(
         self, req: int, slot: int, layer_id: int, query: torch.Tensor, seq_len: int, scale: float,
@@ -239,22 +268,19 @@ class RecallProbe:
         top-K)."""
         top_k = self.working_sets.top_k
         current = int(top_k[slot, layer_id])
-        key = (slot, layer_id)
+        streak = 0
         if worst < target:
             self.stats.add("recall_below_target")
-            self._above.pop(key, None)
             if current < self.max_top_k:
                 top_k[slot, layer_id] = min(self.max_top_k, 2 * current)
                 self.stats.add("recall_target_grows")
         elif worst >= 1.0 - (1.0 - target) / 4 and current > base:
-            streak = self._above.get(key, 0) + 1
+            streak = int(self.streak[slot, layer_id]) + 1
             if streak >= SHRINK_AFTER:
                 top_k[slot, layer_id] = max(base, current // 2)
                 self.stats.add("recall_target_shrinks")
                 streak = 0
-            self._above[key] = streak
-        else:
-            self._above.pop(key, None)
+        self.streak[slot, layer_id] = streak
 
     def _publish(self, layer_id: int) -> None:
         if not self._recall:

@@ -60,8 +60,10 @@ class RequestSlots:
         return slot
 
     def _forget_records(self, slot: int) -> None:
-        """A newly claimed slot has no window pins, no recorded pages and no active tokens yet."""
+        """A newly claimed slot has no window pins, no recorded pages, no active tokens and no recall
+        streak yet."""
         self.tier.pinned[slot] = -1
+        self.tier.recall_streak[slot] = 0
         self.tier.active.reset(slot)
         self.prefixes.forget(slot)
 

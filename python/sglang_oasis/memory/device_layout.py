@@ -9,6 +9,8 @@ the launcher can size ``--max-running-requests`` before anything is imported.
                       + 2 (K, V) x layers x KV heads x active span x head_dim x element bytes
                       + 8 bytes x layers x KV heads x (2 x (top-K + sinks) + window pins)   (index tensors)
                       + 8 bytes x layers x 4           (covered, top-K; active blocks' start, end)
+                      + 8 bytes x layers + 4 bytes x layers x KV heads x 2   (the recall probe's streak
+                                                       and last sample, per layer: recall, agreement)
     request slots   = (budget - summaries) // per request - padding slots
     padding slots   = 1 with --oasis-decode-step captured (padding rows of a batch bucket write there), else 0
 """
@@ -22,6 +24,7 @@ if TYPE_CHECKING:
     from sglang_oasis.config import OasisConfig
 
 INDEX_BYTES = 8  # int64 index tensors
+FIGURE_BYTES = 4  # float32 recall figures
 
 
 class DeviceTierError(ValueError):
@@ -100,6 +103,7 @@ def layout(budget_bytes: int, shape: TierShape, max_request_slots: int | None = 
     request += 2 * heads * s.active_tokens * s.head_dim * s.element_bytes  # active blocks' K and V
     request += 4 * s.num_layers * INDEX_BYTES  # covered, top-K; active blocks' start and end
     request += heads * s.window_blocks * INDEX_BYTES  # pinned
+    request += s.num_layers * INDEX_BYTES + 2 * heads * FIGURE_BYTES  # recall streak, last sample
     slots = max(0, budget_bytes - summary) // request - s.padding_slots
     if max_request_slots is not None:
         slots = min(slots, max_request_slots)

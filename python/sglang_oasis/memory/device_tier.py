@@ -82,6 +82,10 @@ class DeviceTier:
         )  # fmt: skip
         # Per request slot, layer and KV head: the blocks the prefill window keeps selected (-1: none).
         self.pinned = torch.full((allocated, shape.num_layers, shape.num_kv_heads, shape.window_blocks), -1)
+        # Per request slot and layer, the recall probe's (``recall_probe.py``): samples in a row well above
+        # its target, and the last sample's recall and lookahead agreement per KV head (``[.., 2, H]``).
+        self.recall_streak = torch.zeros((allocated, shape.num_layers), dtype=torch.int64)
+        self.recall = torch.zeros((allocated, shape.num_layers, 2, shape.num_kv_heads), dtype=torch.float32)
         self._owner: list[tuple[int, int] | None] = [None] * slots  # request slot -> (req, generation)
         self._slot: dict[int, int] = {}  # SGLang req pool index -> its current request slot
         self._claimed_at = [0] * slots
@@ -142,6 +146,8 @@ class DeviceTier:
             "covered": ws.covered,
             "top_k": ws.top_k,
             "pinned": self.pinned,
+            "recall_streak": self.recall_streak,
+            "recall": self.recall,
             "active_k": self.active.k,
             "active_v": self.active.v,
             "active_start": self.active.start,

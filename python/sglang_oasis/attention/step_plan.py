@@ -1,0 +1,94 @@
+"""What the captured decode step (``decode_program.py``) is compiled for and what it reads per pass: the
+step's compile-time shape (``StepShape``) and the host-built plan of one batch (``StepPlan``)."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, NamedTuple
+
+import torch
+
+if TYPE_CHECKING:
+    from sglang_oasis.config import OasisConfig
+
+
+class StepShape(NamedTuple):
+    """The compile-time constants of a captured step (one graph per batch bucket and block bucket)."""
+
+    block_size: int
+    span: int  # active-block ring positions per request slot (``ActiveBlocks.span``)
+    sink_blocks: int
+    max_top_k: int  # the largest K a row may have (``--oasis-recall-max-top-k``): the top-K width
+    fetch_ratio: float  # per-head cap = ceil(ratio x the row's K); >= 1: no cap
+    copies: int  # M: the copies per KV head and step the graph has room for
+    padding_slot: int  # request slot padding rows (and masked copies) write into
+
+    @classmethod
+    def of(cls, config: OasisConfig, span: int, slots_per_head: int, padding_slot: int) -> StepShape:
+        """From ``OasisConfig``: ``copies`` = the largest fetch cap + 1 (a decode step fills at most one
+        block per request), or every slot without a cap."""
+        if config.fetch_ratio >= 1:
+            copies = slots_per_head
+        else:
+            copies = min(slots_per_head, math.ceil(config.fetch_ratio * config.max_top_k) + 1)
+        return cls(config.block_size, span, config.sink_blocks, config.max_top_k, float(config.fetch_ratio),
+                   copies, padding_slot)  # fmt: skip
+
+
+class StepPlan(NamedTuple):
+    """One decode batch as every layer's captured step reads it (host-built; rows padded to ``bs``)."""
+
+    slots: torch.Tensor  # [bs] int64 request slots (padding rows: the padding slot)
+    seq_lens: torch.Tensor  # [bs] int64 tokens including this step's (padding rows: 1)
+    locs: torch.Tensor  # [bs] int64 host-tier location of this step's token (padding rows: 0)
+    pages: torch.Tensor  # [bs, N] int64 host page of each logical block (padding: 0)
+    step: torch.Tensor  # [] int64 the decode step (a tensor: a new step is not a new graph)
+    # A verify pass (R query rows per request: the real token, then R - 1 draft tokens): the drafts'
+    # host-tier locations [bs, R - 1] and which rows each row sees [bs, R, R] bool. None: plain decode.
+    draft_locs: torch.Tensor | None = None
+    tree: torch.Tensor | None = None
+    # The recall probe's (``recall_program.py``): each row's own top-K [bs] int64 and recall target [bs]
+    # float64 (0: none; None: no row has one), and on a recall-sample pass the rows sampled [bs] bool.
+    own_k: torch.Tensor | None = None
+    target: torch.Tensor | None = None
+    sampled: torch.Tensor | None = None
+
+    @classmethod
+    def build(
+        cls, slots: torch.Tensor, seq_lens: torch.Tensor, locs: torch.Tensor, req_to_token: torch.Tensor,
+        reqs: torch.Tensor, step: int, shape: StepShape, batch_bucket: int, block_bucket: int,
+        draft_locs: torch.Tensor | None = None, tree: torch.Tensor | None = None,
+        recall: tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None = None,
+    ) -> StepPlan:  # fmt: skip
+        """Pad ``bs`` live rows (request ``slots``, SGLang's ``reqs`` rows, ``seq_lens`` with this step's
+        token at ``locs``; a verify pass: its ``draft_locs`` and ``tree``; ``recall``: the rows' own K,
+        targets and sampled rows (None: not a sample pass)) to ``batch_bucket`` rows and their pages to
+        ``block_bucket`` blocks."""
+        live, block = len(slots), shape.block_size
+        if live > batch_bucket:
+            raise ValueError(f"{live} rows do not fit a batch bucket of {batch_bucket}")
+        pad = batch_bucket - live
+        full = int(seq_lens.max()) // block if live else 0
+        if full > block_bucket:
+            raise ValueError(f"{full} full blocks do not fit a block bucket of {block_bucket}")
+        pages = torch.zeros((batch_bucket, block_bucket), dtype=torch.int64)
+        if full:
+            pages[:live, :full] = req_to_token[reqs, 0 : full * block : block].to(torch.int64) // block
+
+        def padded(values: torch.Tensor, fill: int) -> torch.Tensor:
+            return torch.cat([values.to(torch.int64), torch.full((pad,), fill, dtype=torch.int64)])
+
+        plan = cls(padded(slots, shape.padding_slot), padded(seq_lens, 1), padded(locs, 0), pages,
+                   torch.tensor(step, dtype=torch.int64))  # fmt: skip
+        if recall is not None:
+            own_k, target, sampled = recall
+            plan = plan._replace(
+                own_k=padded(own_k, 1), target=torch.cat([target.double(), torch.zeros(pad, dtype=torch.float64)]),
+                sampled=None if sampled is None else torch.cat([sampled, torch.zeros(pad, dtype=torch.bool)]),
+            )  # fmt: skip
+        if draft_locs is None or tree is None:
+            return plan
+        chain = torch.ones(tree.shape[1:], dtype=torch.bool).tril().expand(pad, -1, -1)  # padding rows
+        pad_locs = torch.zeros((pad, draft_locs.shape[1]), dtype=torch.int64)
+        return plan._replace(draft_locs=torch.cat([draft_locs.to(torch.int64), pad_locs]),
+                             tree=torch.cat([tree.to(torch.bool), chain]))  # fmt: skip
