@@ -55,6 +55,15 @@ def server_args(mode: str, model: Path, args: argparse.Namespace) -> list[str]:
             "--oasis-decode-step", step]  # fmt: skip
 
 
+def server_groups(modes: list[str]) -> list[list[str]]:
+    """The modes by the server they run on, in order: ``dense_floor`` shares ``dense``'s (the same
+    arguments, short prompts), so a run starts the dense server once."""
+    groups: dict[str, list[str]] = {}
+    for mode in modes:
+        groups.setdefault("dense" if mode == "dense_floor" else mode, []).append(mode)
+    return list(groups.values())
+
+
 def bench(
     server: ServerProcess, model: Path, args: argparse.Namespace, out: Path, seed: int = 1, input_len: int = 0
 ) -> dict[str, Any]:
@@ -94,20 +103,28 @@ def main() -> int:
     logs = Path(tempfile.mkdtemp(prefix="bench-sglang-serving-"))
     print(f"server logs in {logs}", flush=True)
     results: dict[str, Any] = {"modes": {}}
-    for mode in modes:
-        print(f"[bench_sglang_serving] {mode} ...", flush=True)
+    for group in server_groups(modes):  # dense and dense_floor: one server, started once
+        print(f"[bench_sglang_serving] {', '.join(group)} ...", flush=True)
         try:
-            with ServerProcess(server_args(mode, model, args), log_path=logs / f"{mode}.log") as server:
-                length = args.floor_input_len if mode == "dense_floor" else args.input_len
-                for run in range(args.warmup_runs):  # other prompts, the same shapes: compiled before timing
-                    bench(server, model, args, logs / f"{mode}-warmup{run}.jsonl", 100 + run, length)
-                results["modes"][mode] = bench(server, model, args, logs / f"{mode}.jsonl", input_len=length)
-                if mode != "dense":
-                    stats = server.oasis_stats()
-                    results["modes"][mode]["captured_decode_passes"] = stats.get("captured_decode_passes")
-                    results["modes"][mode]["decode_steps"] = stats.get("decode_steps")
-        except Exception as exc:  # a failed server or run: record it and go on
-            results["modes"][mode] = {"error": f"{type(exc).__name__}: {exc}"[:2000]}
+            with ServerProcess(
+                server_args(group[0], model, args), log_path=logs / f"{group[0]}.log"
+            ) as server:
+                for mode in group:
+                    length = args.floor_input_len if mode == "dense_floor" else args.input_len
+                    for run in range(args.warmup_runs):  # other prompts, the same shapes: compiled first
+                        bench(server, model, args, logs / f"{mode}-warmup{run}.jsonl", 100 + run, length)
+                    results["modes"][mode] = bench(
+                        server, model, args, logs / f"{mode}.jsonl", input_len=length
+                    )
+                    if mode.startswith("sparse"):
+                        stats = server.oasis_stats()
+                        results["modes"][mode]["captured_decode_passes"] = stats.get("captured_decode_passes")
+                        results["modes"][mode]["decode_steps"] = stats.get("decode_steps")
+        except (
+            Exception
+        ) as exc:  # a failed server or run: record it (for the group's modes not done) and go on
+            for mode in group:
+                results["modes"].setdefault(mode, {"error": f"{type(exc).__name__}: {exc}"[:2000]})
     dense = results["modes"].get("dense", {}).get("mean_tpot_ms")
     floor = results["modes"].get("dense_floor", {}).get("mean_tpot_ms")
     for mode in modes[1:]:

@@ -38,9 +38,11 @@ import torch
 if "--smoke" in sys.argv and not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"  # before Triton is first imported
 
+import gpu_timing
 import sgl_kernel_oasis as reference
 from gpu_pipeline import pipeline_rows
 from gpu_step import captured_rows
+from gpu_timing import graphed, timed
 from sgl_kernel_oasis import triton_kernels as tk
 
 
@@ -67,52 +69,6 @@ def rel_err(got: torch.Tensor, want: torch.Tensor) -> float:
 
 
 DTYPE = torch.bfloat16  # --smoke on CPU: float16 (the interpreter's bf16 tl.dot is not exact)
-QUICK = False  # --smoke: time once, no warm-up (the interpreter is slow; the numbers mean nothing)
-
-
-def timed(fn: Callable[[], Any], device: str, repeat: int = 20, warmup: int = 3) -> float:
-    """Median milliseconds of ``fn`` (device events on CUDA)."""
-    if QUICK:
-        repeat, warmup = 1, 0
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeat):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            began = time.perf_counter()
-            fn()
-            times.append((time.perf_counter() - began) * 1e3)
-    times.sort()
-    return times[len(times) // 2]
-
-
-def graphed(fn: Callable[[], Any], device: str) -> tuple[Callable[[], Any], bool]:
-    """``fn`` captured in a CUDA graph (replays without Python or launch gaps), or ``fn`` itself on CPU
-    or if capture fails."""
-    if device != "cuda" or QUICK:
-        return fn, False
-    try:
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            for _ in range(2):
-                fn()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        return graph.replay, True
-    except Exception as error:  # report eager timings then
-        print(f"CUDA graph capture failed ({type(error).__name__}: {error}); timing eagerly", file=sys.stderr)
-        torch.cuda.synchronize()
-        return fn, False
 
 
 def copy_bandwidth(device: str, gib: float) -> dict[str, float]:
@@ -386,8 +342,8 @@ def main() -> None:
                         help="batches of the captured step (gpu_step.py)")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
-    global QUICK, DTYPE
-    QUICK = args.smoke
+    global DTYPE
+    gpu_timing.QUICK = args.smoke
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cpu":
         DTYPE = torch.float16

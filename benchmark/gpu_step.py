@@ -40,6 +40,7 @@ from typing import Any
 import torch
 
 from gpu_pipeline import HostPool
+from gpu_timing import graphed, timed
 from sglang_oasis.attention.decode_program import (
     LayerState,
     StepPlan,
@@ -159,36 +160,6 @@ class Program:
                 t.copy_(kept)  # in place: a captured graph keeps its addresses
 
 
-def timed(fn: Callable[[], Any], device: str, repeat: int) -> float:
-    import time
-
-    for _ in range(2):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    started = time.perf_counter()
-    for _ in range(repeat):
-        fn()
-    if device == "cuda":
-        torch.cuda.synchronize()
-    return (time.perf_counter() - started) / repeat * 1e3
-
-
-def capture(fn: Callable[[], Any], device: str) -> Callable[[], Any] | None:
-    """``fn`` as a CUDA graph's replay (None on CPU; raises if capture fails)."""
-    if device != "cuda":
-        return None
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()  # warm-up outside the capture (allocations, Triton compiles)
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
-
-
 def replay_equals_eager(stack: Any, program: Program, x: torch.Tensor, device: str) -> dict[str, Any]:
     """``CHECK_STEPS`` steps from one starting state, eager and replayed: the same outputs and state."""
     inputs = [torch.randn_like(x) for _ in range(CHECK_STEPS)]
@@ -199,7 +170,7 @@ def replay_equals_eager(stack: Any, program: Program, x: torch.Tensor, device: s
         out[:] = [stack.step(static_in, program.attend)]
 
     saved = program.snapshot()
-    replay = capture(step, device) or step  # on CPU the same function twice (the check still runs)
+    replay, _ = graphed(step, device, strict=True)  # on CPU the same function twice (the check still runs)
     graph_out = out[0] if out else None  # the graph's output buffer (a replay writes into it)
     program.restore(saved)
     eager, side = [], program.side
@@ -284,15 +255,20 @@ def _row(stack: Any, program: Program, repeat: int, device: str, dense_ms: float
         stack.step(x.normal_(), program.attend)  # random hidden states: the selection drifts
 
     eager_ms = timed(step, device, min(repeat, 10))
-    replay = capture(step, device)
+    replay, graph = graphed(step, device, strict=True)  # CPU: no graph; the eager step again
     program.loads.zero_()  # counted over the replays (in the graph) and their warm-ups
-    replay_ms = timed(replay or step, device, repeat)  # CPU: no graph; the eager step again
-    steps = repeat + 2
+    steps = [0]
+
+    def counted() -> None:
+        steps[0] += 1
+        replay()
+
+    replay_ms = timed(counted, device, repeat)
     loads, from_active = (int(v) for v in program.loads.tolist())
-    host_blocks = (loads - from_active) / steps
+    host_blocks = (loads - from_active) / steps[0]
     host_bytes = host_blocks * 2 * s.block * s.head_dim * dtype.itemsize
     return {
-        "context": program.context, "batch": batch, "top_k": program.shape.max_top_k, "cuda_graph": replay is not None,
+        "context": program.context, "batch": batch, "top_k": program.shape.max_top_k, "cuda_graph": graph,
         "side_stream": program.side is not None,
         "eager_ms": eager_ms, "replay_ms": replay_ms, "dense_ms": dense_ms, "replay_vs_dense": replay_ms / dense_ms,
         "host_blocks_per_step": host_blocks, "host_bytes_per_step": host_bytes,

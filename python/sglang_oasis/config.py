@@ -215,8 +215,8 @@ class OasisConfig:
             "rows, blocks to 64, 128, 256...; no host sync), its next-step copies inside the step; compiled once "
             "per batch bucket at its first pass (~20 s on a CPU the first time while running requests wait, "
             "~2 s once torch has cached it across starts), and one device request slot goes to padding rows. "
-            "Verify passes (--oasis-lookahead's rows) run it too. Steps it does not cover (extends, PD arrivals and remote reads, recall samples) run "
-            "eagerly. Without the option the launcher's CPU defaults choose 'captured' (unless "
+            "Verify passes (--oasis-lookahead's rows), recall samples and recall targets run it too. Steps it "
+            "does not cover (extends, PD arrivals, remote reads) run eagerly. Without the option the launcher's CPU defaults choose 'captured' (unless "
             "--oasis-adaptive-cap, or --oasis-fetch-ratio 1, where it loses; SGLANG_OASIS_CPU_DECODE_STEP=eager "
             "changes that default).",
             "choices": DECODE_STEPS,

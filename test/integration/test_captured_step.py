@@ -5,7 +5,8 @@ per head and step, requests' own K up to 64: one runs plain decode passes throug
 (``attention/captured_step.py``), the other eagerly. Three requests at once (batches of 1 to 3 rows: the
 batch buckets 1, 2 and 4, each compiled at first use) must give the same greedy tokens on both; with a
 request's K covering every block both must give what transformers gives (dense attention); with a
-recall target (its samples and decisions inside the compiled step) both must agree. Its own
+recall target (its samples and decisions inside the compiled step) both must agree; and a third server
+runs the program uncompiled under the sync guard: no pass syncs with the host. Its own
 servers (compiling costs the first requests about half a minute per shape here): the unit lane runs it.
 """
 
@@ -20,6 +21,7 @@ import pytest
 import requests
 import torch
 
+from sglang_oasis.attention.sync_guard import SYNC_GUARD_ENV
 from sglang_oasis.server_process import ServerProcess, greedy_body
 
 pytestmark = pytest.mark.server
@@ -28,13 +30,15 @@ NEW_TOKENS = 24
 PROMPTS = (333, 517, 700)  # tokens: 20 to 43 full blocks, none a multiple of the block
 
 
-def _serve(model_dir: Path, logs: Path, decode_step: str) -> Iterator[ServerProcess]:
+def _serve(
+    model_dir: Path, logs: Path, decode_step: str, env: dict[str, str] | None = None, name: str = ""
+) -> Iterator[ServerProcess]:
     args = [
         "--model-path", str(model_dir), "--dtype", "float32", "--oasis-top-k", "4", "--oasis-fetch-ratio", "0.25",
         "--oasis-recall-max-top-k", "64", "--oasis-host-kv-tokens", "8192", "--oasis-device-kv-tokens", "8192",
         "--oasis-recall-sample-every", "16", "--oasis-decode-step", decode_step,
     ]  # fmt: skip
-    with ServerProcess(args, log_path=logs / f"tiny-qwen3-{decode_step}.log") as server:
+    with ServerProcess(args, log_path=logs / f"tiny-qwen3-{name or decode_step}.log", env=env) as server:
         yield server
 
 
@@ -48,6 +52,13 @@ def captured_server(
 @pytest.fixture(scope="module")
 def eager_server(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     yield from _serve(tiny_qwen3_dir, tmp_path_factory.mktemp("logs"), "eager")
+
+
+@pytest.fixture(scope="module")
+def guarded_server(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """The captured server's program uncompiled, every call under the sync guard (``SYNC_GUARD_ENV``)."""
+    logs, env = tmp_path_factory.mktemp("logs"), {SYNC_GUARD_ENV: "1"}
+    yield from _serve(tiny_qwen3_dir, logs, "captured", env, name="guarded")
 
 
 def prompt(length: int, seed: int) -> list[int]:
@@ -117,6 +128,24 @@ def test_captured_server_holds_a_recall_target_as_the_eager_one(
     assert grows[0] == grows[1] > 0, grows
     passes, steps = (theirs[0][name] - ours[0][name] for name in ("captured_decode_passes", "decode_steps"))
     assert steps - 2 <= passes <= steps, (passes, steps)
+
+
+def test_no_captured_pass_syncs_with_the_host_on_a_real_model(
+    guarded_server: ServerProcess, eager_server: ServerProcess
+) -> None:
+    """On the tiny Qwen3's real weights, every captured pass's program under the sync guard (a pass that
+    synced would raise there and leave the server decoding eagerly: passes no longer captured): batches
+    of 1 to 3 rows, recall samples, and each request's own recall target growing its working sets; the
+    answers are the eager server's."""
+    for options in (None, {"oasis_recall_target": 0.9}):
+        before = guarded_server.oasis_stats()
+        assert generate_all(guarded_server, options) == generate_all(eager_server, options)
+        after = guarded_server.oasis_stats()
+        passes, steps = (after[name] - before[name] for name in ("captured_decode_passes", "decode_steps"))
+        assert steps - 2 <= passes <= steps, (options, passes, steps)
+        assert after["recall_samples"] > before["recall_samples"], options
+    assert after["recall_target_grows"] > 0
+    assert "captured decode step failed" not in guarded_server.log_path.read_text()
 
 
 def test_captured_soak_serves_every_surviving_request_as_alone(

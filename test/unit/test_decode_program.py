@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sync_guard import HostSyncError, SyncGuard
 
 from sglang_oasis.attention.decode_program import COUNTS, LayerState, StepPlan, StepShape, decode_layer
 from sglang_oasis.attention.oasis_backend import OasisAttnBackend
+from sglang_oasis.attention.sync_guard import HostSyncError, SyncGuard
 from sglang_oasis.config import OasisConfig
 from sglang_oasis_testing.stand_in_pool import StandInPool
 

@@ -19,7 +19,6 @@ from typing import Any
 import pytest
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
-from sync_guard import SyncGuard
 from test_decode_program import (
     CONTEXTS,
     DIM,
@@ -40,6 +39,7 @@ from sglang_oasis import sglang_hooks as hooks
 from sglang_oasis.attention.decode_program import decode_layer
 from sglang_oasis.attention.graphed_step import GraphedStep
 from sglang_oasis.attention.oasis_backend import OasisAttnBackend
+from sglang_oasis.attention.sync_guard import SyncGuard
 
 GRAPH_BS = 4  # the captured size the 3-row batch pads to
 STEPS = 30

@@ -10,6 +10,7 @@ draft row's query at block 2: after the verify step the working set must hold bl
 from __future__ import annotations
 
 from types import SimpleNamespace
+from typing import Any
 
 import pytest
 import torch
@@ -17,8 +18,10 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
 from sgl_kernel_oasis import build_block_summaries
 from sglang_oasis import sglang_hooks as hooks
+from sglang_oasis.attention.decode_program import decode_layer
 from sglang_oasis.attention.oasis_backend import OasisAttnBackend
 from sglang_oasis.attention.request_options import retraction_keys
+from sglang_oasis.attention.sync_guard import SyncGuard
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.sglang_hooks import RETRACT_LISTENER
 
@@ -299,8 +302,9 @@ def test_a_dense_first_step_arrival_leaves_the_rest_of_its_batch_as_it_would_be_
     torch.testing.assert_close(batched[3], alone[3], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("step", ["eager", "captured"])
 @pytest.mark.parametrize("redo", [False, True])
-def test_a_retracted_pd_request_resumes_on_the_path_it_was_on(redo: bool) -> None:
+def test_a_retracted_pd_request_resumes_on_the_path_it_was_on(redo: bool, step: str) -> None:
     """PD decode: SGLang backs a retracted request's KV up, frees its row and later resumes it in a new
     row with the same KV at new locations. With its selection state kept (hook 7 at the backup, restored
     when it reappears by rid) each step after the resume must equal, bit for bit, the step the request
@@ -308,7 +312,12 @@ def test_a_retracted_pd_request_resumes_on_the_path_it_was_on(redo: bool) -> Non
     dropped the token of the request's last forward (overlap scheduling: retracted before that
     forward's result was processed) and redoes that step, which must then start from the tables as they
     were before it (seen on a server: the redone step saw the working sets it had already moved on to).
-    Before, the resume was a new arrival: a dense first step and a fresh uncapped selection."""
+    Before, the resume was a new arrival: a dense first step and a fresh uncapped selection.
+
+    ``captured`` (``--oasis-decode-step captured``, both backends): the PD arrival's dense first step runs
+    eagerly (an admission), every later pass, the resumed request's first included, through the program,
+    with no host sync in it (the guard wraps each call); the resume's restored pages reach the summaries
+    in the host plan (before, the captured pass skipped that catch-up and the step left the path)."""
     prompt, steps_before, steps_after = 6 * BLOCK + 1, 3, 4
     layer = _layer()
     gen = torch.Generator().manual_seed(3)
@@ -319,9 +328,13 @@ def test_a_retracted_pd_request_resumes_on_the_path_it_was_on(redo: bool) -> Non
     def backend_with_request() -> OasisAttnBackend:
         pool = TinyKVPool(64)
         pool.k[:prompt, 0], pool.v[:prompt, 0] = keys[:prompt], values[:prompt]
-        backend = _backend(pool, top_k=2, fetch_ratio=0.5)  # K = 2 of 6 blocks, one load per step
+        backend = _backend(
+            pool, top_k=2, fetch_ratio=0.5, decode_step=step
+        )  # K = 2 of 6 blocks, 1 load a step
         backend.req_to_token_pool.req_to_token[0, :40] = torch.arange(40, dtype=torch.int32)
         backend.req_to_token_pool.req_generation[0] = 5  # arrives without a hand-off: a dense first step
+        if backend.captured is not None:
+            backend.captured.program = guarded
         return backend
 
     def decode(
@@ -335,6 +348,13 @@ def test_a_retracted_pd_request_resumes_on_the_path_it_was_on(redo: bool) -> Non
         backend.selector.finish_pending()
         slot, sets = backend.tier.slot_of(row), backend.working_sets
         return out[0], (sorted(sets.slot_block[slot, 0, 0].tolist()), int(sets.covered[slot, 0]))
+
+    programs = [0]
+
+    def guarded(*args: Any) -> Any:  # the compiled program's stand-in: decode_layer, with no host sync
+        programs[0] += 1
+        with SyncGuard():
+            return decode_layer(*args)
 
     never, retracted = backend_with_request(), backend_with_request()
     alone = {position: decode(never, 0, position) for position in range(prompt, len(keys))}
@@ -354,12 +374,20 @@ def test_a_retracted_pd_request_resumes_on_the_path_it_was_on(redo: bool) -> Non
     retracted.req_to_token_pool.req_to_token[1, : len(new_locs)] = new_locs
     retracted.req_to_token_pool.req_generation[1] = 7
     assert retracted.stats.snapshot()["retracted_requests"] == 1
+    captured = []
     for position in range(committed, len(keys)):
+        before = retracted.stats.snapshot()["captured_decode_passes"]
         out, state = decode(retracted, 1, position)
+        captured.append(retracted.stats.snapshot()["captured_decode_passes"] - before)
         torch.testing.assert_close(out, alone[position][0], rtol=0, atol=0)
         assert state == alone[position][1], f"position {position}: the working sets left the path"
     stats = retracted.stats.snapshot()
     assert stats["resumed_requests"] == 1 and stats["arrived_requests"] == 1, "resumed, not a new arrival"
+    if step == "captured":  # the resume's pass and most others through the guarded program
+        assert captured[0] == 1 and sum(captured) >= len(captured) - 1, captured
+        assert (
+            programs[0] == stats["captured_decode_passes"] + never.stats.snapshot()["captured_decode_passes"]
+        )
     # The resume's loads are decode loads, in the counters and in the request's own figures (before, only
     # in blocks_loaded): outside the decode counters, both servers loaded the same (the first admission).
     alone_stats = never.stats.snapshot()

@@ -9,7 +9,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
 
-from bench_sglang_serving import MODES, server_args
+from bench_sglang_serving import MODES, server_args, server_groups
 
 
 def test_sparse_servers_differ_only_in_the_decode_step() -> None:
@@ -27,3 +27,8 @@ def test_sparse_servers_differ_only_in_the_decode_step() -> None:
         assert int(argv[mode][argv[mode].index(tokens) + 1]) >= 4 * 3128
     # the floor is the dense server itself; only its prompts are short (``main``'s input_len)
     assert argv["dense_floor"] == argv["dense"]
+
+
+def test_the_floor_runs_on_the_dense_server_started_once() -> None:
+    assert server_groups(list(MODES)) == [["dense", "dense_floor"], ["sparse_eager"], ["sparse_captured"]]
+    assert server_groups(["dense_floor", "sparse_captured"]) == [["dense_floor"], ["sparse_captured"]]

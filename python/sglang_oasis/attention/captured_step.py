@@ -26,15 +26,11 @@ import torch
 
 from sglang_oasis.attention.batch_view import BatchView
 from sglang_oasis.attention.block_prefetcher import JobResult
-from sglang_oasis.attention.decode_program import (
-    COUNTS,
-    LayerState,
-    StepPlan,
-    StepShape,
-    decode_layer,
-)
+from sglang_oasis.attention.decode_program import COUNTS, LayerState, decode_layer
 from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.attention.sparse_attention import SparseAttention
+from sglang_oasis.attention.step_plan import StepPlan, StepShape, bucket, powers_of_two
+from sglang_oasis.attention.sync_guard import guarded, sync_guard_on
 from sglang_oasis.memory.device_tier import DeviceTier
 from sglang_oasis.stats import OasisStats
 
@@ -52,19 +48,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MIN_BLOCK_BUCKET = 64
-
-
-def bucket(n: int, buckets: tuple[int, ...]) -> int:
-    """The smallest of ``buckets`` that holds ``n`` (the last one if none does: the caller refuses)."""
-    return next((b for b in buckets if b >= n), buckets[-1])
-
-
-def powers_of_two(low: int, high: int) -> tuple[int, ...]:
-    """``low, 2 low, 4 low, ...`` up to the first at least ``high``."""
-    out = [low]
-    while out[-1] < high:
-        out.append(out[-1] * 2)
-    return tuple(out)
 
 
 class StepParts(Protocol):
@@ -112,6 +95,11 @@ class CapturedStep:
         self.program: Callable[..., tuple[torch.Tensor, torch.Tensor]] = torch.compile(
             decode_layer, fullgraph=True, dynamic=False
         )
+        if sync_guard_on():  # SGLANG_OASIS_SYNC_GUARD=1: the program uncompiled, each call under the guard
+            self.program = guarded(decode_layer)
+            logger.warning(
+                "oasis: the captured decode step runs uncompiled under the sync guard (a test mode)"
+            )
         self._states: dict[int, LayerState] = {}
         self._compiled: set[int] = set()  # batch buckets compiled
         self.plan: StepPlan | None = None
@@ -127,7 +115,7 @@ class CapturedStep:
         self.covers: Callable[[], bool] = lambda: True
         # [request rows, layers]: positions whose keys are in the summaries (``KVIntake.summarised``)
         self.summarised: torch.Tensor | None = None
-        # A verify pass's accepted drafts into every sparse layer's summaries (``KVIntake.catch_up``)
+        # Keys committed since the last summary update into every sparse layer's summaries (``KVIntake.catch_up``)
         self.catch_up: Callable[[BatchView, torch.Tensor], None] = lambda batch, upto: None
 
     @classmethod
@@ -143,6 +131,10 @@ class CapturedStep:
         step.summarised, step.probe = backend.summarised, backend.recall
 
         def catch_up(batch: BatchView, upto: torch.Tensor) -> None:
+            if not bool(
+                (backend.summarised[batch.req_index][:, backend.sparse_layers] < upto[:, None]).any()
+            ):
+                return  # the usual pass: nothing to catch up (one check, not one per layer)
             for layer in backend.sparse_layers:
                 backend.intake.catch_up(batch, layer, upto)
 
@@ -198,14 +190,16 @@ class CapturedStep:
         full = int(seq_lens.max()) // block
         if full > self.block_buckets[-1]:
             return False
-        if self.before_select is not None:  # retraction's snapshot of the tables the step will change
-            self.before_select(batch, None, seq_lens.tolist())
         recall = None if self.probe is None else self.probe.plan_fields(batch)
         if recall is not None and not self.recall_passes:
             return False
+        if self.before_select is not None:  # retraction's snapshot of the tables the step will change
+            self.before_select(batch, None, seq_lens.tolist())
+        # keys committed since the summaries last saw them (a verify's accepted drafts, a resumed retracted
+        # request's restored pages) join every sparse layer's summaries first, as in the eager step
+        self.catch_up(batch, seq_lens - 1)
         drafts = None
-        if tree is not None:  # drafts the last verify accepted join the summaries, every layer's, first
-            self.catch_up(batch, seq_lens - 1)
+        if tree is not None:
             locs, drafts = locs[:, 0], locs[:, 1:]
         summaries = self.tier.summaries
         summaries.restart_epochs(locs)  # once per pass, as the eager step does at the epoch layer

@@ -92,3 +92,16 @@ class StepPlan(NamedTuple):
         pad_locs = torch.zeros((pad, draft_locs.shape[1]), dtype=torch.int64)
         return plan._replace(draft_locs=torch.cat([draft_locs.to(torch.int64), pad_locs]),
                              tree=torch.cat([tree.to(torch.bool), chain]))  # fmt: skip
+
+
+def bucket(n: int, buckets: tuple[int, ...]) -> int:
+    """The smallest of ``buckets`` that holds ``n`` (the last one if none does: the caller refuses)."""
+    return next((b for b in buckets if b >= n), buckets[-1])
+
+
+def powers_of_two(low: int, high: int) -> tuple[int, ...]:
+    """``low, 2 low, 4 low, ...`` up to the first at least ``high``."""
+    out = [low]
+    while out[-1] < high:
+        out.append(out[-1] * 2)
+    return tuple(out)

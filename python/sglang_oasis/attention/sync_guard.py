@@ -4,16 +4,24 @@ A CUDA graph replays kernels only: an op whose result's shape or value the host 
 (``.item()``, ``nonzero``, boolean-mask indexing...) either breaks capture or stalls the stream. On CPU
 there is no stream to stall, so the guard names the ops instead: run a step under it and every such op
 raises ``HostSyncError`` naming itself.
+
+``SGLANG_OASIS_SYNC_GUARD=1`` (a test and porting mode, read when the backend is built): the captured
+decode step runs its program uncompiled, every call under the guard (``guarded``), on a real server's
+passes. A pass that syncs raises there, which the captured step logs and answers by decoding eagerly
+from then on (``CapturedStep.decode``): a test sees it as passes that stopped being captured.
 """
 
 from __future__ import annotations
 
+import os
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 aten = torch.ops.aten
+SYNC_GUARD_ENV = "SGLANG_OASIS_SYNC_GUARD"
 
 # Ops whose output shape or value the host must know: each would synchronise a GPU stream.
 SYNCING = {
@@ -62,3 +70,21 @@ class SyncGuard(TorchDispatchMode):
             if target is not None and source.device.type != "cpu" and torch.device(target).type == "cpu":
                 raise HostSyncError(f"{func}: a copy to the host")
         return func(*args, **kwargs)
+
+
+def sync_guard_on() -> bool:
+    """Whether ``SYNC_GUARD_ENV`` asks for the guard (1; unset or 0: off)."""
+    value = os.environ.get(SYNC_GUARD_ENV, "")
+    if value not in ("", "0", "1"):
+        raise ValueError(f"{SYNC_GUARD_ENV}={value!r}: expected 1 (or 0, off)")
+    return value == "1"
+
+
+def guarded(program: Callable[..., Any]) -> Callable[..., Any]:
+    """``program`` with every call under a ``SyncGuard``."""
+
+    def run(*args: Any) -> Any:
+        with SyncGuard():
+            return program(*args)
+
+    return run
