@@ -216,7 +216,8 @@ class OasisConfig:
             "per batch bucket at its first pass (~20 s on a CPU the first time while running requests wait, "
             "~2 s once torch has cached it across starts), and one device request slot goes to padding rows. "
             "Verify passes (--oasis-lookahead's rows), recall samples and recall targets run it too. Steps it "
-            "does not cover (extends, PD arrivals, remote reads) run eagerly. Without the option the launcher's CPU defaults choose 'captured' (unless "
+            "does not cover (extends, PD arrivals, passes of a request whose KV is still partly on the prefill "
+            "node) run eagerly. Without the option the launcher's CPU defaults choose 'captured' (unless "
             "--oasis-adaptive-cap, or --oasis-fetch-ratio 1, where it loses; SGLANG_OASIS_CPU_DECODE_STEP=eager "
             "changes that default).",
             "choices": DECODE_STEPS,

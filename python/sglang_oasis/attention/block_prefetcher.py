@@ -76,9 +76,15 @@ class RemoteBlocks(Protocol):
     """Where blocks still on another node are read from before a load (remote partial fetching's decode
     side, ``disaggregation/pd_partial.py``'s ``DecodeFetcher``)."""
 
+    tp_size: int  # tensor-parallel ranks (each reads its own KV heads' blocks)
+
     def ensure(self, layer: int, wanted: dict[int, torch.Tensor]) -> dict[int, str]:
         """Read ``wanted`` (request row -> blocks) of ``layer`` into the host tier where they are not yet;
         returns the rows whose reads failed, with a message."""
+        ...
+
+    def whole(self, req: int) -> bool:
+        """Whether request row ``req`` holds all its KV in the local host tier (never reads)."""
         ...
 
 

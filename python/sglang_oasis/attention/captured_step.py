@@ -95,13 +95,13 @@ class CapturedStep:
         self.program: Callable[..., tuple[torch.Tensor, torch.Tensor]] = torch.compile(
             decode_layer, fullgraph=True, dynamic=False
         )
+        self._states: dict[int, LayerState] = {}
+        self._compiled: set[int] = set()  # batch buckets compiled
         if sync_guard_on():  # SGLANG_OASIS_SYNC_GUARD=1: the program uncompiled, each call under the guard
-            self.program = guarded(decode_layer)
+            self.program, self._compiled = guarded(decode_layer), set(self.batch_buckets)
             logger.warning(
                 "oasis: the captured decode step runs uncompiled under the sync guard (a test mode)"
             )
-        self._states: dict[int, LayerState] = {}
-        self._compiled: set[int] = set()  # batch buckets compiled
         self.plan: StepPlan | None = None
         self.planned = (BatchView.empty(), torch.zeros(0, dtype=torch.int64))  # the plan's batch, seq_lens
         self.rows = 0
@@ -111,8 +111,11 @@ class CapturedStep:
         self.account: Callable[[JobResult], None] = lambda result: None  # ``Selector.account``
         self.before_select: Callable[[BatchView, int | None, list[int]], None] | None = None
         # False while the server runs what the program does not cover (strict mode, fault injection,
-        # remote reads): every pass then runs eagerly
+        # remote reads under tensor parallelism): every pass then runs eagerly
         self.covers: Callable[[], bool] = lambda: True
+        # Every row's KV in the local host tier? (remote partial fetching: until a request's remaining
+        # blocks are read, its passes run eagerly, reading what its working sets need)
+        self.local: Callable[[BatchView], bool] = lambda batch: True
         # [request rows, layers]: positions whose keys are in the summaries (``KVIntake.summarised``)
         self.summarised: torch.Tensor | None = None
         # Keys committed since the last summary update into every sparse layer's summaries (``KVIntake.catch_up``)
@@ -139,9 +142,11 @@ class CapturedStep:
                 backend.intake.catch_up(batch, layer, upto)
 
         step.catch_up = catch_up
+        remote = selector.prefetcher.remote  # remote partial fetching (a PD decode node)
         step.covers = lambda: backend.strict is None and selector.faults.prompt_len is None and (
-            selector.prefetcher.remote is None
+            remote is None or remote.tp_size == 1  # under TP the ranks' blocks arrive apart: eager
         )  # fmt: skip
+        step.local = lambda batch: remote is None or all(remote.whole(req) for req in batch.reqs)
         return step
 
     def begin(self, plain_decode: bool) -> None:
@@ -184,7 +189,9 @@ class CapturedStep:
         eagerly."""
         self.plan = None
         bs, rows = len(batch.reqs), 1 if tree is None else tree.shape[1]
-        if bs == 0 or bs > self.batch_buckets[-1] or not self._tails_held(batch, seq_lens, rows):
+        if bs == 0 or bs > self.batch_buckets[-1] or not self.local(batch):
+            return False
+        if not self._tails_held(batch, seq_lens, rows):
             return False
         block = self.shape.block_size
         full = int(seq_lens.max()) // block
