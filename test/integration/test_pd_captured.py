@@ -35,15 +35,10 @@ def prompt(tokens: int, seed: int) -> list[int]:
 
 @pytest.fixture(scope="module")
 def pd_captured(smollm2_6l_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[PDLaunch]:
-    launch = PDLaunch(
-        ["--model-path", str(smollm2_6l_dir), *SPARSE_ARGS, "--oasis-decode-step", "captured",
-         "--decode-args=--disaggregation-decode-enable-radix-cache"],
-        tmp_path_factory.mktemp("pd-captured"), env={SYNC_GUARD_ENV: "1"},
-    )  # fmt: skip
-    try:
+    args = ["--model-path", str(smollm2_6l_dir), *SPARSE_ARGS, "--oasis-decode-step", "captured",
+            "--decode-args=--disaggregation-decode-enable-radix-cache"]  # fmt: skip
+    with PDLaunch(args, tmp_path_factory.mktemp("pd-captured"), env={SYNC_GUARD_ENV: "1"}) as launch:
         yield launch
-    finally:
-        launch.stop()
 
 
 @pytest.fixture(scope="module")
