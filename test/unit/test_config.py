@@ -129,6 +129,19 @@ def test_the_cpu_default_decode_step_is_captured_unless_told(
         cpu_decode_step([], OasisConfig())
 
 
+def test_an_explicit_captured_step_without_a_fetch_cap_is_warned_about(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    explicit = ["--oasis-decode-step", "captured", "--oasis-fetch-ratio", "1"]
+    assert (
+        cpu_decode_step(explicit, OasisConfig(decode_step="captured", fetch_ratio=1.0)).decode_step
+        == "captured"
+    )
+    assert "copies a whole working set per KV head every step" in capsys.readouterr().err
+    cpu_decode_step(explicit[:2], OasisConfig(decode_step="captured"))  # the default cap: nothing to say
+    assert "whole working set" not in capsys.readouterr().err
+
+
 def test_a_pd_decode_server_on_cpu_backs_up_retracted_requests_in_plain_tensors() -> None:
     config = OasisConfig()
     decode = ["--disaggregation-mode", "decode"]
