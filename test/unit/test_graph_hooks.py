@@ -26,6 +26,7 @@ from test_decode_program import (
     Q_HEADS,
     REQS,
     SPARSE_LAYER,
+    TARGET,
     admitted,
     assert_same_state,
     configs,
@@ -36,7 +37,7 @@ from test_decode_program import (
 )
 
 from sglang_oasis import sglang_hooks as hooks
-from sglang_oasis.attention.decode_program import decode_layer
+from sglang_oasis.attention.decode_program import COUNTS, decode_layer
 from sglang_oasis.attention.graphed_step import GraphedStep
 from sglang_oasis.attention.oasis_backend import OasisAttnBackend
 from sglang_oasis.attention.sync_guard import SyncGuard
@@ -116,9 +117,12 @@ def runner_step(oasis: OasisAttnBackend, step: int) -> tuple[torch.Tensor, bool]
     return out.view(bs, Q_HEADS, DIM), False
 
 
-@pytest.mark.parametrize("case", ["k_sparse_capped", "k_per_row", "k_covering"])
+@pytest.mark.parametrize("case", ["k_sparse_capped", "k_per_row", "k_covering", "recall_target"])
 def test_replays_equal_the_eager_backend(case: str) -> None:
-    config, own_k, pins = configs(case)
+    """``recall_target``: a target's growth as blocks fill up replays in the graph (the rows' own K and
+    targets in the static plan); its samples' passes run eagerly."""
+    config, own_k, pins = configs("k_sparse_capped" if case == "recall_target" else case)
+    config = dataclasses.replace(config, **(TARGET if case == "recall_target" else {}))
     config = dataclasses.replace(config, recall_sample_every=8)  # some passes sample: they run eagerly
     eager = admitted(config, own_k, pins)
     oasis = graphed(dataclasses.replace(config, cuda_untested=True), own_k, pins)
@@ -128,7 +132,14 @@ def test_replays_equal_the_eager_backend(case: str) -> None:
     capture(oasis, GRAPH_BS)
     assert_same_state(eager, oasis)  # capture ran padding rows only: nothing a request owns changed
     captured_at = recorder.addresses[-1]
-    replayed = 0
+    replayed, grown_in_replays, fold = 0, [0], oasis.captured._fold
+
+    def counting_fold(rows: int) -> None:  # the target's growths the replays counted
+        assert isinstance(oasis.captured, GraphedStep)
+        grown_in_replays[0] += int(oasis.captured.counts[:rows, COUNTS.index("target_grows")].sum())
+        fold(rows)
+
+    oasis.captured._fold = counting_fold  # type: ignore[method-assign]
     for step in range(STEPS):
         out, replay = runner_step(oasis, step)
         replayed += replay
@@ -143,6 +154,9 @@ def test_replays_equal_the_eager_backend(case: str) -> None:
     for name in ("selections", "scored_selections", "selection_changes", "blocks_loaded", "decode_bytes_host_to_device",
                  "blocks_just_filled", "blocks_from_active", "blocks_deferred", "decode_steps"):  # fmt: skip
         assert ours[name] + (name == "decode_steps") == theirs[name], name  # one more pass begun
+    if case == "recall_target":  # its samples grew K, eagerly; replays held every block as blocks filled
+        assert ours["recall_target_grows"] == theirs["recall_target_grows"] > 0 and grown_in_replays[0] > 0
+        assert not bool((oasis.captured.static.target != 0).all())  # padding rows: no target
     stop(eager, oasis)
 
 

@@ -69,7 +69,7 @@ class StepParts(Protocol):
 
 class CapturedStep:
     verify_rows = True  # TARGET_VERIFY passes run the program too (``GraphedStep``: not yet)
-    recall_passes = True  # passes with a recall sample or target too (``GraphedStep``: not yet)
+    sample_passes = True  # passes with a recall sample due too (``GraphedStep``: another graph; eager)
     probe: RecallProbe | None = None  # the server's recall probe (None: no sample, no target)
 
     def __init__(
@@ -198,7 +198,7 @@ class CapturedStep:
         if full > self.block_buckets[-1]:
             return False
         recall = None if self.probe is None else self.probe.plan_fields(batch)
-        if recall is not None and not self.recall_passes:
+        if recall is not None and recall[2] is not None and not self.sample_passes:
             return False
         if self.before_select is not None:  # retraction's snapshot of the tables the step will change
             self.before_select(batch, None, seq_lens.tolist())

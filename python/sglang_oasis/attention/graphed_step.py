@@ -9,7 +9,8 @@ replay:
 
 1. ``ready`` (``CapturedStep``'s; SGLang's runner asks whether it may replay, ``sglang_hooks`` hook 14):
    the pass is planned as ``CapturedStep.prepare`` plans it; a pass it does not cover (admissions, recall
-   samples and targets, tails the active blocks do not hold) answers False and runs eagerly.
+   samples, tails the active blocks do not hold) answers False and runs eagerly; a recall target's growth
+   is in the graph (``static``'s ``own_k`` and ``target``, zero without one).
 2. ``load`` (``init_forward_metadata_out_graph``): the plan's rows into ``static`` (rows past the batch:
    padding rows, into the padding slot), the per-row counts zeroed.
 3. The replay runs ``decode_layer`` per sparse layer on ``static`` (what ``decode`` recorded at capture).
@@ -44,7 +45,7 @@ class GraphedStep(CapturedStep):
     static_counts: torch.Tensor  # [max_bs, len(COUNTS)]: what the replayed layers counted
     graphing = False  # True between ``capture``/``load`` and the next pass's ``begin``
     verify_rows = False  # SGLang's decode graphs hold one row per request; verify passes run eagerly
-    recall_passes = False  # ``static`` has no recall fields: samples and targets run eagerly
+    sample_passes = False  # a sample pass is another graph than SGLang's one per size: it runs eagerly
     unfolded = 0  # rows of the last replay whose counts are not folded yet
 
     @classmethod
@@ -56,6 +57,8 @@ class GraphedStep(CapturedStep):
         step.batch_buckets, step.block_buckets = (max_bs,), (blocks,)  # one plan shape: ``static``'s
         device = step.tier.working_sets.covered.device
         padding = step.padding_plan(max_bs, blocks)
+        zeros = torch.zeros(max_bs, dtype=torch.int64)  # rows' own K and targets: a recall target's growth
+        padding = padding._replace(own_k=zeros, target=zeros.double())
         step.static = padding._replace(
             **{name: t.to(device) for name, t in padding._asdict().items() if t is not None}
         )
@@ -71,7 +74,9 @@ class GraphedStep(CapturedStep):
     def view(self, bs: int) -> StepPlan:
         """The plan a graph of ``bs`` rows reads: ``static``'s first rows (the same memory every pass)."""
         s = self.static
-        return StepPlan(s.slots[:bs], s.seq_lens[:bs], s.locs[:bs], s.pages[:bs], s.step)
+        assert s.own_k is not None and s.target is not None
+        return StepPlan(s.slots[:bs], s.seq_lens[:bs], s.locs[:bs], s.pages[:bs], s.step, own_k=s.own_k[:bs],
+                        target=s.target[:bs])  # fmt: skip
 
     def begin(self, plain_decode: bool) -> None:
         super().begin(plain_decode)
@@ -93,6 +98,8 @@ class GraphedStep(CapturedStep):
     def _fill(self, plan: StepPlan, bs: int, live: int) -> None:
         """``plan``'s first ``bs`` rows (``live`` of them a batch's) into ``static``; counts zeroed."""
         for static, rows in zip(self.static, plan, strict=True):
+            if static is not None and rows is None:  # no target in the pass: none in the graph's rows
+                static.zero_()
             if static is None or rows is None:  # a verify pass's fields: decode graphs have none
                 continue
             if static.dim() == 0:
