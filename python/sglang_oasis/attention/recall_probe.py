@@ -163,18 +163,15 @@ class RecallProbe:
     def due(self) -> bool:
         return self.every > 0 and bool(self.rows)
 
-    def plan_fields(self, batch: BatchView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None] | None:
+    def plan_fields(self, batch: BatchView) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """What a captured pass of ``batch`` takes from the probe (``StepPlan``'s ``own_k``, ``target`` and
-        ``sampled``): each row's own K and target, and the rows a sample due now measures (None: no sample
-        due); None: no sample due and no target."""
-        targets = batch.targets(self.target)
+        ``sampled``): each row's own K and target (0: none; always in the plan, so a request with a target
+        is not another graph), and the rows a sample due now measures (None: no sample due)."""
         sampled = None
         if self.due():
             sampled = torch.zeros(len(batch.reqs), dtype=torch.bool)
             sampled[self.rows] = True
-        if sampled is None and not bool((targets > 0).any()):
-            return None
-        return batch.top_ks(self.top_k), targets, sampled
+        return batch.top_ks(self.top_k), batch.targets(self.target), sampled
 
     def sample_safely(self, *args: Any) -> None:
         """``sample``; an error turns the telemetry off (logged) instead of failing the step's requests."""

@@ -48,7 +48,8 @@ class StepPlan(NamedTuple):
     draft_locs: torch.Tensor | None = None
     tree: torch.Tensor | None = None
     # The recall probe's (``recall_program.py``): each row's own top-K [bs] int64 and recall target [bs]
-    # float64 (0: none; None: no row has one), and on a recall-sample pass the rows sampled [bs] bool.
+    # float64 (0: none; None: neither, as in a plan built without the probe), and on a recall-sample pass
+    # the rows sampled [bs] bool.
     own_k: torch.Tensor | None = None
     target: torch.Tensor | None = None
     sampled: torch.Tensor | None = None
