@@ -105,24 +105,20 @@ def main() -> int:
     results: dict[str, Any] = {"modes": {}}
     for group in server_groups(modes):  # dense and dense_floor: one server, started once
         print(f"[bench_sglang_serving] {', '.join(group)} ...", flush=True)
+        argv, log = server_args(group[0], model, args), logs / f"{group[0]}.log"
         try:
-            with ServerProcess(
-                server_args(group[0], model, args), log_path=logs / f"{group[0]}.log"
-            ) as server:
+            with ServerProcess(argv, log_path=log) as server:
                 for mode in group:
                     length = args.floor_input_len if mode == "dense_floor" else args.input_len
                     for run in range(args.warmup_runs):  # other prompts, the same shapes: compiled first
                         bench(server, model, args, logs / f"{mode}-warmup{run}.jsonl", 100 + run, length)
-                    results["modes"][mode] = bench(
-                        server, model, args, logs / f"{mode}.jsonl", input_len=length
-                    )
+                    out = logs / f"{mode}.jsonl"
+                    results["modes"][mode] = bench(server, model, args, out, input_len=length)
                     if mode.startswith("sparse"):
                         stats = server.oasis_stats()
                         results["modes"][mode]["captured_decode_passes"] = stats.get("captured_decode_passes")
                         results["modes"][mode]["decode_steps"] = stats.get("decode_steps")
-        except (
-            Exception
-        ) as exc:  # a failed server or run: record it (for the group's modes not done) and go on
+        except Exception as exc:  # a failed server or run: record it (its group's modes not done) and go on
             for mode in group:
                 results["modes"].setdefault(mode, {"error": f"{type(exc).__name__}: {exc}"[:2000]})
     dense = results["modes"].get("dense", {}).get("mean_tpot_ms")

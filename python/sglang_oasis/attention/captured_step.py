@@ -3,8 +3,8 @@
 
 Per decode pass, at its first sparse layer, ``CapturedStep.prepare`` (host side) decides whether the pass
 runs captured (``eligible``: every row an ordinary decode row whose tail the active blocks hold, nothing
-the program does not cover; a recall sample's rows and a recall target go into the plan), waits for any eager prefetch job still pending, does the
-step's host bookkeeping once for every layer (the new pages' epochs, the warm-start record, the retraction
+the program does not cover; a recall sample's rows and the rows' targets go into the plan), waits for any
+eager prefetch job still pending, does the step's host bookkeeping once for every layer (the new pages' epochs, the warm-start record, the retraction
 snapshot, the summarised positions) and pads the batch to its buckets. Each sparse layer then runs the
 compiled program; the counts it returns are folded into the server's counters after the last sparse layer.
 

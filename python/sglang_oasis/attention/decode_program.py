@@ -31,8 +31,8 @@ It is the eager step's decision over the padded shape (the same selection, the s
 ``WorkingSetPool.plan_selections``, the same attention up to the summation order over masked slots), but it
 always plans where the eager step skips planning when nothing changed (tested: it then changes nothing).
 A recall sample is in it (another graph per bucket: a plain pass pays nothing for it). What it does
-not cover runs eagerly (``CapturedStep.prepare``): admissions (PD arrivals, retraction resumes), remote
-reads, fault injection, the adaptive cap, strict mode, tails the active blocks do not hold.
+not cover runs eagerly (``CapturedStep.prepare``): admissions (PD arrivals), rows whose KV is still partly
+on the prefill node, fault injection, the adaptive cap, strict mode, tails the active blocks do not hold.
 """
 
 from __future__ import annotations
@@ -130,9 +130,8 @@ def attend_and_plan(
     if plan.sampled is not None:
         real = q if tree is None else q[:, 0]
         recall = recall_program.sample(shape, state, plan, real, blocks, covered, scale)
-    if plan.target is not None:
-        grew = recall_program.keep_holding_every_block(shape, state, plan, blocks, covered)
-        recall = recall + torch.stack([torch.zeros_like(grew), grew, torch.zeros_like(grew)], dim=1)
+    if plan.target is not None:  # its growths count with the sample's (column 1)
+        recall[:, 1] += recall_program.keep_holding_every_block(shape, state, plan, blocks, covered)
 
     # 3. Selection for the next step (``BlockPrefetcher._choose``): rows with more full blocks than their
     #    working sets hold keep their sinks, their pinned blocks and their top-K by summary score.

@@ -57,8 +57,6 @@ class GraphedStep(CapturedStep):
         step.batch_buckets, step.block_buckets = (max_bs,), (blocks,)  # one plan shape: ``static``'s
         device = step.tier.working_sets.covered.device
         padding = step.padding_plan(max_bs, blocks)
-        zeros = torch.zeros(max_bs, dtype=torch.int64)  # rows' own K and targets: a recall target's growth
-        padding = padding._replace(own_k=zeros, target=zeros.double())
         step.static = padding._replace(
             **{name: t.to(device) for name, t in padding._asdict().items() if t is not None}
         )
@@ -66,9 +64,11 @@ class GraphedStep(CapturedStep):
         return step
 
     def padding_plan(self, rows: int, blocks: int) -> StepPlan:
+        """Padding rows only (with the recall fields, no target: a target's growth is in the graph)."""
+        none = torch.zeros(0, dtype=torch.int64)
         return StepPlan.build(
-            torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64), torch.zeros(0, dtype=torch.int64),
-            self.req_to_token, torch.zeros(0, dtype=torch.int64), 0, self.shape, rows, blocks,
+            none, none, none, self.req_to_token, none, 0, self.shape, rows, blocks,
+            recall=(none, none.double(), None),
         )  # fmt: skip
 
     def view(self, bs: int) -> StepPlan:
@@ -98,8 +98,6 @@ class GraphedStep(CapturedStep):
     def _fill(self, plan: StepPlan, bs: int, live: int) -> None:
         """``plan``'s first ``bs`` rows (``live`` of them a batch's) into ``static``; counts zeroed."""
         for static, rows in zip(self.static, plan, strict=True):
-            if static is not None and rows is None:  # no target in the pass: none in the graph's rows
-                static.zero_()
             if static is None or rows is None:  # a verify pass's fields: decode graphs have none
                 continue
             if static.dim() == 0:

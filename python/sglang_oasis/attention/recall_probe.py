@@ -209,7 +209,7 @@ class RecallProbe:
             return
         figures = self.tier.recall[batch.slots[self.rows]][:, layers]  # [rows, layers, 2, H]
         kv_pool = self.kv_pool
-        token_bytes = kv_pool.head_num * kv_pool.head_dim * torch.empty(0, dtype=kv_pool.dtype).element_size()
+        token_bytes = kv_pool.head_num * kv_pool.head_dim * kv_pool.dtype.itemsize
         for row, per_layer in zip(self.rows, figures.tolist(), strict=True):
             self.stats.add("telemetry_bytes", len(layers) * seq_lens[row] * token_bytes)
             for layer, (recall, agreement) in zip(layers, per_layer, strict=True):
