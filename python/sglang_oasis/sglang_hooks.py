@@ -75,7 +75,10 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
      the one moment the decode node knows a request is done with its remote blocks; SGLang has no
      release callback (only ``register_on_alloc_rows``). The hook tells the pool's listener
      (``DecodeFetcher.release_slot``, set on the pool instance by the oasis backend) which row it freed,
-     so the prefill node's staging is released from the request's own lifecycle, not by polling.
+     so the prefill node's staging is released from the request's own lifecycle, not by polling. With
+     the row goes the request's bootstrap address: a request that fails (on another tensor-parallel
+     rank: the ranks' polls are all-reduced) or is aborted before its admission began here has no
+     record of its room, and is released by that address.
    - ``mem_cache.common.backup_kv_cache`` (decode retraction): SGLang backs up a retracted request's
      local pool pages and later resumes it in a new row; blocks still on the prefill node would be
      missing (zeros) after the resume, and its KV could enter the radix cache so. The hook first reads
@@ -188,7 +191,7 @@ BOOTSTRAP_ROUTES_TARGET = "sglang.srt.disaggregation.common.conn.CommonKVBootstr
 DECODE_COMMIT_TARGET = "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req"
 DECODE_POLLERS_TARGET = "sglang.srt.disaggregation.decode.DecodeTransferQueue._pollers"
 DECODE_FREE_TARGET = "sglang.srt.disaggregation.decode.DecodeReqToTokenPool.free"
-FREED_ROW_LISTENER = "oasis_on_free_row"  # attribute of a DecodeReqToTokenPool: called with each freed row
+FREED_ROW_LISTENER = "oasis_on_free_row"  # a DecodeReqToTokenPool attribute: called with each freed row
 BACKUP_TARGET = "sglang.srt.mem_cache.common.backup_kv_cache"
 RELEASE_TARGET = "sglang.srt.managers.schedule_batch.release_req"
 FORWARD_BATCH_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
@@ -539,10 +542,18 @@ def _session(decode_req: DecodeRequest) -> str | None:
 def _arrival(req: Req) -> tuple[int, str, int, int] | None:
     """``(request slot, bootstrap host, port, room)`` of a transferred request that remote fetching
     admits (a real PD arrival, not aborted); None for any other."""
-    slot, host, port, room = req.kv.req_pool_idx, req.bootstrap_host, req.bootstrap_port, req.bootstrap_room
-    if req.finished() or None in (slot, host, port, room) or host == _fake_bootstrap_host():
+    slot, address = req.kv.req_pool_idx, _bootstrap(req)
+    if req.finished() or slot is None or address is None:
         return None
-    return int(cast(int, slot)), str(host), int(cast(int, port)), int(cast(int, room))
+    return (int(cast(int, slot)), *address)
+
+
+def _bootstrap(req: Req) -> tuple[str, int, int] | None:
+    """``(bootstrap host, port, room)`` of a request a real prefill node sent; None for any other."""
+    host, port, room = req.bootstrap_host, req.bootstrap_port, req.bootstrap_room
+    if None in (host, port, room) or host == _fake_bootstrap_host():
+        return None
+    return str(host), int(cast(int, port)), int(cast(int, room))
 
 
 def fetch_admission_blocks(
@@ -619,13 +630,15 @@ def _share_only_whole(tree_cache: BasePrefixCache, remote: DecodeFetcher) -> Non
 def release_freed_rows(
     original: Callable[..., Any], pool: DecodeReqToTokenPool, req: Req, *args: Any, **kwargs: Any
 ) -> None:
-    """``DecodeReqToTokenPool.free``: after SGLang frees ``req``'s row, tell the pool's listener."""
+    """``DecodeReqToTokenPool.free``: after SGLang frees ``req``'s row, tell the pool's listener the row
+    and the request's bootstrap address (a request that failed or was aborted before its admission began
+    here left no record of its room, yet its prefill node may have staged it)."""
     row = getattr(getattr(req, "kv", None), "req_pool_idx", None)
     result = original(pool, req, *args, **kwargs)
     listener = getattr(pool, FREED_ROW_LISTENER, None)
     if listener is not None and row is not None:
         try:
-            listener(int(row))
+            listener(int(row), _bootstrap(req))
         except Exception:  # releasing remote staging is not worth the scheduler
             logger.exception("oasis: releasing request row %s's remote staging failed", row)
     return result

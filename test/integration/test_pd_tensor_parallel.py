@@ -143,7 +143,8 @@ def test_an_admission_failing_on_one_decode_rank_fails_its_request_on_both(
     log = Path(pair.info["decode"]["log"]).read_text()
     assert "TP1] " in log and f"injected admission failure ({ADMISSION_FAILURE_ENV})" in log
     # nothing held on either node's ranks once the pair is idle: the failed request's fetch state and
-    # its staging on both prefill ranks (rank 1's admission released its own; rank 0's went at the free).
+    # its staging on both prefill ranks (rank 1's admission released its own; rank 0's went at the free,
+    # by its bootstrap address where rank 0's admission had not begun when rank 1's failure failed it).
     # SGLang may hold a failed transfer's row until the prefill ranks acknowledge its abort, up to
     # SGLANG_DISAGGREGATION_DEFERRED_DECODE_KV_RELEASE_TIMEOUT (30 s): the row is freed after that.
     deadline = time.monotonic() + 90

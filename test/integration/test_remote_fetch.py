@@ -525,3 +525,46 @@ def test_a_finishing_request_never_waits_for_its_remaining_blocks(prefill: KVSta
             assert time.monotonic() < deadline, stats["remote_completion_bytes"]
             time.sleep(0.05)
             stats = remote.backend.stats.snapshot()
+
+
+def test_a_request_that_never_began_its_admission_is_released_by_its_bootstrap_address(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A request freed before its admission read a hand-off here (its transfer failed on another
+    tensor-parallel rank, its admission job was cancelled before it ran) left no record of its room;
+    SGLang's free names its bootstrap address (hook 7), and its staging on a prefill node known to stage is
+    released by it. Before, it stayed staged there until the TTL (CI at 10106b4: a room failed on decode
+    rank 1 stayed held on prefill rank 0). A prefill node not known to stage is not looked up, and a request
+    whose admission ran (and found no hand-off, or released its room itself on failing) sends nothing more."""
+    from concurrent.futures import Future
+
+    from sglang_oasis.disaggregation import pd_partial
+
+    stager = _stager(StagingBackend())
+    for room in (41, 42, 43, 44):
+        stager.hand_over_whole(room=room, slot=1, num_tokens=TOKENS, decode_prefix_len=0)
+    remote = _decode_fetcher(DecodeTier(MooncakeEndpoint()))
+    known = ("127.0.0.1", 7001)
+    remote._endpoints[known] = stager.url
+
+    def no_lookup(*args: object) -> None:
+        raise AssertionError("a release looked a prefill node up")
+
+    monkeypatch.setattr(pd_partial, "handoff_endpoint", no_lookup)
+    remote.release_slot(3, (*known, 41))  # its transfer failed before its admission began
+    cancelled: Future[Any] = Future()
+    remote._admitting[4] = (0, cancelled)  # queued behind other admissions: cancelled at the free
+    remote.release_slot(4, (*known, 42))
+    assert cancelled.cancelled()
+    remote.release_slot(5, ("127.0.0.1", 7002, 43))  # a prefill node not known to stage
+    ran: Future[Any] = Future()
+    ran.set_result(None)  # its admission ran and found no hand-off
+    remote._admitting[6] = (0, ran)
+    remote.release_slot(6, (*known, 44))
+    deadline = time.monotonic() + 30
+    while stager.handoff(41) is not None or stager.handoff(42) is not None:
+        assert time.monotonic() < deadline, "a room was never released"
+        time.sleep(0.05)
+    time.sleep(0.3)  # the worker sends in order: anything queued after those has gone by now
+    assert stager.handoff(43) is not None and stager.handoff(44) is not None
+    assert remote.held() == 0

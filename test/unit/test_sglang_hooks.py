@@ -476,17 +476,23 @@ def test_hook_7_decode_pollers() -> None:
 
 
 def test_hook_7_decode_free() -> None:
-    """SGLang frees the row, then the pool's listener hears which."""
+    """SGLang frees the row, then the pool's listener hears which, with the request's bootstrap address
+    (none for a request no real prefill node sent)."""
     from sglang.srt.disaggregation.decode import DecodeReqToTokenPool
+    from sglang.srt.disaggregation.utils import FAKE_BOOTSTRAP_HOST
     from sglang.srt.mem_cache.common import release_kv_cache
 
     assert_params(hooks.DECODE_FREE_TARGET, ["self", "req"])
     assert "tree_cache.req_to_token_pool.free(req)" in source_of(release_kv_cache)
-    freed: list[int] = []
-    pool = NS(free_slots=[], **{hooks.FREED_ROW_LISTENER: freed.append})
-    request = NS(kv=NS(req_pool_idx=7, holds_kv=True))
-    hooks.release_freed_rows(DecodeReqToTokenPool.free, pool, request)
-    assert pool.free_slots == [7] and request.kv.req_pool_idx is None and freed == [7]
+    freed: list[tuple[int, Any]] = []
+    pool = NS(free_slots=[], **{hooks.FREED_ROW_LISTENER: lambda row, address: freed.append((row, address))})
+    for host, row in (("10.0.0.5", 7), (FAKE_BOOTSTRAP_HOST, 8), (None, 9)):
+        request = NS(kv=NS(req_pool_idx=row, holds_kv=True), bootstrap_host=host, bootstrap_port=8998,
+                     bootstrap_room=1234)  # fmt: skip
+        hooks.release_freed_rows(DecodeReqToTokenPool.free, pool, request)
+        assert request.kv.req_pool_idx is None
+    assert pool.free_slots == [7, 8, 9]
+    assert freed == [(7, ("10.0.0.5", 8998, 1234)), (8, None), (9, None)]
 
 
 def test_hook_7_complete_before_backup() -> None:

@@ -669,7 +669,11 @@ class DecodeFetcher:
         if found is None:
             return None
         url, handoff = found
-        self._check_handoff(handoff, slot)  # before anything is sized from it
+        try:
+            self._check_handoff(handoff, slot)  # before anything is sized from it
+        except RemoteFetchError:
+            self._release_remote(url, room)
+            raise
         if os.environ.get(ADMISSION_FAILURE_ENV) == str(handoff.num_tokens) and injects_here():
             self._release_remote(url, room)
             raise RemoteFetchError(f"injected admission failure ({ADMISSION_FAILURE_ENV})")
@@ -816,28 +820,39 @@ class DecodeFetcher:
                 return False
         return True
 
-    def release_slot(self, slot: int) -> None:
+    def release_slot(self, slot: int, bootstrap: tuple[str, int, int] | None = None) -> None:
         """The request in ``slot`` is done (SGLang freed its row, ``sglang_hooks.release_freed_rows``, or
         a new request takes it): drop its fetch state and release its staging on the prefill node (over
-        HTTP, in the background: never on the scheduler thread)."""
+        HTTP, in the background: never on the scheduler thread).
+
+        ``bootstrap``: the request's ``(bootstrap host, port, room)``. A request that failed or was
+        aborted before its admission read a hand-off here (its transfer failed on another tensor-parallel
+        rank, its admission was cancelled, its client left) left no record of its room, yet its prefill
+        node may have staged it for this node; it is released by that address, at a prefill node already
+        known to stage (none is looked up here). Before, it stayed staged there until the TTL."""
         with self._lock:
             staged = self._staged.pop(slot, None)
             self.arrivals.pop(slot, None)
             pending = self._admitting.pop(slot, None)
-        if pending is not None and not pending[1].cancel():  # its reads write into the slot's pages:
-            try:  # wait for them before SGLang hands the pages on
+        began = pending is not None and not pending[1].cancel()
+        if pending is not None and began:  # its reads write into the slot's pages:
+            try:  # wait for them before SGLang hands the pages on (a failed one released its room)
                 admitted = pending[1].result()
-            except RemoteFetchError:
+            except Exception:  # its error went to the request (``admission_error``, ``admit``)
                 admitted = None
             if admitted is not None:
                 staged = (pending[0], admitted.url, admitted.room)
         self.fetcher.release(slot)
-        if staged is not None:
+        release = None if staged is None else (staged[1], staged[2])
+        if release is None and not began and bootstrap is not None:
+            url = self._endpoints.get((bootstrap[0], int(bootstrap[1])))
+            release = None if url is None else (url, bootstrap[2])
+        if release is not None:
             try:
-                self._releases.put_nowait((staged[1], staged[2]))
+                self._releases.put_nowait(release)
             except queue.Full:
                 logger.warning("oasis: %d hand-off releases pending; room %d expires by its TTL", RELEASE_QUEUE,
-                               staged[2])  # fmt: skip
+                               release[1])  # fmt: skip
 
     def _release_worker(self) -> None:
         while True:
