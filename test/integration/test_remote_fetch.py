@@ -553,13 +553,13 @@ def test_a_request_that_never_began_its_admission_is_released_by_its_bootstrap_a
     monkeypatch.setattr(pd_partial, "handoff_endpoint", no_lookup)
     remote.release_slot(3, (*known, 41))  # its transfer failed before its admission began
     cancelled: Future[Any] = Future()
-    remote._admitting[4] = (0, cancelled)  # queued behind other admissions: cancelled at the free
+    remote._admitting[4] = (0, cancelled, pd_partial._Claim())  # queued behind others: cancelled at the free
     remote.release_slot(4, (*known, 42))
     assert cancelled.cancelled()
     remote.release_slot(5, ("127.0.0.1", 7002, 43))  # a prefill node not known to stage
     ran: Future[Any] = Future()
     ran.set_result(None)  # its admission ran and found no hand-off
-    remote._admitting[6] = (0, ran)
+    remote._admitting[6] = (0, ran, pd_partial._Claim())
     remote.release_slot(6, (*known, 44))
     deadline = time.monotonic() + 30
     while stager.handoff(41) is not None or stager.handoff(42) is not None:
@@ -568,3 +568,29 @@ def test_a_request_that_never_began_its_admission_is_released_by_its_bootstrap_a
     time.sleep(0.3)  # the worker sends in order: anything queued after those has gone by now
     assert stager.handoff(43) is not None and stager.handoff(44) is not None
     assert remote.held() == 0
+
+
+def test_a_release_never_waits_for_a_slow_handoff(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A request freed while its admission waits for a slow hand-off (here 3 s late: a slow prefill node,
+    a client that left) is released at once: the admission job had not claimed the request's pages
+    (``_Claim``), so ``release_slot`` returns while the job still waits, and the job, once the hand-off
+    comes, reads nothing into the pages (another request's by then) and releases the room itself. Before,
+    the release waited for the job on SGLang's scheduler thread, every running request with it, up to
+    twice ``HTTP_TIMEOUT_S``."""
+    from sglang_oasis.disaggregation import pd_partial
+
+    monkeypatch.setenv(pd_partial.HANDOFF_DELAY_ENV, f"{TOKENS}:3")
+    stager = _stager(StagingBackend())
+    stager.stage(room=51, slot=1, num_tokens=TOKENS, decode_prefix_len=0)
+    tier = DecodeTier(MooncakeEndpoint())
+    remote = _decode_fetcher(tier)
+    remote._endpoints[("127.0.0.1", 7001)] = stager.url
+    assert not remote.admission_done(3, 0, "127.0.0.1", 7001, 51)
+    job = remote._admitting[3][1]
+    time.sleep(0.3)  # the job is in the hand-off's GET
+    remote.release_slot(3, ("127.0.0.1", 7001, 51))
+    assert not job.done(), "the release waited for the hand-off"
+    assert remote.held() == 0 and stager.handoff(51) is not None
+    assert job.result(timeout=30) is None
+    assert stager.handoff(51) is None and stager.staging.nbytes == 0, "the job did not release its room"
+    assert 3 not in remote.fetcher.requests and remote.fetcher.counters.admission_bytes == 0

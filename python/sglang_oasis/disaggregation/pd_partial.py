@@ -516,6 +516,29 @@ class _Admitted:
     draft_bytes: int = 0
 
 
+class _Claim:
+    """Whether an admission job may write into its request's pages. The job claims them once it holds the
+    hand-off, before any read; ``release_slot`` withdraws them. A job withdrawn before its claim reads
+    nothing and releases its room itself, so a release never waits for a slow hand-off (up to twice
+    ``HTTP_TIMEOUT_S`` on the scheduler thread, before); after its claim, the release waits for its reads."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._claimed = self._withdrawn = False
+
+    def claim(self) -> bool:
+        """The job's: True if it may go on (not withdrawn)."""
+        with self._lock:
+            self._claimed = not self._withdrawn
+            return self._claimed
+
+    def withdraw(self) -> bool:
+        """The release's: True if the job had claimed the pages (wait for it)."""
+        with self._lock:
+            self._withdrawn = True
+            return self._claimed
+
+
 def _log_failure(job: Future[bool]) -> None:
     if not job.cancelled() and job.exception() is not None:
         logger.error("oasis: a background read failed", exc_info=job.exception())
@@ -557,7 +580,7 @@ class DecodeFetcher:
         threading.Thread(target=self._release_worker, name="oasis-release", daemon=True).start()
         # A few at once: one slow prefill node must not hold up the others' arrivals.
         self._admitter = ThreadPoolExecutor(ADMISSION_WORKERS, thread_name_prefix="oasis-admit")
-        self._admitting: dict[int, tuple[int, Future[_Admitted | None]]] = {}  # slot -> (generation, job)
+        self._admitting: dict[int, tuple[int, Future[_Admitted | None], _Claim]] = {}  # slot -> its job
         self._completer = ThreadPoolExecutor(1, thread_name_prefix="oasis-complete")
 
     def held(self) -> int:
@@ -611,9 +634,12 @@ class DecodeFetcher:
         if pending is not None and pending[0] == generation:
             return pending[1].done()
         self.release_slot(slot)  # the slot's previous request, if its release is still pending
-        job = self._admitter.submit(self._read_admission, slot, bootstrap_host, bootstrap_port, room, session)
+        claim = _Claim()
+        job = self._admitter.submit(
+            self._read_admission, slot, bootstrap_host, bootstrap_port, room, session, claim
+        )
         with self._lock:
-            self._admitting[slot] = (generation, job)
+            self._admitting[slot] = (generation, job, claim)
         return job.done()
 
     def admission_error(self, slot: int, generation: int) -> str | None:
@@ -635,7 +661,7 @@ class DecodeFetcher:
         a request that arrived whole; raises ``RemoteFetchError`` if it cannot be admitted."""
         self.admission_done(slot, generation, bootstrap_host, bootstrap_port, room, session)
         with self._lock:
-            _, job = self._admitting.pop(slot)
+            _, job, _ = self._admitting.pop(slot)
         admitted = job.result()  # raises the job's RemoteFetchError
         if admitted is None:
             return False
@@ -661,14 +687,19 @@ class DecodeFetcher:
         return True
 
     def _read_admission(
-        self, slot: int, bootstrap_host: str, bootstrap_port: int, room: int, session: str | None
-    ) -> _Admitted | None:
+        self, slot: int, bootstrap_host: str, bootstrap_port: int, room: int, session: str | None,
+        claim: _Claim,
+    ) -> _Admitted | None:  # fmt: skip
         """The admission worker's job: the hand-off, then the admission blocks and summaries into the
-        request's pages (allocated by SGLang, its alone until it is freed: ``release_slot`` waits)."""
+        request's pages (allocated by SGLang, its alone until it is freed: ``release_slot`` waits once the
+        job has claimed them)."""
         found = self._get_handoff(bootstrap_host, bootstrap_port, room, session)
         if found is None:
             return None
         url, handoff = found
+        if not claim.claim():  # the request was freed while its hand-off was on its way
+            self._release_remote(url, room)
+            return None
         try:
             self._check_handoff(handoff, slot)  # before anything is sized from it
         except RemoteFetchError:
@@ -829,13 +860,16 @@ class DecodeFetcher:
         aborted before its admission read a hand-off here (its transfer failed on another tensor-parallel
         rank, its admission was cancelled, its client left) left no record of its room, yet its prefill
         node may have staged it for this node; it is released by that address, at a prefill node already
-        known to stage (none is looked up here). Before, it stayed staged there until the TTL."""
+        known to stage (none is looked up here). Before, it stayed staged there until the TTL.
+
+        An admission still waiting for its hand-off is not waited for (``_Claim``): it reads nothing and
+        releases its room itself."""
         with self._lock:
             staged = self._staged.pop(slot, None)
             self.arrivals.pop(slot, None)
             pending = self._admitting.pop(slot, None)
         began = pending is not None and not pending[1].cancel()
-        if pending is not None and began:  # its reads write into the slot's pages:
+        if pending is not None and began and pending[2].withdraw():  # its reads write into the slot's pages:
             try:  # wait for them before SGLang hands the pages on (a failed one released its room)
                 admitted = pending[1].result()
             except Exception:  # its error went to the request (``admission_error``, ``admit``)
