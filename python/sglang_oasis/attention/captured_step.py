@@ -4,9 +4,9 @@
 Per decode pass, at its first sparse layer, ``CapturedStep.prepare`` (host side) decides whether the pass
 runs captured (``eligible``: every row an ordinary decode row whose tail the active blocks hold, nothing
 the program does not cover; a recall sample's rows and the rows' targets go into the plan), waits for any
-eager prefetch job still pending, does the step's host bookkeeping once for every layer (the new pages' epochs, the warm-start record, the retraction
-snapshot, the summarised positions) and pads the batch to its buckets. Each sparse layer then runs the
-compiled program; the counts it returns are folded into the server's counters after the last sparse layer.
+eager prefetch job pending, does the step's host bookkeeping once for every layer (new pages' epochs, the
+warm-start record, the retraction snapshot, the summarised positions) and pads the batch to its buckets.
+Each sparse layer then runs the compiled program; its counts are folded into the server's after the last.
 
 The program is compiled alone (``torch.compile(fullgraph=True, dynamic=False)``), not by SGLang's CPU graph
 runner (``--enable-torch-compile``): that runner compiles the whole model per batch size (minutes per size on

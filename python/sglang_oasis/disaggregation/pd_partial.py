@@ -701,12 +701,15 @@ class DecodeFetcher:
             self._release_remote(url, room)
             return None
         try:
-            self._check_handoff(handoff, slot)  # before anything is sized from it
-        except RemoteFetchError:
+            return self._admit_handoff(slot, url, room, handoff)
+        except RemoteFetchError:  # the request fails: the prefill node's staging of it goes now
             self._release_remote(url, room)
             raise
+
+    def _admit_handoff(self, slot: int, url: str, room: int, handoff: Handoff) -> _Admitted:
+        """``_read_admission``'s reads, once it holds the hand-off and has claimed the request's pages."""
+        self._check_handoff(handoff, slot)  # before anything is sized from it
         if os.environ.get(ADMISSION_FAILURE_ENV) == str(handoff.num_tokens) and injects_here():
-            self._release_remote(url, room)
             raise RemoteFetchError(f"injected admission failure ({ADMISSION_FAILURE_ENV})")
         layout = handoff.layout
         if layout is None:
@@ -723,7 +726,6 @@ class DecodeFetcher:
             draft_bytes = self._admit_draft(slot, handoff, local_pages, cached_blocks)
         except RemoteReadError as error:
             self.fetcher.release(slot)
-            self._release_remote(url, room)
             raise RemoteFetchError(f"admission read failed: {error}") from None
         return _Admitted(url, room, handoff, local_pages, cached_blocks, reads, draft_bytes)
 
@@ -869,7 +871,7 @@ class DecodeFetcher:
             self.arrivals.pop(slot, None)
             pending = self._admitting.pop(slot, None)
         began = pending is not None and not pending[1].cancel()
-        if pending is not None and began and pending[2].withdraw():  # its reads write into the slot's pages:
+        if began and pending is not None and pending[2].withdraw():  # its reads write into the slot's pages:
             try:  # wait for them before SGLang hands the pages on (a failed one released its room)
                 admitted = pending[1].result()
             except Exception:  # its error went to the request (``admission_error``, ``admit``)
@@ -879,7 +881,7 @@ class DecodeFetcher:
         self.fetcher.release(slot)
         release = None if staged is None else (staged[1], staged[2])
         if release is None and not began and bootstrap is not None:
-            url = self._endpoints.get((bootstrap[0], int(bootstrap[1])))
+            url = self._endpoints.get(bootstrap[:2])
             release = None if url is None else (url, bootstrap[2])
         if release is not None:
             try:
