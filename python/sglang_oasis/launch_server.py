@@ -47,6 +47,7 @@ from sglang_oasis.platform.cpu.import_hook import CPU_ENGINE_ENV, install
 
 PROG = "python -m sglang_oasis.launch_server"
 CPU_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"  # SGLang's per-rank core lists, "|"-separated
+TP_MEMORY_CHECK_ENV = "SGLANG_ENABLE_TP_MEMORY_INBALANCE_CHECK"  # SGLang's spelling
 
 
 def build_oasis_parser() -> argparse.ArgumentParser:
@@ -195,6 +196,17 @@ def cpu_binding_env(sglang_argv: Sequence[str]) -> None:
     os.environ[CPU_BIND_ENV] = binding = rank_core_binding(cores, ranks)
     shared = " (ranks share cores: more ranks than cores)" if ranks > len(cores) else ""
     say(f"{CPU_BIND_ENV}={binding}: {ranks} ranks on cores {cores}{shared} ({CPU_BIND_ENV} overrides)")
+
+
+def cpu_memory_check_env(sglang_argv: Sequence[str]) -> None:
+    """SGLang's tensor-parallel memory balance check as a warning, not a start-up failure, unless set.
+
+    It compares the least memory any rank found free with this rank's own reading and fails below 90%:
+    on a GPU, another process holds one of the devices. On the CPU engine every rank reads the same host
+    RAM at a different instant, so any process allocating between two readings failed the start (CI
+    did, with a server of the other test lane starting beside it)."""
+    if model_ranks(sglang_argv) > 1:
+        os.environ.setdefault(TP_MEMORY_CHECK_ENV, "false")
 
 
 # SGLang's options that start more than one model rank: sparse mode serves tensor parallelism only.
@@ -513,6 +525,7 @@ def prepare(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
         if config.cpu_defaults:
             cpu_threads_env(sglang_argv)
             cpu_binding_env(sglang_argv)
+            cpu_memory_check_env(sglang_argv)
             sglang_argv += cpu_dtype_args(sglang_argv)
         install()
     if not given(sglang_argv, "--model-path"):

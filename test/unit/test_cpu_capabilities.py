@@ -12,8 +12,10 @@ import pytest
 
 from sglang_oasis.launch_server import (
     CPU_BIND_ENV,
+    TP_MEMORY_CHECK_ENV,
     cpu_binding_env,
     cpu_dtype_args,
+    cpu_memory_check_env,
     cpu_threads_env,
     model_ranks,
     option_value,
@@ -165,3 +167,26 @@ def test_ranks_are_bound_only_when_they_outnumber_the_numa_nodes(monkeypatch: py
     monkeypatch.setattr("sglang_oasis.launch_server.numa_nodes", lambda: 2)
     cpu_binding_env(["--tp-size", "2"])
     assert CPU_BIND_ENV not in os.environ
+
+
+def test_tensor_parallel_ranks_on_the_cpu_warn_of_a_memory_imbalance_instead_of_failing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """All CPU ranks read the same host RAM at different instants: SGLang's balance check (fail when the
+    least free memory any rank read is under 90% of this rank's reading) failed a TP start whenever a
+    process allocated in between (CI, with the other lane's server starting). The launcher turns it into
+    SGLang's warning for more than one rank, unless set; SGLang must still read that variable."""
+    from sglang.srt.distributed import bootstrap
+
+    monkeypatch.setenv(TP_MEMORY_CHECK_ENV, "unset")  # restored as absent afterwards (see above)
+    monkeypatch.delenv(TP_MEMORY_CHECK_ENV)
+    cpu_memory_check_env([])
+    assert TP_MEMORY_CHECK_ENV not in os.environ
+    cpu_memory_check_env(["--tp-size", "2"])
+    assert os.environ[TP_MEMORY_CHECK_ENV] == "false"
+    bootstrap._check_tp_memory_balance(pre_model_load_memory=14.3, local_gpu_memory=16.8)  # CI's reading
+    monkeypatch.setenv(TP_MEMORY_CHECK_ENV, "true")
+    cpu_memory_check_env(["--tp-size", "2"])
+    assert os.environ[TP_MEMORY_CHECK_ENV] == "true"
+    with pytest.raises(RuntimeError, match="memory capacity is unbalanced"):
+        bootstrap._check_tp_memory_balance(pre_model_load_memory=14.3, local_gpu_memory=16.8)
