@@ -553,13 +553,14 @@ def test_a_request_that_never_began_its_admission_is_released_by_its_bootstrap_a
     monkeypatch.setattr(pd_partial, "handoff_endpoint", no_lookup)
     remote.release_slot(3, (*known, 41))  # its transfer failed before its admission began
     cancelled: Future[Any] = Future()
-    remote._admitting[4] = (0, cancelled, pd_partial._Claim())  # queued behind others: cancelled at the free
+    # queued behind others: cancelled at the free
+    remote._admitting[4] = pd_partial._Admission(0, cancelled, pd_partial._Claim())
     remote.release_slot(4, (*known, 42))
     assert cancelled.cancelled()
     remote.release_slot(5, ("127.0.0.1", 7002, 43))  # a prefill node not known to stage
     ran: Future[Any] = Future()
     ran.set_result(None)  # its admission ran and found no hand-off
-    remote._admitting[6] = (0, ran, pd_partial._Claim())
+    remote._admitting[6] = pd_partial._Admission(0, ran, pd_partial._Claim())
     remote.release_slot(6, (*known, 44))
     deadline = time.monotonic() + 30
     while stager.handoff(41) is not None or stager.handoff(42) is not None:
@@ -586,7 +587,7 @@ def test_a_release_never_waits_for_a_slow_handoff(monkeypatch: pytest.MonkeyPatc
     remote = _decode_fetcher(tier)
     remote._endpoints[("127.0.0.1", 7001)] = stager.url
     assert not remote.admission_done(3, 0, "127.0.0.1", 7001, 51)
-    job = remote._admitting[3][1]
+    job = remote._admitting[3].job
     time.sleep(0.3)  # the job is in the hand-off's GET
     remote.release_slot(3, ("127.0.0.1", 7001, 51))
     assert not job.done(), "the release waited for the hand-off"

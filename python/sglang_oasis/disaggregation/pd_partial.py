@@ -539,6 +539,15 @@ class _Claim:
             return self._claimed
 
 
+@dataclass(frozen=True)
+class _Admission:
+    """A request's admission job on the admission worker, for the request of ``generation`` in a slot."""
+
+    generation: int
+    job: Future[_Admitted | None]
+    claim: _Claim
+
+
 def _log_failure(job: Future[bool]) -> None:
     if not job.cancelled() and job.exception() is not None:
         logger.error("oasis: a background read failed", exc_info=job.exception())
@@ -580,7 +589,7 @@ class DecodeFetcher:
         threading.Thread(target=self._release_worker, name="oasis-release", daemon=True).start()
         # A few at once: one slow prefill node must not hold up the others' arrivals.
         self._admitter = ThreadPoolExecutor(ADMISSION_WORKERS, thread_name_prefix="oasis-admit")
-        self._admitting: dict[int, tuple[int, Future[_Admitted | None], _Claim]] = {}  # slot -> its job
+        self._admitting: dict[int, _Admission] = {}  # by slot
         self._completer = ThreadPoolExecutor(1, thread_name_prefix="oasis-complete")
 
     def held(self) -> int:
@@ -631,15 +640,15 @@ class DecodeFetcher:
         Called by SGLang's transfer queue's poll on the scheduler thread; never waits."""
         with self._lock:
             pending = self._admitting.get(slot)
-        if pending is not None and pending[0] == generation:
-            return pending[1].done()
+        if pending is not None and pending.generation == generation:
+            return pending.job.done()
         self.release_slot(slot)  # the slot's previous request, if its release is still pending
         claim = _Claim()
         job = self._admitter.submit(
             self._read_admission, slot, bootstrap_host, bootstrap_port, room, session, claim
         )
         with self._lock:
-            self._admitting[slot] = (generation, job, claim)
+            self._admitting[slot] = _Admission(generation, job, claim)
         return job.done()
 
     def admission_error(self, slot: int, generation: int) -> str | None:
@@ -647,9 +656,14 @@ class DecodeFetcher:
         after it succeeded, or for a request with no admission here."""
         with self._lock:
             pending = self._admitting.get(slot)
-        if pending is None or pending[0] != generation or not pending[1].done() or pending[1].cancelled():
+        if (
+            pending is None
+            or pending.generation != generation
+            or not pending.job.done()
+            or pending.job.cancelled()
+        ):
             return None
-        error = pending[1].exception()
+        error = pending.job.exception()
         return None if error is None else f"oasis: remote partial fetching failed ({error})"
 
     def admit(
@@ -661,7 +675,7 @@ class DecodeFetcher:
         a request that arrived whole; raises ``RemoteFetchError`` if it cannot be admitted."""
         self.admission_done(slot, generation, bootstrap_host, bootstrap_port, room, session)
         with self._lock:
-            _, job, _ = self._admitting.pop(slot)
+            job = self._admitting.pop(slot).job
         admitted = job.result()  # raises the job's RemoteFetchError
         if admitted is None:
             return False
@@ -870,14 +884,16 @@ class DecodeFetcher:
             staged = self._staged.pop(slot, None)
             self.arrivals.pop(slot, None)
             pending = self._admitting.pop(slot, None)
-        began = pending is not None and not pending[1].cancel()
-        if began and pending is not None and pending[2].withdraw():  # its reads write into the slot's pages:
-            try:  # wait for them before SGLang hands the pages on (a failed one released its room)
-                admitted = pending[1].result()
-            except Exception:  # its error went to the request (``admission_error``, ``admit``)
-                admitted = None
-            if admitted is not None:
-                staged = (pending[0], admitted.url, admitted.room)
+        began = False  # its job had started: not a request that never began its admission here
+        if pending is not None:
+            began = not pending.job.cancel()
+            if began and pending.claim.withdraw():  # its reads write into the slot's pages:
+                try:  # wait for them before SGLang hands the pages on (a failed one released its room)
+                    admitted = pending.job.result()
+                except Exception:  # its error went to the request (``admission_error``, ``admit``)
+                    admitted = None
+                if admitted is not None:
+                    staged = (pending.generation, admitted.url, admitted.room)
         self.fetcher.release(slot)
         release = None if staged is None else (staged[1], staged[2])
         if release is None and not began and bootstrap is not None:
