@@ -340,8 +340,13 @@ def main() -> None:
     parser.add_argument("--pipeline-steps", type=int, default=8, help="timed steps per pipeline mode")
     parser.add_argument("--step-batches", type=int, nargs="+", default=[1, 8, 32],
                         help="batches of the captured step (gpu_step.py)")  # fmt: skip
+    parser.add_argument("--fake-cuda", action="store_true",
+                        help="toy sizes of the captured step only, on a fake CUDA device (CPU): every device "
+                        "mismatch, and any sync or copy in a replay, fails it")  # fmt: skip
     parser.add_argument("--json", default=None)
     args = parser.parse_args()
+    if args.fake_cuda:
+        return fake_cuda_smoke(args.json)
     global DTYPE
     gpu_timing.QUICK = args.smoke
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -413,20 +418,46 @@ def main() -> None:
               f"{r['copies_ok']!s:>9}")  # fmt: skip
     checks = captured["checks"]
     print(
-        f"\ncaptured step (attention/decode_program.py in the stack, K={shape.top_k}, cap "
-        f"{shape.fetch_ratio:g} K, host tier {'pinned, read in place' if checks['host_tier_device_view'] else 'not read in place'}); "
+        f"\ncaptured step (the runtime's DeviceTier and GraphedStep in the stack, gpu_step.py, K={shape.top_k}, cap "
+        f"{shape.fetch_ratio:g} K, host tier {'page-locked, read in place' if checks['host_tier_device_view'] else 'not read in place'}); "
         f"replay = eager: {checks['replay_equals_eager']} (output rel err {checks['output_rel_err']:.1e}), "
         f"K covering vs SDPA rel err {checks['covering_rel_err']:.1e}"
     )  # fmt: skip
-    print(f"{'context':>8} {'batch':>6} {'eager ms':>9} {'replay ms':>10} {'dense ms':>9} {'replay/dense':>12} "
-          f"{'host blocks':>11} {'host MB':>8} {'GB/s':>6}")  # fmt: skip
+    print(f"{'context':>8} {'batch':>6} {'eager ms':>9} {'replay ms':>10} {'pass ms':>8} {'dense ms':>9} "
+          f"{'replay/dense':>12} {'pass/dense':>10} {'host blocks':>11} {'host MB':>8} {'GB/s':>6}")  # fmt: skip
     for r in captured["rows"]:
-        print(f"{r['context']:>8} {r['batch']:>6} {r['eager_ms']:>9.2f} {r['replay_ms']:>10.2f} {r['dense_ms']:>9.2f} "
-              f"{r['replay_vs_dense']:>12.2f} {r['host_blocks_per_step']:>11.0f} "
-              f"{r['host_bytes_per_step'] / 1e6:>8.2f} {r['host_gbps']:>6.1f}")  # fmt: skip
+        print(f"{r['context']:>8} {r['batch']:>6} {r['eager_ms']:>9.2f} {r['replay_ms']:>10.2f} {r['pass_ms']:>8.2f} "
+              f"{r['dense_ms']:>9.2f} {r['replay_vs_dense']:>12.2f} {r['pass_vs_dense']:>10.2f} "
+              f"{r['host_blocks_per_step']:>11.0f} {r['host_bytes_per_step'] / 1e6:>8.2f} {r['host_gbps']:>6.1f}")  # fmt: skip
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report, f, indent=2)
+
+
+def fake_cuda_smoke(json_path: str | None) -> None:
+    """``--fake-cuda``: the runtime's step (gpu_step.py) at toy sizes on a fake CUDA device: the device
+    tier, the page-locked host tier's view and ``GraphedStep`` as on a GPU, the values computed on CPU."""
+    from sglang_oasis_testing.fake_cuda import FakeCuda
+
+    shape = SMOKE_SHAPE
+    with FakeCuda() as cuda:
+        gpu_timing.FAKE = cuda
+        stack = Stack(shape, "cuda")
+
+        def dense_ms(rows: int, context: int) -> float:
+            return dense_step(
+                stack, torch.randn(rows, shape.hidden, device="cuda", dtype=DTYPE), context, "cuda"
+            )[1]
+
+        captured = captured_rows(stack, [1, 2], [128], "cuda", dense_ms, shape.top_k, shape.fetch_ratio, 2)
+        gpu_timing.FAKE = None
+    checks = captured["checks"]
+    print(f"fake CUDA: replay = eager {checks['replay_equals_eager']} (rel err {checks['output_rel_err']:.1e}), "
+          f"K covering vs SDPA {checks['covering_rel_err']:.1e}, host tier read in place "
+          f"{checks['host_tier_device_view']}; rows: {[(r['batch'], r['host_blocks_per_step']) for r in captured['rows']]}")  # fmt: skip
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump({"device": "fake cuda", "captured_step": captured}, f, indent=2)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,8 @@
 """Timing and CUDA graph capture for the GPU check (``gpu_check.py``, ``gpu_step.py``): the median of
 ``fn``'s runs (device events on CUDA) and ``fn`` captured as a CUDA graph. ``QUICK`` (``gpu_check.py
---smoke``): one run, no warm-up, no graph (the interpreter is slow; the numbers mean nothing)."""
+--smoke``): one run, no warm-up, no graph (the interpreter is slow; the numbers mean nothing). ``FAKE``
+(``gpu_check.py --fake-cuda``: a fake CUDA device, ``sglang_oasis_testing.fake_cuda``): host timings, and
+a "replay" is ``fn`` run where any sync or host<->device copy raises, as a graph replay would not make it."""
 
 from __future__ import annotations
 
@@ -12,6 +14,7 @@ from typing import Any
 import torch
 
 QUICK = False
+FAKE: Any = None  # the FakeCuda in force (gpu_check.py --fake-cuda)
 
 
 def timed(fn: Callable[[], Any], device: str, repeat: int = 20, warmup: int = 3) -> float:
@@ -22,7 +25,7 @@ def timed(fn: Callable[[], Any], device: str, repeat: int = 20, warmup: int = 3)
         fn()
     times = []
     for _ in range(repeat):
-        if device == "cuda":
+        if device == "cuda" and FAKE is None:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
             fn()
@@ -40,6 +43,13 @@ def timed(fn: Callable[[], Any], device: str, repeat: int = 20, warmup: int = 3)
 def graphed(fn: Callable[[], Any], device: str, strict: bool = False) -> tuple[Callable[[], Any], bool]:
     """``fn`` captured in a CUDA graph (replays without Python or launch gaps) and True, or ``fn`` itself
     and False on CPU, with ``QUICK``, or if capture fails (``strict``: the failure raises)."""
+    if FAKE is not None:
+
+        def replay() -> Any:
+            with FAKE.replay("a CUDA graph replay"):
+                return fn()
+
+        return replay, False  # no graph: its output buffers are not the capture's
     if device != "cuda" or QUICK:
         return fn, False
     try:

@@ -25,6 +25,7 @@ VERIFY_ROWS = 2  # --speculative-num-draft-tokens of the lookahead: the real tok
 PREFETCH_MODES = ("async", "sync")
 DECODE_STEPS = ("eager", "captured")
 PREFILL_ATTENTIONS = ("auto", "torch", "triton")
+DEFAULT_DEVICE_KV_TOKENS = 65536  # --oasis-device-kv-tokens on CPU when unset
 
 
 class OasisConfigError(ValueError):
@@ -83,15 +84,16 @@ class OasisConfig:
             "neither --oasis-host-kv-tokens nor --max-total-tokens is given (sparse mode).",
         },
     )
-    device_kv_tokens: int = field(
-        default=65536,
+    device_kv_tokens: int | None = field(
+        default=None,
         metadata={
             "help": "Device-tier budget, as the tokens of KV a dense pool would hold in the same bytes "
             "(sparse mode): the device tier gets N x the served model's KV bytes per token and holds in "
             "them the block summaries of the whole host tier, then whole requests' working sets (K + "
             "sink blocks per layer and KV head, with their index tensors). --max-running-requests is "
             "set to the requests that fit, unless given; a larger value is refused. Start-up fails when "
-            "not even one request fits beside the summaries.",
+            f"not even one request fits beside the summaries. Default: {DEFAULT_DEVICE_KV_TOKENS} on CPU; on "
+            "CUDA the GPU memory SGLang would have given its KV pool (which lives in host memory here).",
         },
     )
     prefill_window: int = field(
@@ -309,7 +311,7 @@ class OasisConfig:
                     f"{_option(name)}: {getattr(self, name)!r} is not one of {', '.join(choices)}"
                 )
         for name in ("block_size", "top_k", "device_kv_tokens", "cpu_max_total_tokens", "remote_fetch_ttl"):
-            if getattr(self, name) <= 0:
+            if getattr(self, name) is not None and getattr(self, name) <= 0:
                 raise OasisConfigError(f"{_option(name)}: must be positive, got {getattr(self, name)}")
         if not 0 <= self.window_keep <= 1:
             raise OasisConfigError(f"{_option('window_keep')}: must be in [0, 1], got {self.window_keep}")
@@ -349,14 +351,20 @@ class OasisConfig:
             raise OasisConfigError(
                 f"{_option('dense_layers')}: layer ids must be >= 0, got {self.dense_layers}"
             )
-        if self.mode == "sparse" and self.device_kv_tokens < self.working_set_tokens:
+        if self.mode == "sparse" and self.device_tokens < self.working_set_tokens:
             raise OasisConfigError(
-                f"{_option('device_kv_tokens')}: {self.device_kv_tokens} tokens do not hold one request's "
+                f"{_option('device_kv_tokens')}: {self.device_tokens} tokens do not hold one request's "
                 f"working set ((--oasis-top-k {self.max_top_k} + --oasis-sink-blocks {self.sink_blocks}) x "
                 f"--oasis-block-size {self.block_size} = {self.working_set_tokens} tokens per layer and KV "
                 "head): raise it or lower --oasis-top-k"
             )
         object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
+
+    @property
+    def device_tokens(self) -> int:
+        """``--oasis-device-kv-tokens``, or its CPU default (on CUDA, unset, the budget is the GPU memory
+        SGLang would have given its KV pool: ``DeviceTier.for_pool``)."""
+        return DEFAULT_DEVICE_KV_TOKENS if self.device_kv_tokens is None else self.device_kv_tokens
 
     @property
     def fetch_cap(self) -> int | None:

@@ -44,6 +44,7 @@ from sglang_oasis.platform.cpu.capabilities import (
     usable_cores,
 )
 from sglang_oasis.platform.cpu.import_hook import CPU_ENGINE_ENV, install
+from sglang_oasis.serving_gates import Serving, ServingRefused, check_sparse_serving
 
 PROG = "python -m sglang_oasis.launch_server"
 CPU_BIND_ENV = "SGLANG_CPU_OMP_THREADS_BIND"  # SGLang's per-rank core lists, "|"-separated
@@ -219,34 +220,26 @@ class LaunchError(ValueError):
     """Options that contradict each other; the message names them."""
 
 
-def check_untested_cuda(sglang_argv: Sequence[str], config: OasisConfig) -> None:
+def check_untested_cuda(argv: Sequence[str], sglang_argv: Sequence[str], config: OasisConfig) -> OasisConfig:
     """Sparse mode on a GPU only with ``--oasis-cuda-untested true``, which says loudly that it never ran
-    there, and only where it is written: one GPU; in CUDA graphs, plain decode with no dense layers."""
-    if not config.cuda_untested:
-        raise LaunchError(
-            "--oasis-mode sparse has never run on a GPU (docs/gpu.md): pass --oasis-mode dense, or "
-            "--oasis-cuda-untested true to try the untested CUDA path"
-        )
-    if model_ranks(sglang_argv) > 1:
-        raise LaunchError(
-            "--oasis-cuda-untested: one GPU only (the ranks would each decide alone whether a pass "
-            "replays its CUDA graph; nothing makes them agree yet)"
-        )
+    there, and only where it is written (``serving_gates.py``: the backend asks the same); the decode step
+    in SGLang's CUDA graphs is the captured one unless ``--oasis-decode-step`` is given."""
     graphs = not given(sglang_argv, "--disable-cuda-graph")
-    if config.dense_layers and graphs:
-        raise LaunchError(
-            "--oasis-dense-layers on CUDA: those layers decode through SGLang's torch_native attention, "
-            "which a CUDA graph cannot capture: pass --disable-cuda-graph too, or no dense layers"
-        )
-    if config.lookahead != "previous" and graphs:
-        raise LaunchError(
-            f"--oasis-lookahead {config.lookahead} on CUDA: the verify step runs eagerly and SGLang would "
-            "capture it in a CUDA graph: pass --disable-cuda-graph too, or --oasis-lookahead previous"
-        )
+    if graphs and not given(argv, "--oasis-decode-step"):
+        config = dataclasses.replace(config, decode_step="captured")
+    serving = Serving(
+        "cuda", tp_size=model_ranks(sglang_argv), cuda_graphs=graphs,
+        torch_compile=given(sglang_argv, "--enable-torch-compile"),
+    )  # fmt: skip
+    try:
+        check_sparse_serving(config, serving)
+    except ServingRefused as error:
+        raise LaunchError(str(error)) from None
     say(
         "WARNING: --oasis-cuda-untested: sparse mode on CUDA has NEVER RUN ON A GPU; its outputs are not "
         "verified there (docs/gpu.md)"
     )
+    return config
 
 
 def sparse_mode_args(sglang_argv: Sequence[str], config: OasisConfig, on_cpu: bool = True) -> list[str]:
@@ -405,7 +398,7 @@ def device_request_slots(sglang_argv: Sequence[str], config: OasisConfig) -> int
     try:
         return device_tier_layout(budget_bytes(config, shape), shape).request_slots
     except DeviceTierError as error:
-        raise LaunchError(f"{error} (--oasis-device-kv-tokens {config.device_kv_tokens})") from None
+        raise LaunchError(f"{error} (--oasis-device-kv-tokens {config.device_tokens})") from None
 
 
 def running_cap_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[str]:
@@ -415,10 +408,10 @@ def running_cap_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[st
         return []
     slots = device_request_slots(sglang_argv, config)
     if slots is None:  # the model's shape is unknown here: the budget over one request's working sets
-        slots = config.device_kv_tokens // config.working_set_tokens
+        slots = config.device_tokens // config.working_set_tokens
     else:
         say(
-            f"device tier: {slots} running requests' working sets in --oasis-device-kv-tokens {config.device_kv_tokens}"
+            f"device tier: {slots} running requests' working sets in --oasis-device-kv-tokens {config.device_tokens}"
         )
     return ["--max-running-requests", str(slots)]
 
@@ -431,11 +424,11 @@ def check_tiers_fit(sglang_argv: Sequence[str], config: OasisConfig, available: 
     if footprint is None or host is None or not host.isdigit():
         return
     host_bytes = int(host) * footprint.bytes_per_token
-    device_bytes = config.device_kv_tokens * footprint.bytes_per_token
+    device_bytes = config.device_tokens * footprint.bytes_per_token
     available = available_host_memory() if available is None else available
     if host_bytes + device_bytes > available:
         raise LaunchError(
-            f"--oasis-device-kv-tokens {config.device_kv_tokens}: on CPU the working sets ({gib(device_bytes)}) "
+            f"--oasis-device-kv-tokens {config.device_tokens}: on CPU the working sets ({gib(device_bytes)}) "
             f"and the host KV tier ({gib(host_bytes)}) are both host RAM, more than the {gib(available)} "
             "available: lower --oasis-device-kv-tokens or the host tier"
         )
@@ -513,7 +506,7 @@ def prepare(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
             if on_cpu and config.cpu_defaults:
                 config = cpu_decode_step(argv, config)
             if not on_cpu:
-                check_untested_cuda(sglang_argv, config)
+                config = check_untested_cuda(argv, sglang_argv, config)
             wants_triton(config.prefill_attention, "cpu" if on_cpu else "cuda")  # raises, naming the option
             sglang_argv += sparse_mode_args(sglang_argv, config, on_cpu)
         except (LaunchError, TritonPrefillError) as error:

@@ -21,7 +21,8 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
    500, their KV is freed and not inserted into the radix cache, and the rest of the batch goes on.
    Under tensor parallelism each rank's backend sees only its own KV heads' transfers: the ranks first
    all-reduce which in-flight requests failed (``agree_on_failures``, one small all-reduce per batch
-   result), so all abort the same ones.
+   result), so all abort the same ones. First, on CUDA, a decode graph replay of this batch has its
+   counts folded (the backend's ``settle``): a request finishing here then reports its own figures.
 5. ``Req._compute_max_prefix_len`` (sparse mode with ``--oasis-prefill-window`` N > 0): the prefill
    window chooses a request's first working set from the exact attention of its prompt's last N
    queries, and those queries exist only for tokens the extend computes. A radix-cache hit that leaves
@@ -130,13 +131,21 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
    passes eagerly (admissions, recall samples: ``attention/graph_hooks.py``). The hook answers SGLang's
    checks and then the backend's ``graph_ready`` (which begins and plans the pass); backends without one
    are not asked. Written for CUDA and never run on a GPU.
-15. ``MHATokenToKVPool``'s buffers (sparse mode on CUDA, ``--oasis-cuda-untested``; not a HookRegistry hook:
-   ``pool_in_pinned_host_memory``, called by the oasis backend as it is built). SGLang allocates its KV pool
-   on the GPU and has no option to put it in host memory (its HiSparse/HiCache host pools are copies
-   beside a device pool). In sparse mode that pool is the host tier, so the backend moves each layer's K
-   and V buffer into pinned host memory and gives the pool a CUDA view of it (``memory/pinned_host.py``):
-   SGLang's kernels then write and read the host tier in place. The pool's cached buffer descriptors and
-   data pointers are rebuilt with its own methods. Never run on a GPU; tested on CPU with a real pool.
+15. ``KVCacheConfigurator._build_mha_kv_pool`` (sparse mode, the target model on CUDA): SGLang allocates
+   its KV pool on the GPU and has no option to put it in host memory (its HiSparse/HiCache host pools
+   are copies beside a device pool). In sparse mode that pool is the host tier, so the hook hands SGLang's
+   builder our pool class (``memory/host_kv_pool.py``: SGLang's ``MHATokenToKVPool`` whose buffers are
+   page-locked host memory seen through CUDA views) in place of its own; SGLang's kernels then write and
+   read the host tier in place, and none of it is ever allocated on the GPU. Any other pool class SGLang
+   chose (HND, quantized, sharded) is refused by name. The draft model's pool stays SGLang's, on the GPU.
+16. ``KVCacheConfigurator._profile_available_bytes`` (same): SGLang sizes its KV pool by the GPU memory
+   free after the weights. The host tier's size is host RAM's: the hook returns
+   ``--oasis-host-memory-fraction`` of the host RAM available (all of it when ``--oasis-host-kv-tokens``
+   is given: SGLang's ``--max-total-tokens`` cap, which the launcher sets from it, takes it down), and
+   keeps what SGLang measured (``GpuKVBytes``, shared by the two hooks) for hook 15 to hand the pool:
+   the GPU memory SGLang would have given its pool is the device tier's budget.
+   Hooks 15 and 16 have never run on a GPU; ``test/unit/test_fake_cuda.py`` runs them on a fake CUDA
+   device with SGLang's own configurator methods.
 """
 
 from __future__ import annotations
@@ -164,7 +173,8 @@ if TYPE_CHECKING:  # SGLang's own types, for mypy (the hooks are checked against
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
     from sglang.srt.mem_cache.base_prefix_cache import BasePrefixCache
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.mem_cache.memory_pool import KVCache, ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
     from sglang.srt.model_executor.runner.decode_cuda_graph_runner import DecodeCudaGraphRunner
     from sglang.srt.sampling.sampling_params import SamplingParams
@@ -198,6 +208,8 @@ FORWARD_BATCH_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatc
 STREAMER_TARGET = "sglang.srt.managers.scheduler.Scheduler.get_output_streamer_class"
 PARALLEL_GROUP_TARGET = "sglang.srt.distributed.parallel_state.init_model_parallel_group"
 VERIFY_PARAMS_TARGET = "sglang.srt.sampling.sampling_params.SamplingParams.verify"
+POOL_BUILD_TARGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._build_mha_kv_pool"
+POOL_BUDGET_TARGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigurator._profile_available_bytes"
 GRAPH_RUN_TARGET = (
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph"
 )
@@ -271,6 +283,15 @@ def abort_failed_transfers(
     """AROUND hook: abort the in-flight requests whose working-set transfers failed (on any tensor-parallel
     rank: ``agree_on_failures``), then process the batch's result as usual."""
     backend = getattr(getattr(scheduler.tp_worker, "model_runner", None), "attn_backend", None)
+    settle = getattr(backend, "settle", None)  # a CUDA graph replay of this batch: its figures first
+    if settle is not None:
+        settle(
+            {
+                int(req.kv.req_pool_idx)
+                for req in getattr(batch, "reqs", [])
+                if req.kv.req_pool_idx is not None
+            }
+        )
     failures = getattr(backend, "failures", None)  # attention/transfer_failures.py
     ranks = int(getattr(scheduler, "tp_size", 1))
     if failures is not None and (failures or ranks > 1):
@@ -802,23 +823,71 @@ def ask_backend_to_replay(
     return True if ready is None else bool(ready(forward_batch))
 
 
-def pool_in_pinned_host_memory(
-    pool: MHATokenToKVPool, pin: Callable[[torch.Tensor], torch.Tensor] | None = None
-) -> bool:
-    """Hook 15: every K and V buffer of SGLang's ``pool`` moved to ``pin``'s copy (pinned host memory),
-    seen through a CUDA view; the device buffers are dropped. True if the GPU reads the host copies in
-    place, False if it fell back to device copies (or on CPU)."""
-    from sglang_oasis.memory.pinned_host import device_view, pinned_like
+def _host_tier_here(configurator: KVCacheConfigurator) -> bool:
+    """Whether the configurator builds the target model's KV pool on CUDA (the host tier, hooks 15 and 16)."""
+    import torch
 
-    in_place = True
-    for buffers in (pool.k_buffer, pool.v_buffer):
-        buffers = cast("list[torch.Tensor]", buffers)  # SGLang declares them None until it allocates
-        for index, buffer in enumerate(buffers):
-            buffers[index], here = device_view((pin or pinned_like)(buffer))
-            in_place = in_place and here
-    pool._kv_buffer_descs = pool._build_kv_buffer_descs()  # SGLang caches both from the buffers
-    pool._init_data_ptrs_and_strides()
-    return in_place
+    return not configurator.is_draft_worker and torch.device(configurator.device).type == "cuda"
+
+
+class GpuKVBytes:
+    """What hook 16 measured for each configurator (by identity: SGLang's configurator has slots), until
+    hook 15 hands it to the pool it builds. Owned by the two registered hooks (``register``)."""
+
+    def __init__(self) -> None:
+        self._bytes: dict[int, int] = {}
+
+    def keep(self, configurator: KVCacheConfigurator, gpu_bytes: int) -> None:
+        self._bytes[id(configurator)] = gpu_bytes
+
+    def take(self, configurator: KVCacheConfigurator) -> int | None:
+        return self._bytes.pop(id(configurator), None)
+
+
+def host_tier_pool(
+    measured: GpuKVBytes, original: Callable[..., KVCache], configurator: KVCacheConfigurator, *,
+    max_total_num_tokens: int, mha_pool_class: type, quant_method: object | None = None,
+) -> KVCache:  # fmt: skip
+    """AROUND hook 15: the target model's KV pool on CUDA built as ``PinnedHostKVPool``."""
+    if not _host_tier_here(configurator):
+        return original(configurator, max_total_num_tokens=max_total_num_tokens, mha_pool_class=mha_pool_class,
+                        quant_method=quant_method)  # fmt: skip
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from sglang_oasis.memory.host_kv_pool import PinnedHostKVPool
+
+    if mha_pool_class is not MHATokenToKVPool or quant_method is not None:
+        raise ValueError(
+            f"oasis sparse mode keeps the KV pool in host memory and serves SGLang's plain MHA pool only; SGLang "
+            f"chose {getattr(mha_pool_class, '__name__', mha_pool_class)} (quantized: {quant_method is not None})"
+        )
+    pool = original(configurator, max_total_num_tokens=max_total_num_tokens, mha_pool_class=PinnedHostKVPool)
+    assert isinstance(pool, PinnedHostKVPool)
+    pool.gpu_kv_bytes = measured.take(configurator)
+    return pool
+
+
+def host_tier_budget(
+    config: OasisConfig, measured: GpuKVBytes, original: Callable[..., int], configurator: KVCacheConfigurator,
+    pre_model_load_memory: int,
+) -> int:  # fmt: skip
+    """AROUND hook 16: the bytes SGLang sizes the target's KV pool by on CUDA: host RAM's share, not the
+    GPU's (which is kept for the device tier)."""
+    gpu_bytes = original(configurator, pre_model_load_memory)
+    if not _host_tier_here(configurator):
+        return gpu_bytes
+    from sglang_oasis.memory.host_tier import available_host_memory
+
+    measured.keep(configurator, gpu_bytes)
+    available = available_host_memory()
+    host_bytes = (
+        available if config.host_kv_tokens is not None else int(config.host_memory_fraction * available)
+    )
+    logger.info(
+        "oasis: the host KV tier is sized by host RAM (%.1f GiB of %.1f GiB available), not the GPU's %.1f GiB, "
+        "which goes to the device tier", host_bytes / 2**30, available / 2**30, gpu_bytes / 2**30,
+    )  # fmt: skip
+    return host_bytes
 
 
 def register(config: OasisConfig) -> None:
@@ -850,6 +919,12 @@ def register(config: OasisConfig) -> None:
     HookRegistry.register(STREAMER_TARGET, report_request_figures, HookType.AROUND)
     HookRegistry.register(
         VERIFY_PARAMS_TARGET, functools.partial(check_request_options, config), HookType.AROUND
+    )
+    # the host tier on CUDA (the hooks leave a CPU engine's pools alone)
+    measured = GpuKVBytes()
+    HookRegistry.register(POOL_BUILD_TARGET, functools.partial(host_tier_pool, measured), HookType.AROUND)
+    HookRegistry.register(
+        POOL_BUDGET_TARGET, functools.partial(host_tier_budget, config, measured), HookType.AROUND
     )
     if config.cuda_untested:  # CUDA graphs: only the CUDA path replays them
         HookRegistry.register(GRAPH_RUN_TARGET, ask_backend_to_replay, HookType.AROUND)

@@ -182,7 +182,14 @@ def test_a_pd_decode_server_on_cpu_backs_up_retracted_requests_in_plain_tensors(
         (["--oasis-device-kv-tokens", "1024"], "--oasis-device-kv-tokens: 1024 tokens do not hold"),
         (["--oasis-device-kv-tokens", str(10**9)], "are both host RAM, more than the"),
         (["--device", "cuda"], "--oasis-cuda-untested true to try the untested CUDA path"),
-        (["--device", "cuda", "--oasis-cuda-untested", "true", "--tp-size", "2"], "one GPU only"),
+        (
+            ["--device", "cuda", "--oasis-cuda-untested", "true", "--tp-size", "2"],
+            "--tp-size 2 with CUDA graphs",
+        ),
+        (
+            ["--device", "cuda", "--oasis-cuda-untested", "true", "--oasis-decode-step", "eager"],
+            "--oasis-decode-step eager on CUDA",
+        ),
         (
             ["--device", "cuda", "--oasis-cuda-untested", "true", "--oasis-dense-layers", "0"],
             "--disable-cuda-graph",

@@ -84,21 +84,27 @@ def _reachable_tensors(root: object) -> dict[str, torch.Tensor]:
 @pytest.mark.parametrize("name", SHAPES)
 def test_every_tensor_reachable_from_the_tier_is_one_it_counts(name: str) -> None:
     """Found by reflection, not by the list that defines ``nbytes``: a tensor added to the working sets,
-    the active blocks or the summaries and left out of ``tensors()`` fails here."""
+    the active blocks or the summaries and left out of ``tensors()`` (the device's) or ``host_tensors()``
+    (the host plan's: the tables' mirror, the page epochs) fails here."""
     shape = SHAPES[name]._replace(num_layers=1, host_pages=6)
     dtype = {2: torch.bfloat16, 4: torch.float32}[shape.element_bytes]
     tier = DeviceTier(shape, layout(10**9, shape, max_request_slots=2), dtype, "cpu")
-    counted = {t.untyped_storage().data_ptr() for t in tier.tensors().values()}
+    counted = {
+        t.untyped_storage().data_ptr() for t in [*tier.tensors().values(), *tier.host_tensors().values()]
+    }
     reachable = _reachable_tensors(tier)
     assert {"tier.working_sets.k", "tier.active.start", "tier.summaries.kmin"} <= set(reachable)
     uncounted = sorted(path for path, t in reachable.items() if t.untyped_storage().data_ptr() not in counted)
     assert not uncounted, f"device-tier tensors missing from DeviceTier.tensors(): {uncounted}"
+    assert "summary_epoch" not in tier.tensors()  # host bookkeeping: not in the device budget
 
 
 def test_the_reflection_finds_a_tensor_left_out_of_the_count() -> None:
     tier = _tier(2)
     tier.active.extra = torch.zeros(3)  # type: ignore[attr-defined]
-    counted = {t.untyped_storage().data_ptr() for t in tier.tensors().values()}
+    counted = {
+        t.untyped_storage().data_ptr() for t in [*tier.tensors().values(), *tier.host_tensors().values()]
+    }
     missing = [
         p for p, t in _reachable_tensors(tier).items() if t.untyped_storage().data_ptr() not in counted
     ]

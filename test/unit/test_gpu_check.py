@@ -51,3 +51,32 @@ def test_gpu_check_smoke(tmp_path: Path) -> None:
     for row in captured["rows"]:
         assert row["eager_ms"] > 0 and row["dense_ms"] > 0 and row["host_blocks_per_step"] > 0, row
     assert "captured step" in result.stdout
+
+
+def test_gpu_check_on_a_fake_cuda_device(tmp_path: Path) -> None:
+    """``gpu_check.py --fake-cuda``: the GPU check's own step (the runtime's ``DeviceTier``, page-locked
+    host tier and ``GraphedStep``) at toy sizes on a fake CUDA device, where a device mismatch, or a sync
+    or copy inside a replay, fails the run; its replays equal eager passes on plans of their own."""
+    out = tmp_path / "fake.json"
+    result = subprocess.run(
+        [sys.executable, str(REPO / "benchmark" / "gpu_check.py"), "--fake-cuda", "--json", str(out)],
+        env=child_env({"PYTHONPATH": str(REPO / "sgl-kernel-oasis" / "python")}),
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    captured = json.loads(out.read_text())["captured_step"]
+    checks = captured["checks"]
+    assert checks["replay_equals_eager"] and checks["state_equal"] and checks["host_tier_device_view"], checks
+    assert checks["covering_rel_err"] < 1e-3
+    assert [row["batch"] for row in captured["rows"]] == [1, 2]
+    assert all(row["host_blocks_per_step"] > 0 and row["pass_ms"] > 0 for row in captured["rows"])
+
+
+def test_gpu_check_sh_fits_one_device_call() -> None:
+    """The device tool runs one command for at most 600 s: the script's timeouts sum to 540 s."""
+    import re
+
+    script = (REPO / "benchmark" / "gpu_check.sh").read_text()
+    assert sum(int(t) for t in re.findall(r"^timeout (\d+) ", script, flags=re.M)) <= 540

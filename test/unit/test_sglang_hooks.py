@@ -724,32 +724,33 @@ def test_hook_14_ask_backend_to_replay() -> None:
     assert hooks.ask_backend_to_replay(lambda r, fb: True, NS(attn_backend=object()), "any")
 
 
-def test_hook_15_pool_in_pinned_host_memory() -> None:
-    """On a real SGLang pool (CPU here, where nothing is pinned: ``pin`` makes plain copies), the pool's
-    buffers become the new memory with their contents, SGLang's cached data pointers follow them, and its
-    own ``set_kv_buffer`` writes there."""
+def test_hooks_15_and_16_targets() -> None:
+    """SGLang builds the target's MHA KV pool through ``_build_mha_kv_pool`` with the class it chose and
+    sizes it from ``_profile_available_bytes`` (the test fails when SGLang moves either); on a CPU
+    configurator both hooks leave SGLang's answer alone. On a fake CUDA device: test_fake_cuda.py."""
+    from sglang.srt.mem_cache import kv_cache_configurator as module
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-    pool = MHATokenToKVPool(
-        size=64, page_size=16, dtype=torch.float32, head_num=2, head_dim=8, layer_num=3, device="cpu",
-        enable_memory_saver=False,
-    )  # fmt: skip
-    for buffer in (*pool.k_buffer, *pool.v_buffer):
-        buffer.copy_(torch.randn(buffer.shape))
-    before = [b.clone() for b in (*pool.k_buffer, *pool.v_buffer)]
-    old_ptrs = pool.data_ptrs.clone()
-    made: list[torch.Tensor] = []
+    assert_params(hooks.POOL_BUILD_TARGET, ["self", "max_total_num_tokens", "mha_pool_class", "quant_method"])
+    assert_params(hooks.POOL_BUDGET_TARGET, ["self", "pre_model_load_memory"])
+    source = source_of(module)
+    assert "available_bytes = self._profile_available_bytes(pre_model_load_memory)" in source
+    assert "token_to_kv_pool = self._build_mha_kv_pool(\n                    max_total_num_tokens=" in source
+    assert "mha_pool_class=mha_pool_class,\n                    quant_method=quant_method," in source
+    cpu = NS(is_draft_worker=False, device="cpu")
+    built: list[dict[str, Any]] = []
 
-    def pin(buffer: torch.Tensor) -> torch.Tensor:
-        made.append(buffer.clone())
-        return made[-1]
+    def build(configurator: Any, **kwargs: Any) -> str:
+        built.append(kwargs)
+        return "sglang's pool"
 
-    assert hooks.pool_in_pinned_host_memory(pool, pin) is False  # nothing pinned on CPU: no device view
-    assert all(a is b for a, b in zip((*pool.k_buffer, *pool.v_buffer), made, strict=True))
-    assert all(torch.equal(a, b) for a, b in zip(before, made, strict=True))
-    assert pool.data_ptrs.tolist() == [t.data_ptr() for t in made] != old_ptrs.tolist()
-    layer = NS(layer_id=1, k_scale=None, v_scale=None)
-    loc = torch.tensor([3, 17])
-    k, v = torch.randn(2, 2, 8), torch.randn(2, 2, 8)
-    pool.set_kv_buffer(layer, loc, k, v)
-    assert torch.equal(made[1][loc], k) and torch.equal(made[4][loc], v)
+    measured = hooks.GpuKVBytes()
+    pool = hooks.host_tier_pool(
+        measured, build, cpu, max_total_num_tokens=64, mha_pool_class=MHATokenToKVPool
+    )
+    assert pool == "sglang's pool"
+    assert built == [{"max_total_num_tokens": 64, "mha_pool_class": MHATokenToKVPool, "quant_method": None}]
+    assert hooks.host_tier_budget(OasisConfig(), measured, lambda configurator, memory: 123, cpu, 5) == 123
+    draft = NS(is_draft_worker=True, device="cuda")  # the EAGLE-3 draft's pool stays SGLang's, on the GPU
+    assert hooks.host_tier_budget(OasisConfig(), measured, lambda configurator, memory: 123, draft, 5) == 123
+    assert measured.take(cpu) is None and measured.take(draft) is None

@@ -78,3 +78,11 @@ def extend_seq_lens(forward_batch: ForwardBatch) -> list[int]:
         return [int(n) for n in forward_batch.extend_seq_lens_cpu]
     assert forward_batch.extend_seq_lens is not None  # SGLang's ForwardBatch: None outside extends
     return [int(n) for n in forward_batch.extend_seq_lens.tolist()]
+
+
+def host_ints(forward_batch: ForwardBatch, name: str) -> list[int]:
+    """A per-request field of SGLang's ``ForwardBatch`` (``req_pool_indices``, ``seq_lens``) as host ints:
+    from SGLang's host copy (``<name>_cpu``) where it keeps one, so a GPU's copy is not read back."""
+    host = getattr(forward_batch, f"{name}_cpu", None)
+    values = getattr(forward_batch, name) if host is None else host
+    return [int(n) for n in values.tolist()]

@@ -17,6 +17,7 @@ every sparse layer (their state views have the same strides) and every step (the
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +26,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from sglang_oasis.attention.batch_view import BatchView
-from sglang_oasis.attention.block_prefetcher import JobResult
+from sglang_oasis.attention.captured_pass import Planned, fold_pass
 from sglang_oasis.attention.decode_program import COUNTS, LayerState, decode_layer
 from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.attention.sparse_attention import SparseAttention
@@ -39,6 +40,7 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
+    from sglang_oasis.attention.block_prefetcher import JobResult
     from sglang_oasis.attention.kv_intake import KVIntake
     from sglang_oasis.attention.recall_probe import RecallProbe
     from sglang_oasis.attention.selector import Selector
@@ -87,24 +89,21 @@ class CapturedStep:
         # The block dimension is symbolic in the graph (``decode``: one graph per batch bucket, whatever the
         # contexts); buckets of at least a working set's slots keep it one (no branch on N < S).
         self.block_buckets = powers_of_two(max(MIN_BLOCK_BUCKET, tier.working_sets.num_slots), blocks)
-        # one graph per batch bucket; SGLang's own CPU runner raises the same limit
-        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 256)
-        # compile in this process: a graph is one C++ file, and a pool of compile workers per server would
-        # hold hundreds of MiB for nothing
-        torch._inductor.config.compile_threads = 1
         self.program: Callable[..., tuple[torch.Tensor, torch.Tensor]] = torch.compile(
             decode_layer, fullgraph=True, dynamic=False
         )
         self._states: dict[int, LayerState] = {}
         self._compiled: set[int] = set()  # batch buckets compiled
+        self._shapes: set[tuple[int, int]] = set()  # (rows, blocks) the program has run at
         if sync_guard_on():  # SGLANG_OASIS_SYNC_GUARD=1: the program uncompiled, each call under the guard
             self.program, self._compiled = guarded(decode_layer), set(self.batch_buckets)
             logger.warning(
                 "oasis: the captured decode step runs uncompiled under the sync guard (a test mode)"
             )
-        self.plan: StepPlan | None = None
-        self.planned = (BatchView.empty(), torch.zeros(0, dtype=torch.int64))  # the plan's batch, seq_lens
+        self.plan: StepPlan | None = None  # what the program reads (on the tier's device)
+        self.planned = Planned.none()  # the host's record of the planned pass
         self.rows = 0
+        self.layers_done = 0  # sparse layers of the planned pass the program ran
         self.counts = torch.zeros((0, len(COUNTS)), dtype=torch.int64)
         self.pending = False  # a decode pass began that may run captured; its first sparse layer plans it
         self.finish_pending: Callable[[], None] = lambda: None  # eager prefetch jobs still running
@@ -132,16 +131,7 @@ class CapturedStep:
         step.finish_pending, step.before_select = selector.finish_pending, selector.before_select
         step.account = selector.account
         step.summarised, step.probe = backend.summarised, backend.recall
-
-        def catch_up(batch: BatchView, upto: torch.Tensor) -> None:
-            if not bool(
-                (backend.summarised[batch.req_index][:, backend.sparse_layers] < upto[:, None]).any()
-            ):
-                return  # the usual pass: nothing to catch up (one check, not one per layer)
-            for layer in backend.sparse_layers:
-                backend.intake.catch_up(batch, layer, upto)
-
-        step.catch_up = catch_up
+        step.catch_up = lambda batch, upto: backend.intake.catch_up_layers(batch, backend.sparse_layers, upto)
         remote = selector.prefetcher.remote  # remote partial fetching (a PD decode node)
         step.covers = lambda: backend.strict is None and selector.faults.prompt_len is None and (
             remote is None or remote.tp_size == 1  # under TP the ranks' blocks arrive apart: eager
@@ -209,7 +199,6 @@ class CapturedStep:
         if tree is not None:
             locs, drafts = locs[:, 0], locs[:, 1:]
         summaries = self.tier.summaries
-        summaries.restart_epochs(locs)  # once per pass, as the eager step does at the epoch layer
         plan = StepPlan.build(
             batch.slots, seq_lens, locs, self.req_to_token, batch.req_index, batch.step, self.shape,
             bucket(bs, self.batch_buckets), bucket(full, self.block_buckets), drafts, tree, recall,
@@ -218,9 +207,16 @@ class CapturedStep:
         self.slots.prefixes.record(batch.slots, plan.pages[:bs, :full], seq_lens // block, summaries.epoch)
         if self.summarised is not None:  # the step folds its token into every sparse layer's summaries
             self.summarised[batch.req_index[:, None], torch.tensor(self.sparse_layers)] = seq_lens[:, None]
-        self.plan, self.rows, self.planned = plan, bs, (batch, seq_lens)
-        self.counts = torch.zeros((len(plan.slots), len(COUNTS)), dtype=torch.int64)
+        self.plan, self.rows, self.planned = self.upload(plan, batch), bs, Planned(batch, seq_lens, plan)
+        self.layers_done = 0
+        self.counts = torch.zeros((len(plan.slots), len(COUNTS)), dtype=torch.int64, device=self.tier.device)
         return True
+
+    def upload(self, plan: StepPlan, batch: BatchView) -> StepPlan:
+        """The host plan's writes and ``plan`` to the device (on CPU: nothing to do): the batch's rows of
+        the tier's tables (``tier_tables.py``), then the plan the program reads."""
+        self.tier.tables.upload(batch.slots)
+        return plan.to(self.tier.device)
 
     def _tails_held(self, batch: BatchView, seq_lens: torch.Tensor, rows: int) -> bool:
         """Every sparse layer's tail (positions ``covered * B .. seq_len - 1``) is in the active blocks with
@@ -265,11 +261,15 @@ class CapturedStep:
             )  # fmt: skip
             started = time.perf_counter()
         try:
-            out, counts = self.program(self.shape, state, plan, q, k, v, layer.scaling)
+            with self._compiling(rows, plan.pages.shape[1]):
+                out, counts = self.program(self.shape, state, plan, q, k, v, layer.scaling)
         except Exception:  # never the process: this server decodes eagerly from here on
             logger.exception("oasis: the captured decode step failed (%d rows x %d blocks); decoding eagerly "
                              "from now on", rows, plan.pages.shape[1])  # fmt: skip
-            self.covers, self.plan = (lambda: False), None
+            self.covers = lambda: False
+            if self.layers_done:  # what the program did at the layers before: the host's, and counted
+                self._fold(bs, self.layers_done)
+            self.plan = None  # this layer and the pass's later ones run eagerly, as any eager pass
             return None
         if first:
             self._compiled.add(rows)
@@ -277,13 +277,35 @@ class CapturedStep:
             logger.info("oasis: captured decode step for %d rows compiled in %.1f s", rows, seconds)
             self.stats.add("captured_compile_ms", round(seconds * 1000))
         self.counts += counts
-        if layer_id == self.sparse_layers[-1]:
-            self.last_layer_done(bs)
+        self.layer_done(layer_id, bs)
         return out[:bs].reshape(bs * per_request, layer.tp_q_head_num * layer.v_head_dim)
 
+    def layer_done(self, layer_id: int, batch_rows: int) -> None:
+        """The program ran ``layer_id``: at the summaries' epoch layer, the pages the step's tokens start
+        get a new epoch (once per pass, as the eager step does there); after the last sparse layer the
+        pass's counts go into the server's (``GraphedStep``: at the next pass)."""
+        self.layers_done += 1
+        summaries = self.tier.summaries
+        if layer_id == summaries.epoch_layer:
+            summaries.restart_epochs(self.planned.plan.locs[:batch_rows])
+        if layer_id == self.sparse_layers[-1]:
+            self.last_layer_done(batch_rows)
+
     def last_layer_done(self, batch_rows: int) -> None:
-        """The pass's last sparse layer ran: its counts into the server's (``GraphedStep``: later)."""
         self._fold(batch_rows)
+
+    def _compiling(self, rows: int, blocks: int) -> contextlib.AbstractContextManager[object]:
+        """At a shape the program has not run at, torch's compile settings this step needs, for that call
+        only (never process-wide): one graph per batch bucket (SGLang's CPU runner raises the same limit),
+        compiled in this process (a pool of compile workers would hold hundreds of MiB for nothing)."""
+        if (rows, blocks) in self._shapes:
+            return contextlib.nullcontext()
+        self._shapes.add((rows, blocks))
+        limit = max(torch._dynamo.config.cache_size_limit, 256)
+        stack = contextlib.ExitStack()
+        stack.enter_context(torch._dynamo.config.patch(cache_size_limit=limit))
+        stack.enter_context(torch._inductor.config.patch(compile_threads=1))
+        return stack
 
     def state(self, layer_id: int) -> LayerState:
         """The program's views of ``layer_id``'s tier and pool (made once per layer)."""
@@ -292,29 +314,7 @@ class CapturedStep:
             state = self._states[layer_id] = LayerState.of(self.tier, self.kv_pool, layer_id)
         return state
 
-    def _fold(self, batch_rows: int) -> None:
-        """The pass's counts, as one finished selection job of every sparse layer, into the server's
-        counters and each request's figures (``Selector.account``, one read per pass)."""
-        counts = dict(zip(COUNTS, self.counts[:batch_rows].t(), strict=True))
-        plan = self.plan
-        assert plan is not None
-        if int(counts["overflow"].sum()):  # the plan's bound on fresh blocks failed: a bug, say it loudly
-            logger.error(
-                "oasis: a captured step had more loads than its %d copies per head", self.shape.copies
-            )
-        host = counts["loads"] - counts["from_active"]
-        owners = [self.tier.owner(slot) for slot in plan.slots[:batch_rows].tolist()]
-        loads = [(o[0], o[1], n) for o, n in zip(owners, host.tolist(), strict=True) if n and o is not None]
-        layers = len(self.sparse_layers)
-        total = {name: int(values.sum()) for name, values in counts.items()}
-        self.account(JobResult(
-            layer_id=self.sparse_layers[-1], admission=False, selections=batch_rows * layers, loads=total["loads"],
-            fresh=total["fresh"], from_active=total["from_active"], scored=total["scored"],
-            deferred=total["deferred"], heads=batch_rows * layers * self.tier.shape.num_kv_heads, select_ns=0,
-            transfer_ns=0, failed={}, host_loads=tuple(loads),
-        ))  # fmt: skip
-        self.stats.add("captured_decode_passes")
-        for name in ("below_target", "target_grows", "target_shrinks"):
-            self.stats.add(f"recall_{name}", total[name])
-        if plan.sampled is not None and self.probe is not None:  # the sample's figures, from the tier
-            self.probe.fold(self.planned[0], self.sparse_layers, self.planned[1].tolist())
+    def _fold(self, batch_rows: int, layers: int | None = None) -> None:
+        """The pass's counts into the server's (``captured_pass.fold_pass``; ``layers``: the sparse layers the
+        program ran, when it stopped before the last)."""
+        fold_pass(self, batch_rows, len(self.sparse_layers) if layers is None else layers)

@@ -27,15 +27,18 @@ if TYPE_CHECKING:
 
     from sglang_oasis.attention.batch_view import BatchView
     from sglang_oasis.attention.captured_step import CapturedStep
+    from sglang_oasis.attention.selector import Selector
     from sglang_oasis.config import OasisConfig
 
 
 class GraphHooks:
     config: OasisConfig
     captured: CapturedStep | None
+    selector: Selector
     batch: BatchView
     dense_layers: frozenset[int]
     _graph_begun: Any = None  # the forward batch ``graph_ready`` began, until ``init_forward_metadata``
+    _graph_answer = False  # what ``graph_ready`` answered for it
 
     def begin_forward(self, forward_batch: ForwardBatch) -> None: ...  # ``OasisAttnBackend``'s
 
@@ -45,7 +48,8 @@ class GraphHooks:
                 "--oasis-dense-layers decode through SGLang's torch_native attention, which a CUDA graph "
                 "cannot capture: pass --disable-cuda-graph, or no dense layers"
             )
-        self.captured = GraphedStep.for_graphs(self, max_bs)  # type: ignore[arg-type]
+        step = self.captured = GraphedStep.for_graphs(self, max_bs)  # type: ignore[arg-type]
+        self.selector.before_drain = step.fold  # host code that waits for the tables gets the replay's
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1  # a padding row: one token, its own (``StepPlan``'s padding)
@@ -58,12 +62,17 @@ class GraphHooks:
             step.load(forward_batch.batch_size)
 
     def graph_ready(self, forward_batch: ForwardBatch) -> bool:
-        """Hook 14: SGLang's runner may replay this decode pass (begun and planned here)."""
+        """Hook 14: SGLang's runner may replay this decode pass (begun and planned here, once: SGLang asks
+        ``can_run_graph`` again of a batch it asked before, e.g. its speculative workers before and in the
+        model runner's forward, and the pass must not begin twice)."""
         step = self.graphed_step()
+        if self._graph_begun is forward_batch:
+            return self._graph_answer
         step.fold()
         self.begin_forward(forward_batch)
         self._graph_begun = forward_batch
-        return step.ready(self.batch, forward_batch)
+        self._graph_answer = step.ready(self.batch, forward_batch)
+        return self._graph_answer
 
     def graph_begun(self, forward_batch: ForwardBatch) -> bool:
         """At an eager pass's ``init_forward_metadata``: whether ``graph_ready`` began it already (the last
@@ -72,6 +81,12 @@ class GraphHooks:
             self.captured.fold()
         begun, self._graph_begun = self._graph_begun is forward_batch, None
         return begun
+
+    def settle(self, reqs: set[int]) -> None:
+        """Hook 4, before SGLang processes the results of a batch of request rows ``reqs``: a replay of
+        that batch is folded now, so a request finishing there has its figures (``GraphedStep.settle``)."""
+        if isinstance(self.captured, GraphedStep):
+            self.captured.settle(reqs)
 
     def graphed_step(self) -> GraphedStep:
         if not isinstance(self.captured, GraphedStep):

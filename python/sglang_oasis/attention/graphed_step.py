@@ -30,6 +30,7 @@ import torch
 
 from sglang_oasis.attention.captured_step import CapturedStep, StepParts
 from sglang_oasis.attention.decode_program import COUNTS, StepPlan, decode_layer
+from sglang_oasis.attention.sync_guard import guarded, sync_guard_on
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -52,16 +53,18 @@ class GraphedStep(CapturedStep):
     def for_graphs(cls, backend: StepParts, max_bs: int) -> GraphedStep:
         step = cls.for_backend(backend)
         assert isinstance(step, GraphedStep)
-        step.program = decode_layer  # the graph records its kernels; nothing to compile
-        blocks = step.req_to_token.shape[1] // step.shape.block_size
-        step.batch_buckets, step.block_buckets = (max_bs,), (blocks,)  # one plan shape: ``static``'s
-        device = step.tier.working_sets.covered.device
-        padding = step.padding_plan(max_bs, blocks)
-        step.static = padding._replace(
-            **{name: t.to(device) for name, t in padding._asdict().items() if t is not None}
-        )
-        step.static_counts = torch.zeros((max_bs, len(COUNTS)), dtype=torch.int64, device=device)
+        step.allocate(max_bs)
         return step
+
+    def allocate(self, max_bs: int) -> None:
+        """The buffers graphs of up to ``max_bs`` rows read, on the tier's device (``static``)."""
+        # the graph records its kernels; nothing to compile (the sync guard's test mode: each call guarded)
+        self.program = guarded(decode_layer) if sync_guard_on() else decode_layer
+        blocks = self.req_to_token.shape[1] // self.shape.block_size
+        self.batch_buckets, self.block_buckets = (max_bs,), (blocks,)  # one plan shape: ``static``'s
+        padding = self.padding_plan(max_bs, blocks)
+        self.static = padding.to(self.tier.device)
+        self.static_counts = torch.zeros((max_bs, len(COUNTS)), dtype=torch.int64, device=self.tier.device)
 
     def padding_plan(self, rows: int, blocks: int) -> StepPlan:
         """Padding rows only (with the recall fields, no target: a target's growth is in the graph)."""
@@ -86,14 +89,23 @@ class GraphedStep(CapturedStep):
         """SGLang's runner captures (and warms up) the graph of ``bs`` rows next: padding rows only."""
         self._fill(self.padding_plan(*self.static.pages.shape), bs, live=0)
 
+    def upload(self, plan: StepPlan, batch: BatchView) -> StepPlan:
+        """The tables' rows of the batch to the device; the plan stays on the host until ``load`` copies it
+        into ``static``."""
+        self.tier.tables.upload(batch.slots)
+        return plan
+
     def load(self, bs: int) -> None:
         """The planned pass (``ready``, by ``CapturedStep``) into ``static``'s first ``bs`` rows, before the
-        graph replays."""
+        graph replays; the pages its tokens start get a new epoch (host bookkeeping, which a replay does
+        not run)."""
         if self.plan is None:
             raise RuntimeError(
                 "oasis: a CUDA graph replay of a pass that was not planned (hook 14 not applied?)"
             )
-        self._fill(self.plan, bs, live=self.rows)
+        live = self.rows
+        self.tier.summaries.restart_epochs(self.planned.plan.locs[:live])
+        self._fill(self.plan, bs, live=live)
 
     def _fill(self, plan: StepPlan, bs: int, live: int) -> None:
         """``plan``'s first ``bs`` rows (``live`` of them a batch's) into ``static``; counts zeroed."""
@@ -130,10 +142,21 @@ class GraphedStep(CapturedStep):
         self.static_counts[:bs] += counts
         return out.reshape(bs, layer.tp_q_head_num * layer.v_head_dim)
 
+    def layer_done(self, layer_id: int, batch_rows: int) -> None:
+        """Nothing: a replay runs no Python (``load`` and ``fold`` do the host's part)."""
+
     def fold(self) -> None:
-        """The last replay's counts into the server's counters (at the next pass, outside any graph)."""
+        """The last replay's counts and tables into the host's (at the next pass, or before its batch's
+        results are processed: ``settle``; outside any graph), credited to the requests it ran."""
         if self.unfolded:
             live, self.unfolded = self.unfolded, 0
-            self.plan, self.counts = self.view(live), self.static_counts[:live].cpu()
+            self.counts = self.static_counts
             self._fold(live)
             self.plan = None
+
+    def settle(self, reqs: set[int]) -> None:
+        """Before SGLang processes the results of a batch of request rows ``reqs`` (hook 4): if the last
+        replay ran that batch, its figures go in now (a request finishing there reports them). With the
+        overlap scheduler the next pass has folded it already."""
+        if self.unfolded and set(self.planned.batch.reqs) == reqs:
+            self.fold()

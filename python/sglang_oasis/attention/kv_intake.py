@@ -57,6 +57,13 @@ class KVIntake:
         values = v.reshape(len(locations), heads, -1)[tokens]
         active.store(layer_id, batch.slots, first, seq_lens, keys, values)
 
+    def catch_up_layers(self, batch: BatchView, layers: list[int], seq_lens: torch.Tensor) -> None:
+        """``catch_up`` at every one of ``layers`` (a captured pass's, before its program); the usual pass,
+        nothing to catch up, costs one check, not one per layer."""
+        if bool((self.summarised[batch.req_index][:, layers] < seq_lens[:, None]).any()):
+            for layer in layers:
+                self.catch_up(batch, layer, seq_lens)
+
     def catch_up(self, batch: BatchView, layer_id: int, seq_lens: torch.Tensor) -> None:
         """Fold in the keys committed since the last summary update, positions ``[summarised, seq_len)``
         of each request: accepted drafts, from the active blocks; an arrival's whole prompt, read back

@@ -37,11 +37,13 @@ class LayerState(NamedTuple):
 
     @classmethod
     def of(cls, tier: DeviceTier, kv_pool: MHATokenToKVPool, layer: int) -> LayerState:
-        ws, active, summaries = tier.working_sets, tier.active, tier.summaries
+        """``layer``'s views; the index tables are the device's (``tier_tables.py``: on CUDA not the host
+        plan's mirror)."""
+        ws, active, summaries, t = tier.working_sets, tier.active, tier.summaries, tier.tables.device
         return cls(
             kv_pool.get_key_buffer(layer), kv_pool.get_value_buffer(layer), summaries.kmin[layer],
-            summaries.kmax[layer], ws.k[:, layer], ws.v[:, layer], ws.slot_block[:, layer],
-            ws.last_selected[:, layer], ws.covered[:, layer], ws.top_k[:, layer], tier.pinned[:, layer],
-            active.k[layer], active.v[layer], active.start[:, layer], active.end[:, layer],
-            tier.recall_streak[:, layer], tier.recall[:, layer],
+            summaries.kmax[layer], ws.k[:, layer], ws.v[:, layer], t["slot_block"][:, layer],
+            t["last_selected"][:, layer], t["covered"][:, layer], t["top_k"][:, layer], t["pinned"][:, layer],
+            active.k[layer], active.v[layer], t["active_start"][:, layer], t["active_end"][:, layer],
+            t["recall_streak"][:, layer], t["recall"][:, layer],
         )  # fmt: skip

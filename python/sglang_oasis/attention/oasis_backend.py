@@ -25,7 +25,7 @@ import torch
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 from sglang.srt.mem_cache.memory_pool import KVWriteLoc
 
-from sglang_oasis.attention.batch_view import BatchView, extend_prefix_lens, extend_seq_lens
+from sglang_oasis.attention.batch_view import BatchView, extend_prefix_lens, extend_seq_lens, host_ints
 from sglang_oasis.attention.block_prefetcher import INJECT_ENV
 from sglang_oasis.attention.captured_step import CapturedStep
 from sglang_oasis.attention.draft_backend import DraftAttnBackend
@@ -45,7 +45,7 @@ from sglang_oasis.attention.transfer_failures import TransferFailures
 from sglang_oasis.attention.triton_prefill import TritonPrefill
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.memory.device_tier import DeviceTier
-from sglang_oasis.sglang_hooks import pool_in_pinned_host_memory
+from sglang_oasis.serving_gates import Serving, check_host_tier, check_sparse_serving
 from sglang_oasis.stats import OasisStats, injects_here
 
 if TYPE_CHECKING:
@@ -66,15 +66,16 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
         self, model_runner: ModelRunner, config: OasisConfig, faults: FaultInjection | None = None,
         strict: StrictMode | None = None,
     ) -> None:  # fmt: skip
+        args = model_runner.server_args
+        check_sparse_serving(config, Serving.of(model_runner))  # serving_gates.py: as the launcher refuses
         super().__init__(model_runner)
         pool, self.config, self.block_size = self.token_to_kv_pool, config, config.block_size
-        if str(self.device).startswith("cuda"):  # the host tier: SGLang's pool, moved to pinned host memory
-            pool_in_pinned_host_memory(pool)
+        check_host_tier(pool, model_runner.device)
         self.init_triton_prefill(model_runner, config.prefill_attention)  # triton_prefill.py: extends
         if pool.page_size != self.block_size:
             raise ValueError(f"oasis backend needs --page-size {self.block_size} (= --oasis-block-size), got "
                              f"{pool.page_size}")  # fmt: skip
-        self.num_kv_heads, args = pool.head_num, model_runner.server_args
+        self.num_kv_heads = pool.head_num
         self.tier = DeviceTier.for_pool(
             pool, config, getattr(args, "max_running_requests", None), self.req_to_token_pool, self.device
         )
@@ -126,8 +127,7 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
 
     def begin_forward(self, forward_batch: ForwardBatch) -> None:
         mode = forward_batch.forward_mode
-        reqs = [int(r) for r in forward_batch.req_pool_indices.tolist()]
-        seq_lens = [int(n) for n in forward_batch.seq_lens.tolist()]
+        reqs, seq_lens = host_ints(forward_batch, "req_pool_indices"), host_ints(forward_batch, "seq_lens")
         prefix_lens = (
             extend_prefix_lens(forward_batch) if mode.is_extend() and not mode.is_target_verify() else None
         )

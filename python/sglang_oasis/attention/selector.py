@@ -110,6 +110,8 @@ class Selector:
             self.num_kv_heads,
         )
         self.caps = FetchCaps(config, int(kv_pool.layer_num))
+        # the captured decode step's results not folded into the host's tables yet (graphed_step.py)
+        self.before_drain: Callable[[], None] = lambda: None
         # called with (batch, layer, seq_lens) before a selection changes the working sets (retraction.py;
         # layer None: every layer, before a captured pass)
         self.before_select: Callable[[BatchView, int | None, list[int]], None] | None = None
@@ -279,7 +281,9 @@ class Selector:
         return prior
 
     def finish_pending(self) -> None:
-        """Wait for every layer's pending selection and transfer."""
+        """Wait for every layer's pending selection and transfer (and fold a CUDA graph replay's results,
+        ``before_drain``): the host's tables are then the ones the next step will find."""
+        self.before_drain()
         for result in self.pipeline.drain():
             self.account(result)
 

@@ -54,6 +54,14 @@ class StepPlan(NamedTuple):
     target: torch.Tensor | None = None
     sampled: torch.Tensor | None = None
 
+    def to(self, device: torch.device) -> StepPlan:
+        """The plan on ``device`` (itself on CPU): what the program reads there."""
+        if device.type == "cpu":
+            return self
+        return self._replace(
+            **{name: t.to(device, non_blocking=True) for name, t in self._asdict().items() if t is not None}
+        )
+
     @classmethod
     def build(
         cls, slots: torch.Tensor, seq_lens: torch.Tensor, locs: torch.Tensor, req_to_token: torch.Tensor,

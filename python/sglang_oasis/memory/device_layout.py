@@ -3,7 +3,7 @@ the launcher can size ``--max-running-requests`` before anything is imported.
 
     budget          = --oasis-device-kv-tokens x the served model's KV bytes per token
     summaries       = 2 (min, max) x layers x host pages x KV heads x head_dim x element bytes
-                      + 8 bytes per host page (its epoch)
+                      (each page's epoch is host bookkeeping: ``summary_store.py``)
     per request     = 2 (K, V) x layers x KV heads x (top-K + sinks) x block x head_dim x element bytes
                       (top-K: --oasis-recall-max-top-k when --oasis-recall-target is on)
                       + 2 (K, V) x layers x KV heads x active span x head_dim x element bytes
@@ -88,7 +88,7 @@ def active_span(block_size: int, verify_rows: int) -> int:
 
 def budget_bytes(config: OasisConfig, shape: TierShape) -> int:
     """``--oasis-device-kv-tokens`` x the model's KV bytes per token: the device tier's budget."""
-    return config.device_kv_tokens * shape.kv_bytes_per_token
+    return config.device_tokens * shape.kv_bytes_per_token
 
 
 def layout(budget_bytes: int, shape: TierShape, max_request_slots: int | None = None) -> DeviceTierLayout:
@@ -96,7 +96,6 @@ def layout(budget_bytes: int, shape: TierShape, max_request_slots: int | None = 
     ``max_request_slots``); raises ``DeviceTierError`` when not even one request fits."""
     s = shape
     summary = 2 * s.num_layers * s.host_pages * s.num_kv_heads * s.head_dim * s.element_bytes
-    summary += s.host_pages * INDEX_BYTES  # epochs
     heads = s.num_layers * s.num_kv_heads
     request = 2 * heads * s.slots_per_head * s.block_size * s.head_dim * s.element_bytes  # K and V
     request += 2 * heads * s.slots_per_head * INDEX_BYTES  # slot_block, last_selected

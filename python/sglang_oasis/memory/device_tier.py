@@ -43,6 +43,7 @@ from sglang_oasis.memory.device_layout import (
     layout,
 )
 from sglang_oasis.memory.summary_store import BlockSummaryStore
+from sglang_oasis.memory.tier_tables import TierTables
 from sglang_oasis.memory.working_set import WorkingSetPool
 
 if TYPE_CHECKING:
@@ -86,6 +87,18 @@ class DeviceTier:
         # its target, and the last sample's recall and lookahead agreement per KV head (``[.., 2, H]``).
         self.recall_streak = torch.zeros((allocated, shape.num_layers), dtype=torch.int64)
         self.recall = torch.zeros((allocated, shape.num_layers, 2, shape.num_kv_heads), dtype=torch.float32)
+        # The index tables above are the host plan's (host memory); the decode program reads and writes
+        # their copies on the device, kept equal once per pass (``tier_tables.py``; on CPU the same tensors).
+        ws, active = self.working_sets, self.active
+        self.device = torch.device(device)
+        self.tables = TierTables(
+            {
+                "slot_block": ws.slot_block, "last_selected": ws.last_selected, "covered": ws.covered,
+                "top_k": ws.top_k, "pinned": self.pinned, "active_start": active.start,
+                "active_end": active.end, "recall_streak": self.recall_streak, "recall": self.recall,
+            },
+            device,
+        )  # fmt: skip
         self._owner: list[tuple[int, int] | None] = [None] * slots  # request slot -> (req, generation)
         self._slot: dict[int, int] = {}  # SGLang req pool index -> its current request slot
         self._claimed_at = [0] * slots
@@ -111,13 +124,16 @@ class DeviceTier:
             element_bytes=torch.empty(0, dtype=kv_pool.dtype).element_size(),
             host_pages=int(kv_pool.size) // config.block_size + 2,  # SGLang keeps padding pages past ``size``
         )
-        budget = budget_bytes(config, shape)
+        gpu_bytes = getattr(kv_pool, "gpu_kv_bytes", None)  # on CUDA: the host tier's (host_kv_pool.py)
+        if config.device_kv_tokens is None and gpu_bytes is not None:
+            budget, named = int(gpu_bytes), "the GPU memory SGLang would have given its KV pool"
+        else:
+            budget, named = budget_bytes(config, shape), f"--oasis-device-kv-tokens {config.device_tokens}"
         fitting = layout(budget, shape)
         if max_running is not None and int(max_running) > fitting.request_slots:
             raise DeviceTierError(
-                f"--max-running-requests {max_running}: the device budget (--oasis-device-kv-tokens "
-                f"{config.device_kv_tokens}) holds {fitting.request_slots} requests' working sets; lower it "
-                "or raise the budget"
+                f"--max-running-requests {max_running}: the device budget ({named}) holds "
+                f"{fitting.request_slots} requests' working sets; lower it or raise the budget"
             )
         limit = int(max_running) if max_running is not None else int(req_to_token_pool.req_to_token.shape[0])
         return cls(shape, layout(budget, shape, limit), kv_pool.dtype, device, config.top_k)
@@ -136,25 +152,24 @@ class DeviceTier:
             model_runner.max_running_requests = self.num_request_slots
 
     def tensors(self) -> dict[str, torch.Tensor]:
-        """Every tensor the device tier holds, by name."""
+        """Every tensor the device tier holds on the device, by name (its index tables: their device copies)."""
         ws, summaries = self.working_sets, self.summaries
         return {
             "working_set_k": ws.k,
             "working_set_v": ws.v,
-            "slot_block": ws.slot_block,
-            "last_selected": ws.last_selected,
-            "covered": ws.covered,
-            "top_k": ws.top_k,
-            "pinned": self.pinned,
-            "recall_streak": self.recall_streak,
-            "recall": self.recall,
             "active_k": self.active.k,
             "active_v": self.active.v,
-            "active_start": self.active.start,
-            "active_end": self.active.end,
             "summary_kmin": summaries.kmin,
             "summary_kmax": summaries.kmax,
-            "summary_epoch": summaries.epoch,
+            **self.tables.device,
+        }
+
+    def host_tensors(self) -> dict[str, torch.Tensor]:
+        """What the host plan keeps beside it in host memory, by name: the tables' host mirror (on CPU the
+        same tensors as the device tier's) and the summaries' page epochs (``summary_store.py``)."""
+        return {
+            **{f"host_{name}": t for name, t in self.tables.host.items()},
+            "summary_epoch": self.summaries.epoch,
         }
 
     @property

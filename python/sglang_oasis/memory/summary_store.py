@@ -10,7 +10,9 @@ rather than by request means a prefix shared through the radix cache is summaris
 A page's summary restarts when its first token (offset 0) is written, so a recycled page never mixes
 with its previous owner's keys. Each restart also bumps the page's ``epoch`` (counted at one layer,
 ``epoch_layer``): a page holds the same KV for as long as its epoch is unchanged, which is what lets a
-working set that copied the page earlier be reused by another request (warm start).
+working set that copied the page earlier be reused by another request (warm start). The epochs are the
+host plan's bookkeeping (warm starts read them): a host tensor whatever the device, never read by the
+decode program.
 """
 
 from __future__ import annotations
@@ -51,8 +53,8 @@ class BlockSummaryStore:
     def restart_epochs(self, locations: torch.Tensor) -> None:
         """Bump the epoch of every page whose first token is among the written ``locations``."""
         if locations.numel():
-            starts = locations[locations % self.block_size == 0].cpu().to(torch.int64) // self.block_size
-            self.epoch[starts] += 1
+            locations = locations.cpu().to(torch.int64)  # an eager step's (a captured pass's: host already)
+            self.epoch[locations[locations % self.block_size == 0] // self.block_size] += 1
 
     def lookup(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kmin, kmax)`` of the given pages: each ``[len(pages), kv_heads, head_dim]``."""
