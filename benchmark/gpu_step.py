@@ -135,8 +135,7 @@ class Program:
         for row in range(1, batch + 1):
             slot = self.slots.claim(row, 0)
             tokens = table[row, : self.context - 1].to(torch.int64).to(keys.device)
-            for layer in range(self.layers):  # the summaries: SGLang's pages, every layer alike
-                tier.summaries.update(layer, tokens, keys[tokens].to(tier.summaries.kmin.dtype))
+            tier.summaries.update(0, tokens, keys[tokens].to(tier.summaries.kmin.dtype))  # layer 0's; below
             page_ids = table[row, 0 : blocks * b : b].to(torch.int64) // b
             heads = self.s.kv_heads
             if held_blocks:
@@ -157,6 +156,9 @@ class Program:
                 tier.active.v[layer][ring.to(keys.device)] = values[tail]
             host["covered"][slot] = covered
             host["active_start"][slot], host["active_end"][slot] = covered * b, self.context - 1
+        summaries = tier.summaries  # every layer reads the same host buffer: the same summaries
+        summaries.kmin[1:] = summaries.kmin[0]
+        summaries.kmax[1:] = summaries.kmax[0]
         tier.tables.upload(torch.arange(batch))
 
     # --- the step, as SGLang's decode graph runner calls it ---------------------------------------

@@ -401,10 +401,12 @@ def device_request_slots(sglang_argv: Sequence[str], config: OasisConfig) -> int
         raise LaunchError(f"{error} (--oasis-device-kv-tokens {config.device_tokens})") from None
 
 
-def running_cap_args(sglang_argv: Sequence[str], config: OasisConfig) -> list[str]:
+def running_cap_args(sglang_argv: Sequence[str], config: OasisConfig, on_cpu: bool = True) -> list[str]:
     """``--max-running-requests`` (sparse mode, unless given): the requests the device tier holds working
-    sets for, so SGLang's own admission keeps the others waiting. The backend refuses a larger cap."""
-    if given(sglang_argv, "--max-running-requests"):
+    sets for, so SGLang's own admission keeps the others waiting. The backend refuses a larger cap. On
+    CUDA without ``--oasis-device-kv-tokens`` the budget is the GPU memory SGLang measures as it starts:
+    the device tier caps SGLang's running requests there itself (``DeviceTier.cap_running_requests``)."""
+    if given(sglang_argv, "--max-running-requests") or (not on_cpu and config.device_kv_tokens is None):
         return []
     slots = device_request_slots(sglang_argv, config)
     if slots is None:  # the model's shape is unknown here: the budget over one request's working sets
@@ -541,7 +543,7 @@ def prepare(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
             build_oasis_parser().error(str(error))
     if config.mode == "sparse":
         try:
-            sglang_argv += running_cap_args(sglang_argv, config)
+            sglang_argv += running_cap_args(sglang_argv, config, on_cpu)
         except LaunchError as error:
             build_oasis_parser().error(str(error))
     config.to_env()

@@ -114,6 +114,8 @@ GAUGES = {
     "device_summary_bytes": "bytes of block summaries in the device tier",
     "device_bytes_capacity": "bytes the device tier allocated (summaries, working sets, active blocks and "
     "their index tensors; at most --oasis-device-kv-tokens x KV bytes per token)",
+    "device_bytes_budget": "bytes the device tier may allocate: --oasis-device-kv-tokens x KV bytes per token, "
+    "or on CUDA, unset, the GPU memory SGLang would have given its KV pool",
     "device_bytes_used": "device-tier bytes in use: the summaries and the request slots of running requests",
     "device_request_slots": "requests the device tier holds working sets for (the running-request cap)",
     "running_requests": "requests holding a device request slot",

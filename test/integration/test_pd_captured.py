@@ -68,5 +68,7 @@ def test_a_pd_decode_node_runs_whole_requests_captured_without_a_host_sync(
     )  # made whole in the background
     passes = after["captured_decode_passes"] - before["captured_decode_passes"]
     steps = after["decode_steps"] - before["decode_steps"]
-    assert 0 < passes < steps, (passes, steps)  # the arrivals' passes eager, the whole ones' captured
+    # the arrivals' passes eager, and a request's while blocks of it are still remote; the rest captured
+    # (seen: 39 of 41): most passes ran the program, not just one
+    assert steps // 2 <= passes < steps, (passes, steps)
     assert "captured decode step failed" not in pd_captured.decode.log_path.read_text()

@@ -144,7 +144,16 @@ def test_sparse_tp2_with_k_covering_answers_as_dense_tp2(
     dense_tp2: list[list[dict[str, Any]]], sparse_tp2: ServerProcess
 ) -> None:
     assert requests.get(sparse_tp2.url + "/get_server_info", timeout=30).json()["tp_size"] == 2
+    before = sparse_tp2.oasis_stats()
     assert_same_tokens(answers(sparse_tp2, PROMPTS, COVERING), dense_tp2[0], "sparse and dense")
+    after = sparse_tp2.oasis_stats()  # the requests went through the oasis backend on both ranks
+    assert after["requests"] - before["requests"] == len(PROMPTS)
+    for ours, theirs in zip(after["ranks"], before["ranks"], strict=True):
+        assert ours["decode_steps"] - theirs["decode_steps"] >= NEW_TOKENS - 1
+        assert (
+            ours["selections"] > theirs["selections"]
+            and ours["decode_steps"] == after["ranks"][0]["decode_steps"]
+        )
 
 
 def test_sparse_tp2_with_k_below_the_blocks_answers_as_tp1(

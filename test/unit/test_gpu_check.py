@@ -14,17 +14,21 @@ from sglang_oasis.server_process import child_env
 REPO = Path(__file__).resolve().parents[2]
 
 
-def test_gpu_check_smoke(tmp_path: Path) -> None:
-    out = tmp_path / "gpu_check.json"
+def gpu_check(option: str, out: Path) -> tuple[subprocess.CompletedProcess[str], dict]:
+    """``benchmark/gpu_check.py option --json out`` in a child: its output and its report."""
     result = subprocess.run(
-        [sys.executable, str(REPO / "benchmark" / "gpu_check.py"), "--smoke", "--json", str(out)],
+        [sys.executable, str(REPO / "benchmark" / "gpu_check.py"), option, "--json", str(out)],
         env=child_env({"PYTHONPATH": str(REPO / "sgl-kernel-oasis" / "python")}),
         capture_output=True,
         text=True,
         timeout=600,
     )
     assert result.returncode == 0, result.stderr[-3000:]
-    report = json.loads(out.read_text())
+    return result, json.loads(out.read_text())
+
+
+def test_gpu_check_smoke(tmp_path: Path) -> None:
+    result, report = gpu_check("--smoke", tmp_path / "gpu_check.json")
     kernels = {row["kernel"]: row for row in report["kernels"]}
     assert {"summary update (prefill)", "block scoring (2 rows)", "sparse attention (2 rows)"} <= set(kernels)
     for row in kernels.values():
@@ -57,16 +61,7 @@ def test_gpu_check_on_a_fake_cuda_device(tmp_path: Path) -> None:
     """``gpu_check.py --fake-cuda``: the GPU check's own step (the runtime's ``DeviceTier``, page-locked
     host tier and ``GraphedStep``) at toy sizes on a fake CUDA device, where a device mismatch, or a sync
     or copy inside a replay, fails the run; its replays equal eager passes on plans of their own."""
-    out = tmp_path / "fake.json"
-    result = subprocess.run(
-        [sys.executable, str(REPO / "benchmark" / "gpu_check.py"), "--fake-cuda", "--json", str(out)],
-        env=child_env({"PYTHONPATH": str(REPO / "sgl-kernel-oasis" / "python")}),
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert result.returncode == 0, result.stderr[-3000:]
-    captured = json.loads(out.read_text())["captured_step"]
+    captured = gpu_check("--fake-cuda", tmp_path / "fake.json")[1]["captured_step"]
     checks = captured["checks"]
     assert checks["replay_equals_eager"] and checks["state_equal"] and checks["host_tier_device_view"], checks
     assert checks["covering_rel_err"] < 1e-3

@@ -7,7 +7,11 @@ then what the graph recorded: the program on the same tensors) or the eager forw
 
 CPU cannot replay a CUDA graph, so what makes a replay right is checked instead: every tensor the step
 reads and writes is the one it used at capture (same memory), the in-graph work makes no host sync (the
-sync guard), and the outputs, state and counters equal the eager backend's step after step.
+sync guard), and the outputs, state and counters equal the eager backend's step after step, in four
+configurations. The harness admits one sparse layer beside a dense one (which ``init_cuda_graph_state``
+refuses), so the step is made as that hook makes it; ``test_fake_cuda.py`` drives the whole order,
+``init_cuda_graph_state`` and a capture included, on a fake CUDA device, where a replay that syncs or
+copies, or mixes devices, fails.
 """
 
 from __future__ import annotations

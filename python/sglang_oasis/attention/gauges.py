@@ -45,6 +45,7 @@ class Gauges:
             ("host_tokens_capacity", int(kv_pool.size)),
             ("device_working_set_bytes", tier.working_sets.nbytes),
             ("device_summary_bytes", tier.summaries.nbytes),
+            ("device_bytes_budget", tier.layout.budget_bytes),
             ("device_bytes_capacity", tier.nbytes),
             ("device_request_slots", tier.num_request_slots),
         ):
