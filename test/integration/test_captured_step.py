@@ -49,12 +49,14 @@ def captured_server(
     yield from _serve(tiny_qwen3_dir, tmp_path_factory.mktemp("logs"), "captured")
 
 
-@pytest.fixture(scope="module")
+# At most two servers at once (about 3 GiB each; the other test lane runs PD pairs meanwhile): the eager
+# and the guarded servers serve one test each and stop after it.
+@pytest.fixture()
 def eager_server(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     yield from _serve(tiny_qwen3_dir, tmp_path_factory.mktemp("logs"), "eager")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture()
 def guarded_server(tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The captured server's program uncompiled, every call under the sync guard (``SYNC_GUARD_ENV``)."""
     logs, env = tmp_path_factory.mktemp("logs"), {SYNC_GUARD_ENV: "1"}
@@ -80,9 +82,11 @@ def generate_all(server: ServerProcess, options: dict[str, Any] | None = None) -
         return list(pool.map(one, PROMPTS))
 
 
-def test_captured_server_answers_as_the_eager_one(
-    captured_server: ServerProcess, eager_server: ServerProcess
+def test_captured_server_answers_as_the_eager_one_and_as_dense_with_k_covering(
+    captured_server: ServerProcess, eager_server: ServerProcess, tiny_qwen3_dir: Path
 ) -> None:
+    """K = 4 of 20 to 43 blocks: the eager server's tokens, every decode pass captured but the sample
+    passes; then K covering every block (a request's own ``oasis_top_k``): dense attention's tokens."""
     before = captured_server.oasis_stats()
     captured = generate_all(captured_server)
     after = captured_server.oasis_stats()
@@ -94,11 +98,6 @@ def test_captured_server_answers_as_the_eager_one(
     assert after["recall_samples"] > before["recall_samples"]
     assert after["blocks_deferred"] > before["blocks_deferred"]  # K = 4 of 20+ blocks, cap 1: it selects
     assert eager_server.oasis_stats()["captured_decode_passes"] == 0
-
-
-def test_captured_server_with_k_covering_equals_dense_attention(
-    captured_server: ServerProcess, eager_server: ServerProcess, tiny_qwen3_dir: Path
-) -> None:
     from transformers import AutoModelForCausalLM
 
     covering = {"oasis_top_k": 64}  # 64 blocks hold every prompt here: dense attention
@@ -115,16 +114,17 @@ def test_captured_server_with_k_covering_equals_dense_attention(
 
 
 def test_no_captured_pass_syncs_with_the_host_on_a_real_model(
-    guarded_server: ServerProcess, eager_server: ServerProcess
+    guarded_server: ServerProcess, captured_server: ServerProcess
 ) -> None:
     """On the tiny Qwen3's real weights, every captured pass's program under the sync guard (a pass that
     synced would raise there and leave the server decoding eagerly: passes no longer captured): batches
     of 1 to 3 rows, recall samples, and each request's own recall target (0.9) growing its working sets
-    as the eager server's grow them; the answers are the eager server's."""
+    as the compiled program's grow them (test_decode_program.py checks those against the eager step's);
+    the answers are the compiled program's."""
     for options in (None, {"oasis_recall_target": 0.9}):
-        ours = [server.oasis_stats() for server in (guarded_server, eager_server)]
-        assert generate_all(guarded_server, options) == generate_all(eager_server, options)
-        theirs = [server.oasis_stats() for server in (guarded_server, eager_server)]
+        ours = [server.oasis_stats() for server in (guarded_server, captured_server)]
+        assert generate_all(guarded_server, options) == generate_all(captured_server, options)
+        theirs = [server.oasis_stats() for server in (guarded_server, captured_server)]
         before, after = ours[0], theirs[0]
         passes, steps = (after[name] - before[name] for name in ("captured_decode_passes", "decode_steps"))
         assert steps - 2 <= passes <= steps, (options, passes, steps)

@@ -154,7 +154,9 @@ def test_stats_count_the_sparse_work(tiny_qwen3_sparse_server: ServerProcess) ->
     # (the running cap).
     budget = 16384 * layers * heads * token_bytes
     assert after["device_bytes_capacity"] <= budget
-    summaries = 2 * layers * (6144 // 16 + 2) * heads * 64 * 4 + (6144 // 16 + 2) * 8  # min/max, epochs
+    summaries = (
+        2 * layers * (6144 // 16 + 2) * heads * 64 * 4
+    )  # min/max (the pages' epochs: host bookkeeping)
     index = layers * heads * (2 * 64 + 16) * 8 + 4 * layers * 8  # head-wise map, pins; covered, top-K, active
     recall = layers * 8 + layers * heads * 2 * 4  # the recall probe's streak and last sample (float32)
     per_request = layers * heads * 65 * bytes_per_block + index + recall  # 64 working-set blocks, 1 active
