@@ -4,8 +4,9 @@ server and sparse servers, one after another, and their TPOT ratios.
 Each server (SmolLM2, ``--num-layers`` truncates it; ``--dtype``, float32 by default) gets SGLang's
 ``bench_serving --backend sglang --dataset-name random-ids`` with ``--num-prompts`` prompts of exactly
 ``--input-len`` random token ids and ``--output-len`` output tokens (EOS ignored), ``--concurrency`` at once,
-after ``--warmup-runs`` untimed runs of the same shape with other prompts (default 1: the captured step
-compiles each batch and block bucket it meets at first use, tens of seconds of a run otherwise). Modes:
+on a fresh server first (``cold``: what a user meets first, the server's start and warm-up before it; the
+captured step compiles every program before the server is ready), then after ``--warmup-runs`` untimed
+runs of the same shape with other prompts (default 1; the figures at the top level, ``warm``). Modes:
 
 - ``dense``: dense SGLang, the baseline;
 - ``sparse_eager``: sparse, K = ``--top-k`` (default 32) blocks of 16, the eager decode step;
@@ -17,7 +18,9 @@ compiles each batch and block bucket it meets at first use, tens of seconds of a
 
 The sparse servers keep the product's defaults otherwise (fetch cap, prefill window, recall telemetry).
 Reads each run's ``--output-file`` (SGLang's JSON line) and reports ``mean_tpot_ms``, ``median_tpot_ms``,
-``mean_ttft_ms`` and ``output_throughput`` per mode, and ``tpot_ratio_<mode>`` = its mean TPOT / dense's.
+``mean_ttft_ms`` and ``output_throughput`` per mode, and ``tpot_ratio_<mode>`` = its mean TPOT / dense's;
+``cold`` holds the cold run's figures (and ``tpot_ratio_cold_<mode>``), ``ready_s`` the server's start to
+ready, ``captured_compile_ms`` its compiles (at ready, and ``_after`` the runs: a compile while serving).
 
     python benchmark/bench_sglang_serving.py --json serving.json [--input-len 3000] [--output-len 128]
         [--num-prompts 4] [--concurrency 4] [--top-k 32] [--num-layers N] [--modes dense,sparse_eager,...]
@@ -33,6 +36,7 @@ import json
 import subprocess
 import sys
 import tempfile
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
@@ -107,34 +111,50 @@ def main() -> int:
         print(f"[bench_sglang_serving] {', '.join(group)} ...", flush=True)
         argv, log = server_args(group[0], model, args), logs / f"{group[0]}.log"
         try:
-            with ServerProcess(argv, log_path=log) as server:
+            started = time.monotonic()
+            with ServerProcess(argv, log_path=log, ready_timeout_s=1800) as server:
+                ready_s, at_ready = time.monotonic() - started, server.oasis_stats()
                 for mode in group:
                     length = args.floor_input_len if mode == "dense_floor" else args.input_len
-                    for run in range(args.warmup_runs):  # other prompts, the same shapes: compiled first
+                    cold = bench(server, model, args, logs / f"{mode}-cold.jsonl", 200, length)
+                    for run in range(args.warmup_runs):  # other prompts, the same shapes
                         bench(server, model, args, logs / f"{mode}-warmup{run}.jsonl", 100 + run, length)
                     out = logs / f"{mode}.jsonl"
-                    results["modes"][mode] = bench(server, model, args, out, input_len=length)
+                    results["modes"][mode] = {
+                        **bench(server, model, args, out, input_len=length),
+                        "cold": cold,
+                    }
+                    results["modes"][mode]["ready_s"] = round(ready_s, 1)
                     if mode.startswith("sparse"):
                         stats = server.oasis_stats()
-                        results["modes"][mode]["captured_decode_passes"] = stats.get("captured_decode_passes")
-                        results["modes"][mode]["decode_steps"] = stats.get("decode_steps")
+                        for name in ("captured_decode_passes", "decode_steps", "captured_uncompiled_passes"):
+                            results["modes"][mode][name] = stats.get(name)
+                        results["modes"][mode]["captured_compile_ms"] = at_ready.get("captured_compile_ms")
+                        results["modes"][mode]["captured_compile_ms_after"] = stats.get("captured_compile_ms")
         except Exception as exc:  # a failed server or run: record it (its group's modes not done) and go on
             for mode in group:
                 results["modes"].setdefault(mode, {"error": f"{type(exc).__name__}: {exc}"[:2000]})
     dense = results["modes"].get("dense", {}).get("mean_tpot_ms")
     floor = results["modes"].get("dense_floor", {}).get("mean_tpot_ms")
+    dense_cold = results["modes"].get("dense", {}).get("cold", {}).get("mean_tpot_ms")
     for mode in modes[1:]:
         tpot = results["modes"][mode].get("mean_tpot_ms")
         results[f"tpot_ratio_{mode}"] = tpot / dense if tpot and dense else None
+        cold_tpot = results["modes"][mode].get("cold", {}).get("mean_tpot_ms")
+        results[f"tpot_ratio_cold_{mode}"] = cold_tpot / dense_cold if cold_tpot and dense_cold else None
         if mode.startswith("sparse") and tpot and dense and floor and dense > floor:
             results[f"attention_ratio_{mode}"] = (tpot - floor) / (dense - floor)
     rows = []
     for mode in modes:
-        r = results["modes"][mode]
-        ratio = results.get(f"tpot_ratio_{mode}", 1.0 if mode == "dense" else None)
-        rows.append([mode, *(r.get(name, "-") for name in FIELDS), "-" if ratio is None else f"{ratio:.2f}",
-                     r.get("error", "")[:60]])  # fmt: skip
-    print_table(["mode", *FIELDS, "tpot_vs_dense", "error"], rows)
+        for run in ("cold", "warm"):
+            r = results["modes"][mode]
+            r = r.get("cold", {}) if run == "cold" else r
+            ratio = results.get(
+                f"tpot_ratio_{'cold_' if run == 'cold' else ''}{mode}", 1.0 if mode == "dense" else None
+            )
+            rows.append([mode, run, *(r.get(name, "-") for name in FIELDS), "-" if ratio is None else f"{ratio:.2f}",
+                         results["modes"][mode].get("ready_s", "-"), results["modes"][mode].get("error", "")[:60]])  # fmt: skip
+    print_table(["mode", "run", *FIELDS, "tpot_vs_dense", "ready_s", "error"], rows)
     results["settings"] = {
         "input_len": args.input_len, "output_len": args.output_len, "num_prompts": args.num_prompts,
         "concurrency": args.concurrency, "top_k": args.top_k, "num_layers": args.num_layers or 30, "dtype": args.dtype,

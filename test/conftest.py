@@ -62,9 +62,11 @@ def pytest_sessionfinish(session: pytest.Session, exitstatus: int) -> None:
 
 
 def _serve(
-    args: list[str], name: str, tmp_path_factory: pytest.TempPathFactory, env: dict[str, str] | None = None
-) -> Iterator[ServerProcess]:
-    with ServerProcess(args, log_path=tmp_path_factory.mktemp("logs") / f"{name}.log", env=env) as server:
+    args: list[str], name: str, tmp_path_factory: pytest.TempPathFactory, env: dict[str, str] | None = None,
+    ready_timeout_s: float = 300.0,
+) -> Iterator[ServerProcess]:  # fmt: skip
+    log_path = tmp_path_factory.mktemp("logs") / f"{name}.log"
+    with ServerProcess(args, log_path=log_path, env=env, ready_timeout_s=ready_timeout_s) as server:
         yield server
 
 
@@ -73,8 +75,9 @@ def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerP
     """The README's first command as a newcomer runs it: no model path, sparse mode, CPU defaults. Module
     scope: it is the largest server (all 30 layers, working sets for 32 requests, ~5 GiB here) and one
     module uses it; 24 GiB do not hold it beside every later module's servers."""
-    # the launcher's own defaults, the captured decode step among them
-    yield from _serve([], "default-server", tmp_path_factory, {"SGLANG_OASIS_CPU_DECODE_STEP": ""})
+    # the launcher's own defaults, the captured decode step among them (its programs compile before ready:
+    # 12 of them, ~3 minutes on a machine whose torch cache has none)
+    yield from _serve([], "default-server", tmp_path_factory, {"SGLANG_OASIS_CPU_DECODE_STEP": ""}, 900)
 
 
 @pytest.fixture(scope="module")

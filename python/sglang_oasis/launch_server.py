@@ -131,6 +131,7 @@ def cpu_dtype_args(sglang_argv: Sequence[str]) -> list[str]:
 
 
 DECODE_STEP_ENV = "SGLANG_OASIS_CPU_DECODE_STEP"
+WARMUP_TIMEOUT_ENV = "SGLANG_WARMUP_TIMEOUT"  # SGLang's: seconds its warm-up request may take (600 unset)
 INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 
 
@@ -139,8 +140,8 @@ def cpu_decode_step(argv: Sequence[str], config: OasisConfig) -> OasisConfig:
     0.69-0.93x the eager step's, docs/results.md), or ``$SGLANG_OASIS_CPU_DECODE_STEP``; none where the
     option is given, with ``--oasis-adaptive-cap`` (which the captured step refuses) or with no fetch cap
     (``--oasis-fetch-ratio 1``: its fixed shape then copies a whole working set per head every step, 1.68x
-    dense against the eager step's ~1.3x). Its compiles go to a cache that outlives reboots
-    (``$TORCHINDUCTOR_CACHE_DIR``, unless set: torch's under the project's cache)."""
+    dense against the eager step's ~1.3x). Its compiles (``compile_plan``) go to a cache that outlives
+    reboots (``$TORCHINDUCTOR_CACHE_DIR``, unless set: torch's under the project's cache)."""
     if config.decode_step == "captured" and config.fetch_ratio >= 1:
         say(
             "--oasis-decode-step captured with --oasis-fetch-ratio 1: the fixed shape copies a whole working set "
@@ -154,12 +155,31 @@ def cpu_decode_step(argv: Sequence[str], config: OasisConfig) -> OasisConfig:
     if step == "eager":
         say(f"--oasis-decode-step eager ({DECODE_STEP_ENV})")
         return dataclasses.replace(config, decode_step=step)
-    cache = os.environ.setdefault(INDUCTOR_CACHE_ENV, str(cache_root() / "torchinductor"))
-    say(
-        "--oasis-decode-step captured: each batch bucket compiles at its first decode pass (13-22 s the first "
-        f"time on 2 cores, ~2 s from {cache}; --oasis-decode-step eager overrides)"
-    )
     return dataclasses.replace(config, decode_step=step)
+
+
+def compile_plan(sglang_argv: Sequence[str], config: OasisConfig) -> str:
+    """What the captured step compiles before the server is ready (``attention/compile_ahead.py``), and
+    about how long it takes, for the launcher to say; SGLang's warm-up (where it compiles) may take that
+    long (``SGLANG_WARMUP_TIMEOUT``, unless set)."""
+    from sglang_oasis.attention.compile_ahead import buckets_ahead, kind_of
+    from sglang_oasis.attention.step_plan import powers_of_two
+
+    running = option_value(sglang_argv, "--max-running-requests")
+    cap = int(running) if running and running.isdigit() else 1
+    max_bs = option_value(sglang_argv, "--cuda-graph-max-bs-decode")
+    buckets = buckets_ahead(powers_of_two(1, cap), cap, int(max_bs) if max_bs and max_bs.isdigit() else None)
+    verify = config.verify_rows > 0
+    kinds = [kind_of(verify, False), *([kind_of(verify, True)] if config.recall_sample_every > 0 else [])]
+    programs = len(buckets) * len(kinds)
+    os.environ.setdefault(WARMUP_TIMEOUT_ENV, str(max(600, 60 * programs)))
+    cache = os.environ.setdefault(INDUCTOR_CACHE_ENV, str(cache_root() / "torchinductor"))
+    return (
+        f"--oasis-decode-step captured: {programs} programs compile before the server is ready (batch buckets "
+        f"{', '.join(map(str, buckets))}; {' and '.join(kinds)} passes): ~15 s each the first time on 2 cores, "
+        f"~2 s each from {cache} (--cuda-graph-max-bs-decode N compiles fewer: larger batches decode eagerly; "
+        "--oasis-decode-step eager compiles none)"
+    )
 
 
 TENSOR_PARALLEL_OPTIONS = ("--tp-size", "--tensor-parallel-size", "--tp")
@@ -546,6 +566,8 @@ def prepare(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
             sglang_argv += running_cap_args(sglang_argv, config, on_cpu)
         except LaunchError as error:
             build_oasis_parser().error(str(error))
+        if on_cpu and config.decode_step == "captured":
+            say(compile_plan(sglang_argv, config))
     config.to_env()
     return config, sglang_argv
 

@@ -121,8 +121,10 @@ class ServerProcess:
         port: int | None = None,
         module: str = "sglang_oasis.launch_server",
         ready_path: str = "/health_generate",
+        ready_timeout_s: float = 300.0,
     ) -> None:
         self.port = port or free_port()
+        self.ready_timeout_s = ready_timeout_s  # a captured step compiles its programs before ready
         self.url = f"http://{'127.0.0.1' if host in ('0.0.0.0', '::') else host}:{self.port}"
         self.log_path = log_path
         self.ready_path = ready_path
@@ -130,8 +132,8 @@ class ServerProcess:
         self.env = child_env({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})})
         self.process: subprocess.Popen[bytes] | None = None
 
-    def start(self, timeout_s: float = 300.0) -> ServerProcess:
-        return self.spawn().wait_ready(timeout_s)
+    def start(self, timeout_s: float | None = None) -> ServerProcess:
+        return self.spawn().wait_ready(self.ready_timeout_s if timeout_s is None else timeout_s)
 
     def spawn(self) -> ServerProcess:
         """Start the process (its own process group) without waiting for it to be ready. With

@@ -33,8 +33,10 @@ COUNTERS = {
     "in place of its recompute",
     "decode_steps": "decode forward passes",
     "captured_decode_passes": "decode passes whose sparse layers ran the compiled step (--oasis-decode-step captured)",
-    "captured_compile_ms": "time the captured step's batch buckets took to compile, running requests waiting "
-    "(milliseconds)",
+    "captured_compile_ms": "time the captured step's programs took to compile, before the server was ready "
+    "(milliseconds; compile_ahead.py)",
+    "captured_uncompiled_passes": "decode passes the captured step would have run but its program was not "
+    "compiled for (a batch bucket above --cuda-graph-max-bs-decode, say): run eagerly, never a compile stall",
     "triton_extend_layers": "(extend pass, layer) attentions SGLang's Triton backend computed "
     "(--oasis-prefill-attention)",
     "selections": "(request, layer) block selections made",
@@ -147,7 +149,7 @@ FIELDS = (*COUNTERS, *GAUGES, *LAYER_FIELDS)
 # cap (the smallest), and recall figures (the mean over the ranks that sampled, the lowest p10).
 ONCE_PER_SERVER = frozenset({
     "requests", "arrived_requests", "retracted_requests", "resumed_requests", "resumed_kv_tokens", "decode_steps",
-    "captured_decode_passes", "captured_compile_ms", "triton_extend_layers", "selections", "window_selections", "scored_selections", "warm_starts",
+    "captured_decode_passes", "captured_compile_ms", "captured_uncompiled_passes", "triton_extend_layers", "selections", "window_selections", "scored_selections", "warm_starts",
     "staged_requests", "remote_requests", "staging_whole_sends", "staging_unknown_decoder_sends",
     "remote_whole_requests", "remote_unshared_finishes", "remote_failed_reads", "foreground_wait_us",
     "stage_select_us", "stage_transfer_us", "host_tokens_used", "host_tokens_capacity", "running_requests",

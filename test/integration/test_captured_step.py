@@ -38,7 +38,10 @@ def _serve(
         "--oasis-recall-max-top-k", "64", "--oasis-host-kv-tokens", "8192", "--oasis-device-kv-tokens", "8192",
         "--oasis-recall-sample-every", "16", "--oasis-decode-step", decode_step,
     ]  # fmt: skip
-    with ServerProcess(args, log_path=logs / f"tiny-qwen3-{name or decode_step}.log", env=env) as server:
+    log = logs / f"tiny-qwen3-{name or decode_step}.log"
+    # the captured server compiles its programs before it is ready: 8 of them (batch buckets 1 to 8, decode
+    # and sample passes), ~2 minutes without torch's cache
+    with ServerProcess(args, log_path=log, env=env, ready_timeout_s=600) as server:
         yield server
 
 
@@ -80,6 +83,29 @@ def generate_all(server: ServerProcess, options: dict[str, Any] | None = None) -
 
     with ThreadPoolExecutor(len(PROMPTS)) as pool:
         return list(pool.map(one, PROMPTS))
+
+
+def test_the_programs_compile_before_the_server_is_ready_and_never_while_it_serves(
+    captured_server: ServerProcess,
+) -> None:
+    """SGLang's warm-up request (before ``/health`` answers) compiled every program the server runs: each
+    batch bucket up to its running-request cap (8), decode and sample passes. Then bursts of requests at
+    five concurrencies compile nothing more and run every pass captured (none left to the eager step)."""
+    first = captured_server.oasis_stats()
+    log = captured_server.log_path.read_text()
+    compiled = log.index("the captured decode step's 8 programs compiled in")
+    assert first["captured_compile_ms"] > 0 and compiled < log.index("The server is fired up and ready")
+    for rows in (1, 2, 4, 8):
+        assert f"captured decode step, {rows} rows (decode+sample): compiled" in log, rows
+    for concurrency in (1, 2, 3, 5, 8):
+        lengths = [40 + 17 * i for i in range(concurrency)]
+        with ThreadPoolExecutor(concurrency) as pool:
+            done = list(pool.map(lambda n: captured_server.generate(prompt(n, seed=n), 12), lengths))
+        assert all(len(answer["output_ids"]) == 12 for answer in done)
+    after = captured_server.oasis_stats()
+    assert after["captured_compile_ms"] == first["captured_compile_ms"], "a compile while serving"
+    assert after["captured_uncompiled_passes"] == first["captured_uncompiled_passes"] == 0
+    assert after["captured_decode_passes"] - first["captured_decode_passes"] >= 5 * 10
 
 
 def test_captured_server_answers_as_the_eager_one_and_as_dense_with_k_covering(

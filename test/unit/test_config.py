@@ -13,7 +13,9 @@ from sglang_oasis.config import ENV_VAR, OasisConfig, OasisConfigError
 from sglang_oasis.launch_server import (
     DECODE_STEP_ENV,
     INDUCTOR_CACHE_ENV,
+    WARMUP_TIMEOUT_ENV,
     LaunchError,
+    compile_plan,
     cpu_decode_step,
     cpu_defaults,
     given,
@@ -116,8 +118,20 @@ def test_the_cpu_default_decode_step_is_captured_unless_told(
     monkeypatch.delenv(DECODE_STEP_ENV, raising=False)
     monkeypatch.delenv(INDUCTOR_CACHE_ENV, raising=False)
     monkeypatch.setenv("SGLANG_OASIS_CACHE", str(tmp_path))
+    monkeypatch.delenv(WARMUP_TIMEOUT_ENV, raising=False)
     assert cpu_decode_step([], OasisConfig()).decode_step == "captured"
+    # what compiles before the server is ready, said; torch's cache under the project's; SGLang's warm-up
+    # (where it compiles) given the time it may take
+    plan = compile_plan(["--max-running-requests", "20"], OasisConfig(decode_step="captured"))
+    assert "12 programs compile before the server is ready (batch buckets 1, 2, 4, 8, 16, 32;" in plan
+    assert "decode and decode+sample passes" in plan
     assert __import__("os").environ[INDUCTOR_CACHE_ENV] == str(tmp_path / "torchinductor")
+    assert __import__("os").environ[WARMUP_TIMEOUT_ENV] == "720"
+    bounded = ["--max-running-requests", "20", "--cuda-graph-max-bs-decode", "3"]
+    assert "6 programs compile before the server is ready (batch buckets 1, 2, 4;" in compile_plan(
+        bounded, OasisConfig(decode_step="captured", lookahead="ngram")
+    )
+    assert "verify and verify+sample passes" in compile_plan(bounded, OasisConfig(lookahead="ngram"))
     for argv in (["--oasis-decode-step", "eager"], ["--oasis-decode-step=eager"]):
         assert cpu_decode_step(argv, OasisConfig()).decode_step == "eager"
     assert cpu_decode_step([], OasisConfig(adaptive_cap=True)).decode_step == "eager"

@@ -500,7 +500,7 @@ def test_the_cuda_path_runs_on_the_device_as_the_eager_step_on_cpu(case: str) ->
         assert ours["captured_decode_passes"] < ours["decode_steps"] - 2  # the admissions' and samples'
     if play is verify_scenario:  # verify passes captured, across two block buckets
         assert isinstance(gpu.oasis.captured, CapturedStep)
-        assert {blocks for _, blocks in gpu.oasis.captured._shapes} == {64, 128}
+        assert {blocks for _, blocks, _ in gpu.oasis.captured.compiles.shapes} == {64, 128}
     if graphs:
         assert ours["captured_decode_passes"] >= 10 and len(gpu.replayed) == ours["captured_decode_passes"]
         for events in gpu.replayed:  # outside the replay, only the copies the design names
@@ -549,7 +549,10 @@ def test_a_program_failing_at_a_layer_leaves_the_host_bookkeeping_done_once(
     with FakeCuda() if device == "cuda" else contextlib.nullcontext() as cuda:
         server = Server(device, cfg, graphs=False, cuda=cuda)
         assert isinstance(server.oasis.captured, CapturedStep)
-        server.oasis.captured.program = failing
+        server.oasis.captured.program, server.oasis.captured.ahead = (
+            failing,
+            None,
+        )  # counted calls: no compiles ahead
         _decode_some(server, 6, contexts)
         server.oasis.selector.finish_pending()
     eager.oasis.selector.finish_pending()

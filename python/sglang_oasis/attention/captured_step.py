@@ -17,9 +17,7 @@ every sparse layer (their state views have the same strides) and every step (the
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import time
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Protocol
 
@@ -27,6 +25,7 @@ import torch
 
 from sglang_oasis.attention.batch_view import BatchView
 from sglang_oasis.attention.captured_pass import Planned, fold_pass
+from sglang_oasis.attention.compile_ahead import CompileAhead, Compiles, kind_of
 from sglang_oasis.attention.decode_program import COUNTS, LayerState, decode_layer
 from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.attention.sparse_attention import SparseAttention
@@ -39,6 +38,7 @@ if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.model_runner import ModelRunner
 
     from sglang_oasis.attention.block_prefetcher import JobResult
     from sglang_oasis.attention.kv_intake import KVIntake
@@ -93,10 +93,10 @@ class CapturedStep:
             decode_layer, fullgraph=True, dynamic=False
         )
         self._states: dict[int, LayerState] = {}
-        self._compiled: set[int] = set()  # batch buckets compiled
-        self._shapes: set[tuple[int, int]] = set()  # (rows, blocks) the program has run at
+        self.compiles = Compiles(stats)  # the shapes the program has run at; torch's compiles there
+        self.ahead: CompileAhead | None = None  # the programs compiled before ready (None: at first use)
         if sync_guard_on():  # SGLANG_OASIS_SYNC_GUARD=1: the program uncompiled, each call under the guard
-            self.program, self._compiled = guarded(decode_layer), set(self.batch_buckets)
+            self.program = guarded(decode_layer)
             logger.warning(
                 "oasis: the captured decode step runs uncompiled under the sync guard (a test mode)"
             )
@@ -121,12 +121,19 @@ class CapturedStep:
         self.catch_up: Callable[[BatchView, torch.Tensor], None] = lambda batch, upto: None
 
     @classmethod
-    def for_backend(cls, backend: StepParts) -> CapturedStep:
-        """The captured step of an ``OasisAttnBackend``, over its device tier, pool and counters."""
+    def for_backend(cls, backend: StepParts, model_runner: ModelRunner | None = None) -> CapturedStep:
+        """The captured step of an ``OasisAttnBackend``, over its device tier, pool and counters; with SGLang's
+        ``model_runner``, its programs compile before the server is ready (``compile_ahead.py``)."""
+        config = backend.config
         step = cls(
-            backend.config, backend.tier, backend.token_to_kv_pool, backend.req_to_token_pool.req_to_token,
-            backend.slots, backend.stats, backend.sparse_layers,
+            config, backend.tier, backend.token_to_kv_pool, backend.req_to_token_pool.req_to_token, backend.slots,
+            backend.stats, backend.sparse_layers,
         )  # fmt: skip
+        if model_runner is not None and not sync_guard_on():
+            sampling = config.recall_sample_every > 0
+            step.ahead = CompileAhead.for_server(
+                step.batch_buckets, model_runner, config.verify_rows, sampling
+            )
         selector = backend.selector
         step.finish_pending, step.before_select = selector.finish_pending, selector.before_select
         step.account = selector.account
@@ -150,6 +157,8 @@ class CapturedStep:
     ) -> torch.Tensor | None:  # fmt: skip
         """A sparse layer's decode, captured when the pass is (its first sparse layer plans it); None: the
         layer runs eagerly."""
+        if self.pending and self.ahead is not None and not self.ahead.done:  # SGLang's warm-up: before ready
+            self.ahead.run(self, layer, q.dtype)
         if k is None or v is None or not self.ready(batch, forward_batch):
             return None
         return self.decode(layer, q, k, v)
@@ -188,7 +197,13 @@ class CapturedStep:
         if full > self.block_buckets[-1]:
             return False
         recall = None if self.probe is None else self.probe.plan_fields(batch)
-        if recall is not None and recall[2] is not None and not self.sample_passes:
+        sample = recall is not None and recall[2] is not None
+        if sample and not self.sample_passes:
+            return False
+        if self.ahead is not None and not self.ahead.covers(
+            bucket(bs, self.batch_buckets), kind_of(rows > 1, sample)
+        ):
+            self.stats.add("captured_uncompiled_passes")  # not compiled before ready: eager, not a stall
             return False
         if self.before_select is not None:  # retraction's snapshot of the tables the step will change
             self.before_select(batch, None, seq_lens.tolist())
@@ -203,11 +218,11 @@ class CapturedStep:
             batch.slots, seq_lens, locs, self.req_to_token, batch.req_index, batch.step, self.shape,
             bucket(bs, self.batch_buckets), bucket(full, self.block_buckets), drafts, tree, recall,
         )  # fmt: skip
-        torch._dynamo.maybe_mark_dynamic(plan.pages, 1)  # one graph for every block bucket
         self.slots.prefixes.record(batch.slots, plan.pages[:bs, :full], seq_lens // block, summaries.epoch)
         if self.summarised is not None:  # the step folds its token into every sparse layer's summaries
             self.summarised[batch.req_index[:, None], torch.tensor(self.sparse_layers)] = seq_lens[:, None]
         self.plan, self.rows, self.planned = self.upload(plan, batch), bs, Planned(batch, seq_lens, plan)
+        torch._dynamo.maybe_mark_dynamic(self.plan.pages, 1)  # one graph for every block bucket
         self.layers_done = 0
         self.counts = torch.zeros((len(plan.slots), len(COUNTS)), dtype=torch.int64, device=self.tier.device)
         return True
@@ -243,8 +258,9 @@ class CapturedStep:
         assert plan is not None
         heads, per_request = self.tier.shape.num_kv_heads, 1 if plan.tree is None else plan.tree.shape[1]
         lead = (bs,) if plan.tree is None else (bs, per_request)  # a verify pass: its rows per request
-        q = q.reshape(*lead, layer.tp_q_head_num, layer.qk_head_dim)
-        k, v = k.reshape(*lead, heads, -1), v.reshape(*lead, heads, -1)
+        # contiguous, as the programs compiled ahead were (strides are in torch's guards)
+        q = q.reshape(*lead, layer.tp_q_head_num, layer.qk_head_dim).contiguous()
+        k, v = k.reshape(*lead, heads, -1).contiguous(), v.reshape(*lead, heads, -1).contiguous()
         rows = len(plan.slots)
         if rows > bs:  # padding rows: zeros (their outputs are dropped)
 
@@ -253,15 +269,10 @@ class CapturedStep:
 
             q, k, v = padded(q), padded(k), padded(v)
         state = self.state(layer_id)
-        first = rows not in self._compiled
-        if first:
-            logger.info(
-                "oasis: compiling the captured decode step for %d rows (once per batch bucket, any context; "
-                "the requests running wait; torch caches it across starts)", rows,
-            )  # fmt: skip
-            started = time.perf_counter()
         try:
-            with self._compiling(rows, plan.pages.shape[1]):
+            with self.compiles.at(
+                rows, plan.pages.shape[1], kind_of(plan.tree is not None, plan.sampled is not None)
+            ):
                 out, counts = self.program(self.shape, state, plan, q, k, v, layer.scaling)
         except Exception:  # never the process: this server decodes eagerly from here on
             logger.exception("oasis: the captured decode step failed (%d rows x %d blocks); decoding eagerly "
@@ -271,11 +282,6 @@ class CapturedStep:
                 self._fold(bs, self.layers_done)
             self.plan = None  # this layer and the pass's later ones run eagerly, as any eager pass
             return None
-        if first:
-            self._compiled.add(rows)
-            seconds = time.perf_counter() - started
-            logger.info("oasis: captured decode step for %d rows compiled in %.1f s", rows, seconds)
-            self.stats.add("captured_compile_ms", round(seconds * 1000))
         self.counts += counts
         self.layer_done(layer_id, bs)
         return out[:bs].reshape(bs * per_request, layer.tp_q_head_num * layer.v_head_dim)
@@ -293,19 +299,6 @@ class CapturedStep:
 
     def last_layer_done(self, batch_rows: int) -> None:
         self._fold(batch_rows)
-
-    def _compiling(self, rows: int, blocks: int) -> contextlib.AbstractContextManager[object]:
-        """At a shape the program has not run at, torch's compile settings this step needs, for that call
-        only (never process-wide): one graph per batch bucket (SGLang's CPU runner raises the same limit),
-        compiled in this process (a pool of compile workers would hold hundreds of MiB for nothing)."""
-        if (rows, blocks) in self._shapes:
-            return contextlib.nullcontext()
-        self._shapes.add((rows, blocks))
-        limit = max(torch._dynamo.config.cache_size_limit, 256)
-        stack = contextlib.ExitStack()
-        stack.enter_context(torch._dynamo.config.patch(cache_size_limit=limit))
-        stack.enter_context(torch._inductor.config.patch(compile_threads=1))
-        return stack
 
     def state(self, layer_id: int) -> LayerState:
         """The program's views of ``layer_id``'s tier and pool (made once per layer)."""

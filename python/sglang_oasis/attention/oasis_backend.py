@@ -66,7 +66,6 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
         self, model_runner: ModelRunner, config: OasisConfig, faults: FaultInjection | None = None,
         strict: StrictMode | None = None,
     ) -> None:  # fmt: skip
-        args = model_runner.server_args
         check_sparse_serving(config, Serving.of(model_runner))  # serving_gates.py: as the launcher refuses
         super().__init__(model_runner)
         pool, self.config, self.block_size = self.token_to_kv_pool, config, config.block_size
@@ -75,7 +74,7 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
         if pool.page_size != self.block_size:
             raise ValueError(f"oasis backend needs --page-size {self.block_size} (= --oasis-block-size), got "
                              f"{pool.page_size}")  # fmt: skip
-        self.num_kv_heads = pool.head_num
+        self.num_kv_heads, args = pool.head_num, model_runner.server_args
         self.tier = DeviceTier.for_pool(
             pool, config, getattr(args, "max_running_requests", None), self.req_to_token_pool, self.device
         )
@@ -108,7 +107,8 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
         self.pd.start(args)  # remote partial fetching under PD disaggregation
         self.retractions = Retractions(self.slots, self.selector, self.attention, self.recall, self.summarised,
                                        self.stats, self.sparse_layers, lambda: self.step, self.pd)  # fmt: skip
-        self.captured = CapturedStep.for_backend(self) if config.decode_step == "captured" else None
+        captured = config.decode_step == "captured"  # captured_step.py; CUDA graphs: graph_hooks.py
+        self.captured = CapturedStep.for_backend(self, model_runner) if captured else None
         allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)
         metrics = bool(getattr(args, "enable_metrics", False))
         self.gauges = Gauges(self.slots, pool, allocator, self.stats, metrics, lambda: held_by(self))

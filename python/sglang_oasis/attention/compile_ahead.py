@@ -1,0 +1,189 @@
+"""The captured step's programs compiled before the server is ready, as SGLang captures its CUDA graphs.
+
+SGLang captures a graph for every batch size it may run at start-up, before ``/health`` answers, so a user
+never pays a capture while serving. The captured step (``--oasis-decode-step captured``) does the same: at
+its first decode pass (SGLang's warm-up request, which runs before the server reports ready) it compiles
+its program for every batch bucket it will run (``buckets_ahead``: up to the server's running-request cap,
+or ``--cuda-graph-max-bs-decode``, or the buckets holding ``--cuda-graph-bs-decode``'s sizes: SGLang's own
+knobs for its graphs' sizes) in every kind of pass the server runs (plain decode, or the lookahead's
+verify passes; with recall telemetry on, each one's sample-pass variant too), on padding rows only (they
+write the device tier's padding slot, which no request holds). Each compile is logged with its time and
+counted in ``captured_compile_ms`` (``Compiles``), which then never grows. A pass of a bucket or kind not compiled runs
+eagerly (``captured_uncompiled_passes``) rather than stalling the requests running for a compile. torch's
+on-disk cache (``TORCHINDUCTOR_CACHE_DIR``; the launcher's under the project's cache) makes a later
+start's compiles ~2 s each.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterator, Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import torch
+from torch._dynamo.utils import counters
+
+from sglang_oasis.attention.layer_state import LayerState
+from sglang_oasis.attention.step_plan import StepPlan, StepShape
+
+if TYPE_CHECKING:
+    from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    from sglang_oasis.memory.device_tier import DeviceTier
+    from sglang_oasis.stats import OasisStats
+
+logger = logging.getLogger(__name__)
+
+
+class CapturedStep(Protocol):
+    """What compiling ahead uses of the captured step (``captured_step.CapturedStep``)."""
+
+    tier: DeviceTier
+    shape: StepShape
+    stats: OasisStats
+    sparse_layers: list[int]
+    req_to_token: torch.Tensor
+    block_buckets: tuple[int, ...]
+    program: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    covers: Callable[[], bool]
+    compiles: Compiles
+
+    def state(self, layer_id: int) -> LayerState: ...
+
+
+# torch's limit on one function's graphs (8 by default): the captured step has one per batch bucket and
+# kind of pass (up to 4 kinds x 7 buckets at 64 running requests), every one checked at every call
+GRAPHS_LIMIT = 256
+
+
+class Compiles:
+    """The shapes the captured step's program has run at, and at a new one: torch's compile settings the
+    step needs, for that call only (never process-wide: one graph per batch bucket, SGLang's CPU runner
+    raises the same limit; compiled in this process, as a pool of compile workers would hold hundreds of
+    MiB for nothing), and the time a graph torch compiled there took (``captured_compile_ms``)."""
+
+    def __init__(self, stats: OasisStats) -> None:
+        self.stats = stats
+        self.shapes: set[tuple[int, int, str]] = set()  # (rows, blocks, kind of pass)
+
+    @contextlib.contextmanager
+    def at(self, rows: int, blocks: int, kind: str) -> Iterator[None]:
+        dynamo = torch._dynamo.config
+        if (rows, blocks, kind) in self.shapes:  # the graphs are there: only torch's limit, cheaply (~4 us)
+            limit = dynamo.cache_size_limit
+            dynamo.cache_size_limit = max(limit, GRAPHS_LIMIT)
+            try:
+                yield
+            finally:
+                dynamo.cache_size_limit = limit
+            return
+        self.shapes.add((rows, blocks, kind))
+        graphs, started = counters["stats"]["unique_graphs"], time.perf_counter()
+        limit = max(dynamo.cache_size_limit, GRAPHS_LIMIT)
+        with dynamo.patch(cache_size_limit=limit), torch._inductor.config.patch(compile_threads=1):
+            yield
+        if counters["stats"]["unique_graphs"] != graphs:
+            self.stats.add("captured_compile_ms", round((time.perf_counter() - started) * 1000))
+
+
+def kind_of(verify: bool, sample: bool) -> str:
+    """A pass's program variant (a graph of its own per batch bucket)."""
+    return ("verify" if verify else "decode") + ("+sample" if sample else "")
+
+
+def buckets_ahead(
+    batch_buckets: Sequence[int], running: int, max_bs: int | None = None, sizes: Sequence[int] | None = None
+) -> tuple[int, ...]:
+    """The batch buckets to compile: those holding ``sizes`` (``--cuda-graph-bs-decode``), else every bucket
+    up to the one holding ``min(running, max_bs)`` (``--cuda-graph-max-bs-decode``)."""
+
+    def holding(n: int) -> int:
+        return next((b for b in batch_buckets if b >= n), batch_buckets[-1])
+
+    if sizes:
+        return tuple(sorted({holding(n) for n in sizes if n >= 1}))
+    top = holding(max(1, min(running, max_bs) if max_bs else running))
+    return tuple(b for b in batch_buckets if b <= top)
+
+
+class CompileAhead:
+    """The captured step's plan of compiles before ready (see the module), and what it compiled."""
+
+    def __init__(self, buckets: tuple[int, ...], kinds: tuple[str, ...], verify_rows: int) -> None:
+        self.buckets, self.kinds, self.verify_rows = buckets, kinds, verify_rows
+        self.done = False
+        self.compiled: set[tuple[int, str]] = set()
+
+    @classmethod
+    def for_server(
+        cls, batch_buckets: Sequence[int], model_runner: ModelRunner, verify_rows: int, sampling: bool
+    ) -> CompileAhead:
+        """From SGLang's model runner: its running-request cap and its decode graphs' sizes, if given."""
+        args = model_runner.server_args
+        running = getattr(model_runner, "max_running_requests", None)
+        buckets = buckets_ahead(
+            batch_buckets, running if isinstance(running, int) else batch_buckets[-1],
+            getattr(args, "cuda_graph_max_bs_decode", None), getattr(args, "cuda_graph_bs_decode", None),
+        )  # fmt: skip
+        plain = kind_of(verify_rows > 0, False)
+        return cls(buckets, (plain, kind_of(verify_rows > 0, True)) if sampling else (plain,), verify_rows)
+
+    def covers(self, rows: int, kind: str) -> bool:
+        """Whether a pass of ``rows`` (a bucket) and ``kind`` may run the program: compiled, or nothing
+        compiled yet (this pass is the first: ``run`` compiles before it)."""
+        return not self.done or (rows, kind) in self.compiled
+
+    def run(self, step: CapturedStep, layer: RadixAttention, dtype: torch.dtype) -> None:
+        """Compile every (bucket, kind) on padding rows, with the real layer's heads and scale."""
+        self.done = True
+        state = step.state(step.sparse_layers[0])
+        device, kv_heads = step.tier.device, step.tier.shape.num_kv_heads
+        started = time.perf_counter()
+        logger.info(
+            "oasis: compiling the captured decode step before the server is ready: batch buckets %s, %s "
+            "(torch's cache: %s)", list(self.buckets), " and ".join(self.kinds),
+            os.environ.get("TORCHINDUCTOR_CACHE_DIR", "its default"),
+        )  # fmt: skip
+        for rows in self.buckets:
+            for kind in self.kinds:
+                plan = self.padding(step, rows, kind).to(device)
+                torch._dynamo.maybe_mark_dynamic(
+                    plan.pages, 1
+                )  # as every pass: one graph for every block bucket
+                lead = (rows,) if plan.tree is None else (rows, self.verify_rows)
+                q = torch.zeros((*lead, layer.tp_q_head_num, layer.qk_head_dim), dtype=dtype, device=device)
+                k = torch.zeros((*lead, kv_heads, layer.qk_head_dim), dtype=dtype, device=device)
+                v = torch.zeros((*lead, kv_heads, layer.v_head_dim), dtype=dtype, device=device)
+                began = time.perf_counter()
+                try:
+                    with step.compiles.at(rows, plan.pages.shape[1], kind):
+                        step.program(step.shape, state, plan, q, k, v, layer.scaling)
+                except Exception:  # never the process: this server decodes eagerly from here on
+                    logger.exception("oasis: compiling the captured decode step failed; decoding eagerly")
+                    step.covers = lambda: False
+                    return
+                self.compiled.add((rows, kind))
+                logger.info("oasis: captured decode step, %d rows (%s): compiled in %.1f s", rows, kind,
+                            time.perf_counter() - began)  # fmt: skip
+        logger.info(
+            "oasis: the captured decode step's %d programs compiled in %.1f s (captured_compile_ms)",
+            len(self.compiled), time.perf_counter() - started,
+        )  # fmt: skip
+
+    def padding(self, step: CapturedStep, rows: int, kind: str) -> StepPlan:
+        """A plan of ``rows`` padding rows of ``kind`` (the recall fields always: a plan with a target is
+        not another graph; ``sampled`` on a sample pass; a verify pass's drafts and tree)."""
+        none = torch.zeros(0, dtype=torch.int64)
+        sampled = torch.zeros(0, dtype=torch.bool) if kind.endswith("+sample") else None
+        drafts = tree = None
+        if kind.startswith("verify"):
+            drafts = torch.zeros((0, self.verify_rows - 1), dtype=torch.int64)
+            tree = torch.zeros((0, self.verify_rows, self.verify_rows), dtype=torch.bool)
+        return StepPlan.build(
+            none, none, none, step.req_to_token, none, 0, step.shape, rows, step.block_buckets[0], drafts, tree,
+            (none, none.double(), sampled),
+        )  # fmt: skip
