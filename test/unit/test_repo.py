@@ -145,18 +145,35 @@ def test_the_wheel_holds_the_runtime_only(tmp_path: Path) -> None:
 
 
 def test_where_things_are_names_files_that_exist() -> None:
-    """design.md's "Where things are" table: every mechanism row names files, and each one exists."""
+    """design.md's "Where things are" table: every mechanism row names files, each one exists (a bare file
+    name: in the folder of a path before it in its row), and every runtime module is named (itself, or its
+    folder)."""
     text = (ROOT / "docs/design.md").read_text()
     table = text.split("## Where things are", 1)[1].split("\n## ", 1)[0]
     rows = [
         line for line in table.splitlines() if line.startswith("| ") and not line.startswith("| Mechanism")
     ]
     assert len(rows) >= 15
+    named: set[Path] = set()
     for row in rows:
-        paths = re.findall(r"`([\w./-]+/[\w./-]*)`", row)
-        assert paths, row
-        missing = [path for path in paths if not (ROOT / path).exists()]
-        assert missing == [], row
+        names = re.findall(r"`([\w./-]+)`", row.split("|")[2])  # the Files column
+        assert any("/" in name for name in names), row
+        folder = None
+        for name in names:
+            if "/" in name:
+                path = ROOT / name
+                folder = path if name.endswith("/") else path.parent
+            else:  # a bare file name
+                assert folder is not None, f"{name} before any path in: {row}"
+                path = folder / name
+            assert path.exists(), f"{name} ({path.relative_to(ROOT)}) in: {row}"
+            named.add(path)
+    modules = [
+        path for path in (ROOT / "python/sglang_oasis").rglob("*.py")
+        if path.name != "__init__.py" and not any(parent in named for parent in path.parents)
+    ]  # fmt: skip
+    unnamed = sorted(str(path.relative_to(ROOT)) for path in modules if path not in named)
+    assert unnamed == [], "modules design.md's table does not name"
 
 
 def test_no_attention_file_is_a_god_object() -> None:
