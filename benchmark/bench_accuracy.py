@@ -28,7 +28,7 @@ server side by side. A config's scores and figures do not depend on it (greedy, 
 steps); its ``wall_s`` does (the servers share the memory bandwidth). Sparse servers start every
 request cold (``--oasis-warm-start false``, unless a config sets it): a warm start loads only what the
 donor slot lacks, and which config's request claims the priming request's slot first depends on
-timing, so the admission figures would too (by up to 17% between two runs, 2026-12-03).
+timing, so the admission figures would too.
 
 Radix cache reuse: a context's samples share their haystack up to their first needle (the six needle
 tasks share one header and haystack), so per task and context the sample sharing the longest prefixes
@@ -37,30 +37,17 @@ each prefilling only what follows its cached prefix.
 
 Default full run (``python benchmark/bench_accuracy.py --json accuracy.json``): all 10 tasks at ~1K,
 2K, 4K and 7K tokens with 2, 1, 1 and 1 samples per task: 50 requests per config, 6 configs (dense,
-K = 16, 32, 64, 128 and a recall target) on 2 servers, all 30 layers in float32. With a server per
-config it took ~19 minutes per server on the 2-core CPU machines (2026-12-02: dense and K = 16 / 64 1,142-1,168 s,
-target90 1,343 s), ~2 hours in all; with the shared server running its configs one after another,
-~95 minutes projected (2026-12-03: ~45 minutes for the ~1K-4K groups). With the configs at once and
-an extend after a cached prefix computing only its own rows (``attention/extend_attention.py``: a
-32-token window after 2K cached took 87 ms per layer in SGLang's torch_native extend, 3.7 ms now) it
-took 61 minutes (2026-12-03, commit c0dd28f, target90: dense 1,245 s, the shared server 2,421 s), and
-64 with decode attention trimmed to each request's span and target98 (commit 026cb5a: dense 1,436 s,
-the shared server 2,382 s; ``docs/results.md``). With the two servers side by side it took 29 minutes
-(2026-12-03, commit df62791, an Intel Xeon 2-core machine: dense 1,029 s, the shared server 1,756 s),
-and 22 with its requests started cold (commit 7fd0a4f: dense 837 s, the shared server 1,336 s; the
-machine ran faster then); the estimate below says 30. ``--dry-run`` prints the estimate of any plan without
-starting a server (its model, calibrated on the 2026-12-02 run: prefill ~4.3 ms per new token plus
-attention, 4K from scratch ~29 s; decode ~110 ms per step plus ~90 ms per further sparse request in
-the batch; ~45 s per server start; prefix reuse leaves ~75% of the prompt tokens to prefill). Each
-config then has 20 samples at
-~1K and 10 at each longer context (over the tasks) but one or two per cell: read the per-context and
-per-config means, and the cells only as a hint. Every cell at 10 samples (``--samples 10``) is ~16
-hours; ``--samples 3,2,1,1`` ~2.2 hours. ``--quick`` (CI-sized): ~1K and 2K, 2 samples per task,
-dense and K = 32, ~14 minutes estimated.
+K = 16, 32, 64, 128 and a recall target) on 2 servers side by side, all 30 layers in float32: about
+half an hour on the 2-core machines (``docs/results.md`` has each run's times). ``--dry-run`` prints the
+estimate of any plan without starting a server (its model of this machine class: ``PREFILL_S_PER_TOKEN``
+and the constants beside it). Each config then has 20 samples at ~1K and 10 at each longer context (over
+the tasks) but one or two per cell: read the per-context and per-config means, and the cells only as a
+hint. Every cell at 10 samples (``--samples 10``) is ~16 hours; ``--samples 3,2,1,1`` ~2.2 hours.
+``--quick`` (CI-sized): ~1K and 2K, 2 samples per task, dense and K = 32, ~14 minutes estimated.
 ``--num-layers N`` truncates the model: far faster, but a truncated SmolLM2 cannot answer, so it only
 smoke-tests the machinery.
 
-Status (2026-12-03): the generators and scorers are unit-tested (``test/unit/test_accuracy_tasks.py``);
+Tests: the generators and scorers are unit-tested (``test/unit/test_accuracy_tasks.py``);
 ``test/integration/test_accuracy_bench.py`` runs the benchmark end to end in CI (6-layer SmolLM2, two
 tasks at ~1K, a dense server and a shared sparse one for a K covering every block and K = 8 at once:
 the covering K must answer as dense and read nothing from the host tier at decode). Results:
@@ -160,13 +147,12 @@ ANSWER_CHARS = 300
 # The estimate's model of this machine class (2-core CPU, float32, all 30 layers, scaled by layers / 30):
 # a prefill of n new tokens after c cached ones costs n x PREFILL_S_PER_TOKEN + n x (c + n / 2) x
 # PREFILL_S_PER_PAIR (4K from scratch ~29 s), a decode step DECODE_S_PER_STEP + DECODE_S_PER_KV_TOKEN x
-# the batch's context tokens; answers are assumed to use ANSWER_SHARE of max_tokens. Calibrated on the
-# full run of 2026-12-02 (AMD EPYC): the first model (2.25e-3, 7.5e-7, 0.06, 3e-6) gave 629 s per
-# server where dense and K = 16 / 64 took 1,142-1,168 s (target90 1,343 s); each time constant is 1.9x.
+# the batch's context tokens; answers are assumed to use ANSWER_SHARE of max_tokens. Calibrated on
+# full runs on an AMD EPYC (2 cores).
 PREFILL_S_PER_TOKEN = 4.3e-3
 PREFILL_S_PER_PAIR = 1.4e-6
 DECODE_S_PER_STEP = 0.11
-DECODE_S_PER_ROW = 0.09  # sparse, each further request of a batch (2K context, 2026-12-03)
+DECODE_S_PER_ROW = 0.09  # sparse, each further request of a batch (2K context)
 DECODE_S_PER_KV_TOKEN = 5.7e-6
 ANSWER_SHARE = 0.6
 SERVER_START_S = 45.0

@@ -46,8 +46,7 @@ to; with K covering every block it is expected to be 0.
         [--output-tokens 64] [--repeats 3] [--sparse-top-k 16] [--block-size 16] [--dtype float32]
         [--recall-sample-every N] [--tp-size N] [--batch 1]
 
-Every other sparse mode runs with the recall telemetry off (``--oasis-recall-sample-every 0``; before
-2026-12-05 they ran the server's default, a sample every 32 steps). With ``--recall-sample-every N`` two
+Every other sparse mode runs with the recall telemetry off (``--oasis-recall-sample-every 0``). With ``--recall-sample-every N`` two
 more servers, ``sparse_k_sparse_recall`` and ``sparse_k_sparse_recall_captured``, are ``sparse_k_sparse``
 and ``sparse_k_sparse_captured`` with the telemetry on (``--oasis-recall-sample-every N``; captured: the
 sample inside the compiled step); ``recall_cost_ratio`` and ``recall_cost_ratio_captured`` = their TPOT
