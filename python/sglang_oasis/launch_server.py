@@ -162,6 +162,8 @@ def compile_plan(sglang_argv: Sequence[str], config: OasisConfig) -> str:
     """What the captured step compiles before the server is ready (``attention/compile_ahead.py``), and
     about how long it takes, for the launcher to say; SGLang's warm-up (where it compiles) may take that
     long (``SGLANG_WARMUP_TIMEOUT``, unless set)."""
+    # first: importing torch._dynamo (compile_ahead does) sets torch's default (/tmp/torchinductor_$USER)
+    cache = os.environ.setdefault(INDUCTOR_CACHE_ENV, str(cache_root() / "torchinductor"))
     from sglang_oasis.attention.compile_ahead import buckets_ahead, kind_of
     from sglang_oasis.attention.step_plan import powers_of_two
 
@@ -173,7 +175,6 @@ def compile_plan(sglang_argv: Sequence[str], config: OasisConfig) -> str:
     kinds = [kind_of(verify, False), *([kind_of(verify, True)] if config.recall_sample_every > 0 else [])]
     programs = len(buckets) * len(kinds)
     os.environ.setdefault(WARMUP_TIMEOUT_ENV, str(max(600, 60 * programs)))
-    cache = os.environ.setdefault(INDUCTOR_CACHE_ENV, str(cache_root() / "torchinductor"))
     return (
         f"--oasis-decode-step captured: {programs} programs compile before the server is ready (batch buckets "
         f"{', '.join(map(str, buckets))}; {' and '.join(kinds)} passes): ~15 s each the first time on 2 cores, "

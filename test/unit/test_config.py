@@ -143,6 +143,29 @@ def test_the_cpu_default_decode_step_is_captured_unless_told(
         cpu_decode_step([], OasisConfig())
 
 
+def test_a_fresh_launcher_gives_the_servers_torchs_cache_under_the_projects(tmp_path) -> None:
+    """In a fresh process (as the launcher runs), not only in this one: importing torch._dynamo sets torch's
+    default cache directory (/tmp, emptied by a reboot), so the launcher must set its own first. A server's
+    processes inherit the launcher's environment; a value the user set is kept."""
+    from sglang_oasis.models.default_model import prepare_default_model
+
+    argv = ["--model-path", str(prepare_default_model()), "--oasis-decode-step", "captured",
+            "--max-running-requests", "2"]  # fmt: skip
+    code = (
+        f"import os; from sglang_oasis.launch_server import prepare; prepare({argv!r}); "
+        "print(os.environ['TORCHINDUCTOR_CACHE_DIR'])"
+    )
+    env = {**child_env(), "SGLANG_OASIS_CACHE": str(tmp_path), "SGLANG_OASIS_CPU_DECODE_STEP": ""}
+    env.pop("TORCHINDUCTOR_CACHE_DIR", None)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert run.stdout.strip().splitlines()[-1] == str(tmp_path / "torchinductor")
+    assert f"~2 s each from {tmp_path / 'torchinductor'}" in run.stderr + run.stdout
+    env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "mine")
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.stdout.strip().splitlines()[-1] == str(tmp_path / "mine")
+
+
 def test_an_explicit_captured_step_without_a_fetch_cap_is_warned_about(
     capsys: pytest.CaptureFixture[str],
 ) -> None:
