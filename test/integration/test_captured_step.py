@@ -90,7 +90,8 @@ def test_the_programs_compile_before_the_server_is_ready_and_never_while_it_serv
 ) -> None:
     """SGLang's warm-up request (before ``/health`` answers) compiled every program the server runs: each
     batch bucket up to its running-request cap (8), decode and sample passes. Then bursts of requests at
-    five concurrencies compile nothing more and run every pass captured (none left to the eager step)."""
+    five concurrencies and a context of 4,200 tokens compile nothing more and run every pass captured (none
+    left to the eager step)."""
     first = captured_server.oasis_stats()
     log = captured_server.log_path.read_text()
     compiled = log.index("the captured decode step's 8 programs compiled in")
@@ -102,7 +103,12 @@ def test_the_programs_compile_before_the_server_is_ready_and_never_while_it_serv
         with ThreadPoolExecutor(concurrency) as pool:
             done = list(pool.map(lambda n: captured_server.generate(prompt(n, seed=n), 12), lengths))
         assert all(len(answer["output_ids"]) == 12 for answer in done)
+    # a context past 4,096 tokens (257+ blocks: the next block bucket, and a sample pass's sums over more
+    # than 4,096 positions, where torch's float sums guard on the length) compiles nothing either
+    samples = captured_server.oasis_stats()["recall_samples"]
+    assert len(captured_server.generate(prompt(4200, seed=4200), 20)["output_ids"]) == 20
     after = captured_server.oasis_stats()
+    assert after["recall_samples"] > samples
     assert after["captured_compile_ms"] == first["captured_compile_ms"], "a compile while serving"
     assert after["captured_uncompiled_passes"] == first["captured_uncompiled_passes"] == 0
     assert after["captured_decode_passes"] - first["captured_decode_passes"] >= 5 * 10

@@ -34,22 +34,25 @@ def test_the_buckets_compiled_follow_the_running_cap_and_sglangs_graph_sizes() -
 
 def test_the_first_decode_pass_compiles_every_program_first_and_an_uncompiled_bucket_runs_eagerly() -> None:
     """The first pass (SGLang's warm-up, before the server is ready) runs every (bucket, kind) on padding
-    rows before its own program; then a pass of two rows runs its compiled program, one of three rows
+    rows, at the smallest and the largest block bucket, before its own program; then a pass of two rows runs its compiled program, one of three rows
     (bucket 4, not compiled) runs eagerly and is counted, and every output is the eager step's."""
     cfg = config(recall_sample_every=4)
     eager = Server("cpu", dataclasses.replace(cfg, decode_step="eager"), graphs=False)
     server = Server("cpu", cfg, graphs=False)
     step = server.oasis.captured
     assert isinstance(step, CapturedStep)
-    calls: list[tuple[int, bool, bool, list[int]]] = []
+    calls: list[tuple[int, bool, bool, list[int], int]] = []
+    blocks = (step.block_buckets[0], step.block_buckets[-1])
+    assert blocks[0] < blocks[1]
     before: dict[str, torch.Tensor] = {}
     padding = step.shape.padding_slot
 
     def program(*args: Any) -> Any:  # what a compile runs; it records each call's plan
         plan = args[2]
-        calls.append((len(plan.slots), plan.tree is not None, plan.sampled is not None, plan.slots.tolist()))
+        calls.append((len(plan.slots), plan.tree is not None, plan.sampled is not None, plan.slots.tolist(),
+                      plan.pages.shape[1]))  # fmt: skip
         if (
-            len(calls) == 5
+            len(calls) == 9
         ):  # the first pass's own program, after the compiles: nothing a request holds changed
             for name, table in step.tier.tables.host.items():
                 assert torch.equal(table[:padding], before[name][:padding]), name
@@ -66,8 +69,11 @@ def test_the_first_decode_pass_compiles_every_program_first_and_an_uncompiled_bu
             if run is server and not calls:
                 before.update({name: t.clone() for name, t in step.tier.tables.host.items()})
             run.decode(rows, [lens[row] for row in rows])
-    ahead = calls[:4]  # the compiles, at the first pass, before its own two layers
-    assert [(c[0], c[2]) for c in ahead] == [(1, False), (1, True), (2, False), (2, True)]
+    ahead = calls[:8]  # the compiles, at the first pass, before its own two layers: the smallest and the
+    # largest block bucket each (a guard on the block count would compile a second graph here, not serving)
+    assert [(c[0], c[2], c[4]) for c in ahead] == [
+        (rows, sample, n) for rows in (1, 2) for sample in (False, True) for n in blocks
+    ]
     assert all(set(c[3]) == {padding} for c in ahead)  # padding rows only
     assert step.ahead.done and step.ahead.compiled == {(1, "decode"), (1, "decode+sample"), (2, "decode"),
                                                        (2, "decode+sample")}  # fmt: skip

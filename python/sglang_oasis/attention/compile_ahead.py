@@ -7,7 +7,9 @@ its program for every batch bucket it will run (``buckets_ahead``: up to the ser
 or ``--cuda-graph-max-bs-decode``, or the buckets holding ``--cuda-graph-bs-decode``'s sizes: SGLang's own
 knobs for its graphs' sizes) in every kind of pass the server runs (plain decode, or the lookahead's
 verify passes; with recall telemetry on, each one's sample-pass variant too), on padding rows only (they
-write the device tier's padding slot, which no request holds). Each compile is logged with its time and
+write the device tier's padding slot, which no request holds), at the smallest and the largest block
+bucket (the block count is symbolic: one graph serves them all unless torch guards on it, and a second
+graph then compiles here; the sample pass sums over every position in double so that none is needed). Each compile is logged with its time and
 counted in ``captured_compile_ms`` (``Compiles``), which then never grows. A pass of a bucket or kind not compiled runs
 eagerly (``captured_uncompiled_passes``) rather than stalling the requests running for a compile. torch's
 on-disk cache (``TORCHINDUCTOR_CACHE_DIR``; the launcher's under the project's cache) makes a later
@@ -148,34 +150,37 @@ class CompileAhead:
             "(torch's cache: %s)", list(self.buckets), " and ".join(self.kinds),
             os.environ.get("TORCHINDUCTOR_CACHE_DIR", "its default"),
         )  # fmt: skip
+        # the smallest and the largest block bucket: one graph serves every bucket between unless torch
+        # guards on the block count (a threshold), and then the second graph is compiled here, not serving
+        block_buckets = tuple(dict.fromkeys((step.block_buckets[0], step.block_buckets[-1])))
         for rows in self.buckets:
             for kind in self.kinds:
-                plan = self.padding(step, rows, kind).to(device)
-                torch._dynamo.maybe_mark_dynamic(
-                    plan.pages, 1
-                )  # as every pass: one graph for every block bucket
-                lead = (rows,) if plan.tree is None else (rows, self.verify_rows)
+                lead = (rows,) if kind.startswith("decode") else (rows, self.verify_rows)
                 q = torch.zeros((*lead, layer.tp_q_head_num, layer.qk_head_dim), dtype=dtype, device=device)
                 k = torch.zeros((*lead, kv_heads, layer.qk_head_dim), dtype=dtype, device=device)
                 v = torch.zeros((*lead, kv_heads, layer.v_head_dim), dtype=dtype, device=device)
-                began = time.perf_counter()
+                began, graphs = time.perf_counter(), counters["stats"]["unique_graphs"]
                 try:
-                    with step.compiles.at(rows, plan.pages.shape[1], kind):
-                        step.program(step.shape, state, plan, q, k, v, layer.scaling)
+                    for blocks in block_buckets:
+                        plan = self.padding(step, rows, kind, blocks).to(device)
+                        torch._dynamo.maybe_mark_dynamic(plan.pages, 1)  # as every pass
+                        with step.compiles.at(rows, blocks, kind):
+                            step.program(step.shape, state, plan, q, k, v, layer.scaling)
                 except Exception:  # never the process: this server decodes eagerly from here on
                     logger.exception("oasis: compiling the captured decode step failed; decoding eagerly")
                     step.covers = lambda: False
                     return
                 self.compiled.add((rows, kind))
-                logger.info("oasis: captured decode step, %d rows (%s): compiled in %.1f s", rows, kind,
-                            time.perf_counter() - began)  # fmt: skip
+                logger.info("oasis: captured decode step, %d rows (%s): compiled in %.1f s (%d graphs for blocks "
+                            "%s)", rows, kind, time.perf_counter() - began, counters["stats"]["unique_graphs"] - graphs,
+                            " to ".join(map(str, block_buckets)))  # fmt: skip
         logger.info(
             "oasis: the captured decode step's %d programs compiled in %.1f s (captured_compile_ms)",
             len(self.compiled), time.perf_counter() - started,
         )  # fmt: skip
 
-    def padding(self, step: CapturedStep, rows: int, kind: str) -> StepPlan:
-        """A plan of ``rows`` padding rows of ``kind`` (the recall fields always: a plan with a target is
+    def padding(self, step: CapturedStep, rows: int, kind: str, blocks: int) -> StepPlan:
+        """A plan of ``rows`` padding rows and ``blocks`` blocks of ``kind`` (the recall fields always: a plan with a target is
         not another graph; ``sampled`` on a sample pass; a verify pass's drafts and tree)."""
         none = torch.zeros(0, dtype=torch.int64)
         sampled = torch.zeros(0, dtype=torch.bool) if kind.endswith("+sample") else None
@@ -184,6 +189,6 @@ class CompileAhead:
             drafts = torch.zeros((0, self.verify_rows - 1), dtype=torch.int64)
             tree = torch.zeros((0, self.verify_rows, self.verify_rows), dtype=torch.bool)
         return StepPlan.build(
-            none, none, none, step.req_to_token, none, 0, step.shape, rows, step.block_buckets[0], drafts, tree,
+            none, none, none, step.req_to_token, none, 0, step.shape, rows, blocks, drafts, tree,
             (none, none.double(), sampled),
         )  # fmt: skip

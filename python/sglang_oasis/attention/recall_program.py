@@ -55,17 +55,22 @@ def sample(
     keys = state.host_k[tokens].float()  # [bs, T, H, D]
     q = query.float().view(bs, heads, -1, keys.shape[-1])  # [bs, H, G, D]
     logits = torch.einsum("bhgd,bthd->bhgt", q, keys) * scale
-    mass = torch.softmax(logits.masked_fill(~valid[:, None, None, :], float("-inf")), dim=-1).mean(dim=2)
+    # sums over every position in double: a float sum over more than 4,096 elements makes inductor guard
+    # on the length (its accumulation helper), so one graph would not serve every block bucket
+    valid_logits = logits.double().masked_fill(~valid[:, None, None, :], float("-inf"))
+    mass = torch.softmax(valid_logits, dim=-1).mean(dim=2)
 
     # What decode attention saw: the working set's blocks, and every block from the covered ones on.
     held = torch.where((blocks != EMPTY) & (blocks < full[:, None, None]), blocks, num_blocks)
     seen = torch.zeros((bs, heads, num_blocks + 1), dtype=torch.bool, device=device).scatter(-1, held, True)
     seen = seen | (index[None, None, :] >= torch.minimum(covered, full)[:, None, None])
     token_block = torch.minimum(positions[None, :] // block, full[:, None])  # [bs, T]
-    recall = (mass * seen.gather(-1, token_block[:, None, :].expand(-1, heads, -1))).sum(dim=-1)  # [bs, H]
+    recall = (
+        (mass * seen.gather(-1, token_block[:, None, :].expand(-1, heads, -1))).sum(dim=-1).float()
+    )  # [bs, H]
 
     # Lookahead agreement: the share of the step's true top own-K blocks (by exact mass) it saw.
-    block_mass = mass[..., : num_blocks * block].reshape(bs, heads, num_blocks, block).sum(dim=-1)
+    block_mass = mass[..., : num_blocks * block].float().reshape(bs, heads, num_blocks, block).sum(dim=-1)
     block_mass = block_mass.masked_fill(index[None, None, :num_blocks] >= full[:, None, None], float("-inf"))
     width = min(shape.max_top_k, num_blocks)
     top = block_mass.topk(width, dim=-1).indices
