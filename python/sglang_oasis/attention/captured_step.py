@@ -87,8 +87,9 @@ class CapturedStep:
         self.batch_buckets = powers_of_two(1, tier.num_request_slots)
         blocks = req_to_token.shape[1] // config.block_size
         # The block dimension is symbolic in the graph (``decode``: one graph per batch bucket, whatever the
-        # contexts); buckets of at least a working set's slots keep it one (no branch on N < S).
-        self.block_buckets = powers_of_two(max(MIN_BLOCK_BUCKET, tier.working_sets.num_slots), blocks)
+        # contexts); buckets of more than a working set's slots keep it one (no branch on N < S, and no
+        # bucket of exactly S, which torch would specialize to a constant: seen, 128 slots)
+        self.block_buckets = powers_of_two(max(MIN_BLOCK_BUCKET, tier.working_sets.num_slots + 1), blocks)
         self.program: Callable[..., tuple[torch.Tensor, torch.Tensor]] = torch.compile(
             decode_layer, fullgraph=True, dynamic=False
         )

@@ -43,6 +43,13 @@ class Copies(NamedTuple):
     padding_slot: int  # where a copy the Triton form does not make in one of its two launches goes
 
 
+def at_most(bound: int, blocks: int) -> int:
+    """``min(bound, blocks)`` for the symbolic block count: a branch (torch guards once on which side the
+    block bucket is, the same for every larger bucket) where ``min`` would trace ``sym_min`` and a slice
+    by it would guard on the count itself, a graph per bucket."""
+    return bound if blocks >= bound else blocks
+
+
 def block_rows(ws: torch.Tensor) -> tuple[torch.Tensor, int]:
     """``ws`` ``[slots, H, S, B, D]`` (each slot's ``[H, S, B, D]`` contiguous, as a layer's view of
     ``WorkingSetPool.k`` is) as block rows ``[n, B, D]`` over the same memory, and ``per_slot``."""

@@ -41,7 +41,7 @@ import torch
 
 from sgl_kernel_oasis import ops
 from sglang_oasis.attention import recall_program
-from sglang_oasis.attention.decode_ops import INT64_MAX, Copies, attend, copy_blocks, fold_summaries
+from sglang_oasis.attention.decode_ops import INT64_MAX, Copies, at_most, attend, copy_blocks, fold_summaries
 from sglang_oasis.attention.layer_state import LayerState
 from sglang_oasis.attention.step_plan import StepPlan, StepShape
 from sglang_oasis.memory.working_set import BLOCK_ID_SPAN, EMPTY, stable_ranks
@@ -149,7 +149,7 @@ def attend_and_plan(
     pinned = pinned.scatter(-1, torch.where(pins >= 0, pins, num_blocks), True)[..., :num_blocks]
     scores = scores.masked_fill(pinned, float("inf"))
     sinks = (index < shape.sink_blocks)[None, None, :]
-    width = min(shape.max_top_k, num_blocks)
+    width = at_most(shape.max_top_k, num_blocks)
     best = scores.masked_fill(sinks | ~in_range, float("-inf")).topk(width, dim=-1).indices
     within_k = (torch.arange(width, device=device)[None, :] < top_k[:, None])[:, None, :].expand(
         -1, heads, -1
@@ -176,7 +176,7 @@ def attend_and_plan(
     victim_key = torch.where(occupied, last * BLOCK_ID_SPAN + blocks, -1)
     victims = torch.where(holds_selected, INT64_MAX, victim_key).sort(dim=-1, stable=True).indices
     missing_first = (~missing).to(torch.int8).sort(dim=-1, stable=True).indices  # missing ids, ascending
-    ranks = min(blocks.shape[-1], num_blocks)
+    ranks = at_most(blocks.shape[-1], num_blocks)
     count = missing.sum(dim=-1, keepdim=True)
     take = torch.arange(ranks, device=device) < count  # [bs, H, ranks]
     dest, new_blocks = victims[..., :ranks], missing_first[..., :ranks]

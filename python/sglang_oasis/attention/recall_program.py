@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import torch
 
+from sglang_oasis.attention.decode_ops import at_most
 from sglang_oasis.attention.layer_state import LayerState
 from sglang_oasis.attention.recall_probe import SHRINK_AFTER, on_ladder
 from sglang_oasis.attention.step_plan import StepPlan, StepShape
@@ -72,7 +73,7 @@ def sample(
     # Lookahead agreement: the share of the step's true top own-K blocks (by exact mass) it saw.
     block_mass = mass[..., : num_blocks * block].float().reshape(bs, heads, num_blocks, block).sum(dim=-1)
     block_mass = block_mass.masked_fill(index[None, None, :num_blocks] >= full[:, None, None], float("-inf"))
-    width = min(shape.max_top_k, num_blocks)
+    width = at_most(shape.max_top_k, num_blocks)
     top = block_mass.topk(width, dim=-1).indices
     ranked = torch.minimum(plan.own_k, full)  # [bs]
     within = torch.arange(width, device=device)[None, None, :] < ranked[:, None, None]
