@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import itertools
 import os
 import sys
 import threading
@@ -69,6 +70,17 @@ def option_value(argv: Sequence[str], option: str) -> str | None:
         if arg == option and i + 1 < len(argv):
             return argv[i + 1]
     return None
+
+
+def option_values(argv: Sequence[str], option: str) -> list[str]:
+    """The values of a list option (``--option a b c``, or ``--option=a``): the words after it up to the
+    next option."""
+    for i, arg in enumerate(argv):
+        if arg.startswith(option + "="):
+            return [arg.split("=", 1)[1]]
+        if arg == option:
+            return list(itertools.takewhile(lambda word: not word.startswith("--"), argv[i + 1 :]))
+    return []
 
 
 def first_option_value(argv: Sequence[str], options: Sequence[str]) -> str | None:
@@ -154,7 +166,6 @@ def cpu_decode_step(argv: Sequence[str], config: OasisConfig) -> OasisConfig:
         raise LaunchError(f"{DECODE_STEP_ENV}={step!r} is not one of {', '.join(DECODE_STEPS)}")
     if step == "eager":
         say(f"--oasis-decode-step eager ({DECODE_STEP_ENV})")
-        return dataclasses.replace(config, decode_step=step)
     return dataclasses.replace(config, decode_step=step)
 
 
@@ -164,15 +175,17 @@ def compile_plan(sglang_argv: Sequence[str], config: OasisConfig) -> str:
     long (``SGLANG_WARMUP_TIMEOUT``, unless set)."""
     # first: importing torch._dynamo (compile_ahead does) sets torch's default (/tmp/torchinductor_$USER)
     cache = os.environ.setdefault(INDUCTOR_CACHE_ENV, str(cache_root() / "torchinductor"))
-    from sglang_oasis.attention.compile_ahead import buckets_ahead, kind_of
+    from sglang_oasis.attention.compile_ahead import buckets_ahead, kinds_ahead
     from sglang_oasis.attention.step_plan import powers_of_two
 
     running = option_value(sglang_argv, "--max-running-requests")
     cap = int(running) if running and running.isdigit() else 1
     max_bs = option_value(sglang_argv, "--cuda-graph-max-bs-decode")
-    buckets = buckets_ahead(powers_of_two(1, cap), cap, int(max_bs) if max_bs and max_bs.isdigit() else None)
-    verify = config.verify_rows > 0
-    kinds = [kind_of(verify, False), *([kind_of(verify, True)] if config.recall_sample_every > 0 else [])]
+    sizes = [int(n) for n in option_values(sglang_argv, "--cuda-graph-bs-decode") if n.isdigit()]
+    buckets = buckets_ahead(
+        powers_of_two(1, cap), cap, int(max_bs) if max_bs and max_bs.isdigit() else None, sizes
+    )  # as the server will (CompileAhead.for_server)
+    kinds = kinds_ahead(config.verify_rows > 0, config.recall_sample_every > 0)
     programs = len(buckets) * len(kinds)
     os.environ.setdefault(WARMUP_TIMEOUT_ENV, str(max(600, 60 * programs)))
     return (

@@ -132,6 +132,11 @@ def test_the_cpu_default_decode_step_is_captured_unless_told(
         bounded, OasisConfig(decode_step="captured", lookahead="ngram")
     )
     assert "verify and verify+sample passes" in compile_plan(bounded, OasisConfig(lookahead="ngram"))
+    # --cuda-graph-bs-decode's sizes: the buckets holding them, as the server compiles (buckets_ahead)
+    sized = ["--max-running-requests", "20", "--cuda-graph-bs-decode", "3", "24", "--dtype", "float32"]
+    assert "4 programs compile before the server is ready (batch buckets 4, 32;" in compile_plan(
+        sized, OasisConfig(decode_step="captured")
+    )
     for argv in (["--oasis-decode-step", "eager"], ["--oasis-decode-step=eager"]):
         assert cpu_decode_step(argv, OasisConfig()).decode_step == "eager"
     assert cpu_decode_step([], OasisConfig(adaptive_cap=True)).decode_step == "eager"

@@ -3,17 +3,22 @@
 SGLang captures a graph for every batch size it may run at start-up, before ``/health`` answers, so a user
 never pays a capture while serving. The captured step (``--oasis-decode-step captured``) does the same: at
 its first decode pass (SGLang's warm-up request, which runs before the server reports ready) it compiles
-its program for every batch bucket it will run (``buckets_ahead``: up to the server's running-request cap,
-or ``--cuda-graph-max-bs-decode``, or the buckets holding ``--cuda-graph-bs-decode``'s sizes: SGLang's own
-knobs for its graphs' sizes) in every kind of pass the server runs (plain decode, or the lookahead's
-verify passes; with recall telemetry on, each one's sample-pass variant too), on padding rows only (they
-write the device tier's padding slot, which no request holds), at the smallest and the largest block
-bucket (the block count is symbolic: one graph serves them all unless torch guards on it, and a second
-graph then compiles here; the sample pass sums over every position in double so that none is needed). Each compile is logged with its time and
-counted in ``captured_compile_ms`` (``Compiles``), which then never grows. A pass of a bucket or kind not compiled runs
-eagerly (``captured_uncompiled_passes``) rather than stalling the requests running for a compile. torch's
-on-disk cache (``TORCHINDUCTOR_CACHE_DIR``; the launcher's under the project's cache) makes a later
-start's compiles ~2 s each.
+its program
+
+- for every batch bucket it will run (``buckets_ahead``: up to the server's running-request cap, or
+  ``--cuda-graph-max-bs-decode``, or the buckets holding ``--cuda-graph-bs-decode``'s sizes: SGLang's own
+  knobs for its graphs' sizes),
+- in every kind of pass the server runs (``kinds_ahead``: plain decode, or the lookahead's verify passes;
+  with recall telemetry on, each one's sample-pass variant too),
+- at the smallest and the largest block bucket (the block count is symbolic: one graph serves them all
+  unless torch guards on it, and a second graph then compiles here; the sample pass sums over every
+  position in double so that none is needed),
+
+on padding rows only (they write the device tier's padding slot, which no request holds). Each compile is
+logged with its time and counted in ``captured_compile_ms`` (``Compiles``), which then never grows. A pass
+of a bucket or kind not compiled runs eagerly (``captured_uncompiled_passes``) rather than stalling the
+requests running for a compile. torch's on-disk cache (``TORCHINDUCTOR_CACHE_DIR``; the launcher's under
+the project's cache) makes a later start's compiles ~2 s each.
 """
 
 from __future__ import annotations
@@ -97,6 +102,11 @@ def kind_of(verify: bool, sample: bool) -> str:
     return ("verify" if verify else "decode") + ("+sample" if sample else "")
 
 
+def kinds_ahead(verify: bool, sampling: bool) -> tuple[str, ...]:
+    """The kinds of pass a server runs: decode or verify, and with recall telemetry their sample passes."""
+    return (kind_of(verify, False), kind_of(verify, True)) if sampling else (kind_of(verify, False),)
+
+
 def buckets_ahead(
     batch_buckets: Sequence[int], running: int, max_bs: int | None = None, sizes: Sequence[int] | None = None
 ) -> tuple[int, ...]:
@@ -131,8 +141,7 @@ class CompileAhead:
             batch_buckets, running if isinstance(running, int) else batch_buckets[-1],
             getattr(args, "cuda_graph_max_bs_decode", None), getattr(args, "cuda_graph_bs_decode", None),
         )  # fmt: skip
-        plain = kind_of(verify_rows > 0, False)
-        return cls(buckets, (plain, kind_of(verify_rows > 0, True)) if sampling else (plain,), verify_rows)
+        return cls(buckets, kinds_ahead(verify_rows > 0, sampling), verify_rows)
 
     def covers(self, rows: int, kind: str) -> bool:
         """Whether a pass of ``rows`` (a bucket) and ``kind`` may run the program: compiled, or nothing
@@ -180,8 +189,8 @@ class CompileAhead:
         )  # fmt: skip
 
     def padding(self, step: CapturedStep, rows: int, kind: str, blocks: int) -> StepPlan:
-        """A plan of ``rows`` padding rows and ``blocks`` blocks of ``kind`` (the recall fields always: a plan with a target is
-        not another graph; ``sampled`` on a sample pass; a verify pass's drafts and tree)."""
+        """A plan of ``rows`` padding rows and ``blocks`` blocks of ``kind`` (the recall fields always: a plan
+        with a target is not another graph; ``sampled`` on a sample pass; a verify pass's drafts and tree)."""
         none = torch.zeros(0, dtype=torch.int64)
         sampled = torch.zeros(0, dtype=torch.bool) if kind.endswith("+sample") else None
         drafts = tree = None
