@@ -120,11 +120,8 @@ def main() -> int:
                     for run in range(args.warmup_runs):  # other prompts, the same shapes
                         bench(server, model, args, logs / f"{mode}-warmup{run}.jsonl", 100 + run, length)
                     out = logs / f"{mode}.jsonl"
-                    results["modes"][mode] = {
-                        **bench(server, model, args, out, input_len=length),
-                        "cold": cold,
-                    }
-                    results["modes"][mode]["ready_s"] = round(ready_s, 1)
+                    warm = bench(server, model, args, out, input_len=length)
+                    results["modes"][mode] = {**warm, "cold": cold, "ready_s": round(ready_s, 1)}
                     if mode.startswith("sparse"):
                         stats = server.oasis_stats()
                         for name in ("captured_decode_passes", "decode_steps", "captured_uncompiled_passes"):

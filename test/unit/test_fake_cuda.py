@@ -549,10 +549,8 @@ def test_a_program_failing_at_a_layer_leaves_the_host_bookkeeping_done_once(
     with FakeCuda() if device == "cuda" else contextlib.nullcontext() as cuda:
         server = Server(device, cfg, graphs=False, cuda=cuda)
         assert isinstance(server.oasis.captured, CapturedStep)
-        server.oasis.captured.program, server.oasis.captured.ahead = (
-            failing,
-            None,
-        )  # counted calls: no compiles ahead
+        server.oasis.captured.program = failing
+        server.oasis.captured.ahead = None  # counted calls: no compiles ahead
         _decode_some(server, 6, contexts)
         server.oasis.selector.finish_pending()
     eager.oasis.selector.finish_pending()
