@@ -173,7 +173,12 @@ def compile_plan(sglang_argv: Sequence[str], config: OasisConfig) -> str:
     """What the captured step compiles before the server is ready (``attention/compile_ahead.py``), and
     about how long it takes, for the launcher to say; SGLang's warm-up (where it compiles) may take that
     long (``SGLANG_WARMUP_TIMEOUT``, unless set)."""
-    # first: importing torch._dynamo (compile_ahead does) sets torch's default (/tmp/torchinductor_$USER)
+    # first: importing torch._dynamo (compile_ahead does) sets torch's default (/tmp/torchinductor_$USER);
+    # a parent process that imported it (pytest, a script) passes that default on: no choice of the user's
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    if os.environ.get(INDUCTOR_CACHE_ENV) == os.path.abspath(default_cache_dir()):
+        del os.environ[INDUCTOR_CACHE_ENV]
     cache = os.environ.setdefault(INDUCTOR_CACHE_ENV, str(cache_root() / "torchinductor"))
     from sglang_oasis.attention.compile_ahead import buckets_ahead, kinds_ahead
     from sglang_oasis.attention.step_plan import powers_of_two

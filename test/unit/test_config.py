@@ -6,6 +6,7 @@ import argparse
 import json
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -166,6 +167,13 @@ def test_a_fresh_launcher_gives_the_servers_torchs_cache_under_the_projects(tmp_
     assert run.returncode == 0, run.stderr[-3000:]
     assert run.stdout.strip().splitlines()[-1] == str(tmp_path / "torchinductor")
     assert f"~2 s each from {tmp_path / 'torchinductor'}" in run.stderr + run.stdout
+    # torch's default, passed on by a parent that imported torch._dynamo (as pytest has): not the user's
+    from torch._inductor.runtime.cache_dir_utils import default_cache_dir
+
+    env["TORCHINDUCTOR_CACHE_DIR"] = __import__("os").path.abspath(default_cache_dir())
+    assert env["TORCHINDUCTOR_CACHE_DIR"].startswith(tempfile.gettempdir())
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.stdout.strip().splitlines()[-1] == str(tmp_path / "torchinductor")
     env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / "mine")
     run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert run.stdout.strip().splitlines()[-1] == str(tmp_path / "mine")
