@@ -141,6 +141,10 @@ REQUEST_FIGURES = (
 )
 # What a request's custom_params can set on a shared sparse server (attention/request_options.py).
 SHAREABLE = ("--oasis-mode", "--oasis-top-k", "--oasis-recall-target", "--oasis-recall-max-top-k")
+# Server-wide options that configs sharing a server must agree on (one shared server per setting).
+GROUPING = ("--oasis-selector", "--oasis-evaluation-only")
+# The oracle arm (--oracle-top-ks): each step's top-K blocks by its own query's exact attention mass
+ORACLE_ARGS = ("--oasis-selector", "oracle", "--oasis-evaluation-only", "true")
 MODEL_CONTEXT = 8192  # SmolLM2-135M-Instruct's limit
 BLOCK = 16  # the sparse default block size, also the prefix-reuse granularity the estimate assumes
 ANSWER_CHARS = 300
@@ -188,11 +192,18 @@ def last_value(args: Sequence[str], option: str) -> str | None:
     return found
 
 
-def server_configs(top_ks: Sequence[int], extra: Sequence[str] = ()) -> list[ServerConfig]:
-    """Dense, sparse at each K (named ``k<K>``), then each ``NAME=ARGS`` of ``extra`` (sparse unless ARGS
-    say ``--oasis-mode dense``; its K is the last ``--oasis-top-k`` in ARGS, else the default)."""
+def server_configs(
+    top_ks: Sequence[int], extra: Sequence[str] = (), oracle_top_ks: Sequence[int] = ()
+) -> list[ServerConfig]:
+    """Dense, sparse at each K (named ``k<K>``), the oracle at each of ``oracle_top_ks`` (``oracle<K>``),
+    then each ``NAME=ARGS`` of ``extra`` (sparse unless ARGS say ``--oasis-mode dense``; its K is the last
+    ``--oasis-top-k`` in ARGS, else the default)."""
     configs = [ServerConfig("dense", ("--oasis-mode", "dense"), None)]
     configs += [ServerConfig(f"k{k}", ("--oasis-mode", "sparse", "--oasis-top-k", str(k)), k) for k in top_ks]
+    configs += [
+        ServerConfig(f"oracle{k}", ("--oasis-mode", "sparse", *ORACLE_ARGS, "--oasis-top-k", str(k)), k)
+        for k in oracle_top_ks
+    ]
     for spec in extra:
         name, sep, text = spec.partition("=")
         if not sep or not name.strip():
@@ -215,19 +226,30 @@ def request_options(config: ServerConfig) -> dict[str, Any] | None:
     """The ``custom_params`` with which a request on a shared sparse server takes the steps it would take
     on ``config``'s own server (``oasis_top_k``, ``oasis_recall_target``); None for dense, and for a config
     with any other argument (it needs a server of its own)."""
-    if config.top_k is None:
+    pairs = option_pairs(config)
+    if config.top_k is None or pairs is None or pairs.get("--oasis-mode", "sparse") != "sparse":
         return None
+    return {"oasis_top_k": config.top_k, "oasis_recall_target": float(pairs.get("--oasis-recall-target", 0))}
+
+
+def option_pairs(config: ServerConfig) -> dict[str, str] | None:
+    """``config``'s arguments as option -> value, when each is a ``SHAREABLE`` or ``GROUPING`` option
+    (None: another argument)."""
     pairs: dict[str, str] = {}
     words = list(config.args)
     while words:
         word = words.pop(0)
         option, sep, value = word.partition("=")
-        if not option.startswith("--") or option not in SHAREABLE or (not sep and not words):
+        if option not in SHAREABLE + GROUPING or (not sep and not words):
             return None
         pairs[option] = value if sep else words.pop(0)
-    if pairs.get("--oasis-mode", "sparse") != "sparse":
-        return None
-    return {"oasis_top_k": config.top_k, "oasis_recall_target": float(pairs.get("--oasis-recall-target", 0))}
+    return pairs
+
+
+def grouping_args(config: ServerConfig) -> tuple[str, ...]:
+    """The ``GROUPING`` options ``config`` sets, as arguments: configs share a server only when equal."""
+    pairs = option_pairs(config) or {}
+    return tuple(word for option in GROUPING if option in pairs for word in (option, pairs[option]))
 
 
 @dataclass(frozen=True)
@@ -242,28 +264,26 @@ class ServerPlan:
 
 
 def server_plans(configs: Sequence[ServerConfig], separate: bool = False) -> list[ServerPlan]:
-    """Dense, then (unless ``separate``) one shared server for the sparse configs ``request_options`` can
-    express, then a server for each other config. A recall-target config joins only if it may grow to the
-    shared server's largest K (the server's cap is its growth cap)."""
-    shared = [] if separate else [c for c in configs if request_options(c) is not None]
-    largest = max((c.reserve or 0 for c in shared), default=0)
-    shared = [c for c in shared if not request_options(c)["oasis_recall_target"] or c.reserve == largest]  # type: ignore[index]
-    if len(shared) < 2:
-        shared = []
+    """Dense, then (unless ``separate``) a shared server for the sparse configs ``request_options`` can
+    express, one per setting of the ``GROUPING`` options (the runtime's selection, the oracle), then a
+    server for each other config. A recall-target config joins only if it may grow to the shared server's
+    largest K (the server's cap is its growth cap)."""
     plans = [ServerPlan(c, (c,), (None,)) for c in configs if c.top_k is None]
-    if shared:
+    candidates = [] if separate else [c for c in configs if request_options(c) is not None]
+    every_shared: list[ServerConfig] = []
+    for group in dict.fromkeys(grouping_args(c) for c in candidates):
+        shared = [c for c in candidates if grouping_args(c) == group]
+        largest = max((c.reserve or 0 for c in shared), default=0)
+        shared = [c for c in shared if not request_options(c)["oasis_recall_target"] or c.reserve == largest]  # type: ignore[index]
+        if len(shared) < 2:
+            continue
         smallest = min(c.top_k or 0 for c in shared)
-        args = (
-            "--oasis-mode",
-            "sparse",
-            "--oasis-top-k",
-            str(smallest),
-            "--oasis-recall-max-top-k",
-            str(largest),
-        )
+        args = ("--oasis-mode", "sparse", *group, "--oasis-top-k", str(smallest), "--oasis-recall-max-top-k",
+                str(largest))  # fmt: skip
         server = ServerConfig("shared-" + "-".join(c.name for c in shared), args, smallest, largest)
         plans.append(ServerPlan(server, tuple(shared), tuple(request_options(c) for c in shared)))
-    plans += [ServerPlan(c, (c,), (None,)) for c in configs if c.top_k is not None and c not in shared]
+        every_shared += shared
+    plans += [ServerPlan(c, (c,), (None,)) for c in configs if c.top_k is not None and c not in every_shared]
     return plans
 
 
@@ -538,6 +558,36 @@ def heatmap(
     print(f"wrote {path}")
 
 
+def bytes_plot(configs: dict[str, Any], path: Path, title: str) -> None:
+    """Each sparse config's mean score against its KiB per request decode step (the oracle's: what the
+    runtime's step beneath it loaded at that K), dense's mean as a line: the curve a user reads."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6.4, 4.2))
+    dense = configs.get("dense", {}).get("mean_score")
+    if dense is not None:
+        ax.axhline(dense, color="black", linestyle="--", linewidth=1, label=f"dense ({dense:.3f})")
+    for kind, marker in (("runtime", "o"), ("oracle", "^")):
+        points = [(e["decode_bytes_per_step"] / 1024, e["mean_score"], name) for name, e in configs.items()
+                  if name != "dense" and (name.startswith("oracle") == (kind == "oracle"))
+                  and e.get("decode_bytes_per_step") is not None and e.get("mean_score") is not None]  # fmt: skip
+        if points:
+            ax.plot([x for x, _, _ in points], [y for _, y, _ in points], marker, label=kind)
+        for x, y, name in points:
+            ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
+    ax.set_xlabel("KiB per request decode step (host tier to device)")
+    ax.set_ylabel("mean score")
+    ax.set_title(title, fontsize=9)
+    ax.legend(fontsize=8)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=120, bbox_inches="tight")
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
 # ------------------------------------------------------------------------------------------ server side
 
 
@@ -729,6 +779,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--extra-config", action="append", default=None, metavar="NAME=ARGS",
                         help="one more sparse server: the defaults plus ARGS (default: the full run adds "
                         f"{TARGET_CONFIGS[0]!r}, --quick none)")  # fmt: skip
+    parser.add_argument("--oracle-top-ks", type=int_list, default=None,
+                        help="the oracle arm at these K (--oasis-selector oracle, evaluation only: each step's "
+                        "top-K blocks by its own query's exact attention mass; default none)")  # fmt: skip
     parser.add_argument("--num-layers", type=int, default=None, help="truncate SmolLM2 (smoke tests only)")
     parser.add_argument("--dtype", default="float32", help="SGLang --dtype of every server")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight after each lead")
@@ -753,7 +806,7 @@ def main(argv: list[str] | None = None) -> int:
         counts = per_context(args.samples or list(QUICK_SAMPLES if args.quick else FULL_SAMPLES), contexts)
         if args.extra_config is None:
             args.extra_config = [] if args.quick else list(TARGET_CONFIGS)
-        configs = server_configs(top_ks, args.extra_config)
+        configs = server_configs(top_ks, args.extra_config, args.oracle_top_ks or ())
     except ValueError as exc:
         parser.error(str(exc))
     if unknown or not names:
@@ -878,8 +931,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         plot = args.plot or args.json.with_suffix(".png")
         heatmap(results["tasks"], done, [str(c) for c in contexts], plot, title)
+        by_bytes = plot.with_name(plot.stem + "_bytes.png")
+        bytes_plot(results["configs"], by_bytes, f"Accuracy against decode bytes, SmolLM2 ({layers} layers)")
     except Exception as exc:  # the numbers are written; a plot problem must not fail the run
-        print(f"no heat map: {type(exc).__name__}: {exc}")
+        print(f"no plot: {type(exc).__name__}: {exc}")
     scored = any(e.get("mean_score") is not None for e in results["configs"].values())
     return 0 if scored else 1
 

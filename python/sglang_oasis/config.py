@@ -24,6 +24,7 @@ DRAFT_POLICIES = ("reject", "verify")
 VERIFY_ROWS = 2  # --speculative-num-draft-tokens of the lookahead: the real token and one draft
 PREFETCH_MODES = ("async", "sync")
 DECODE_STEPS = ("eager", "captured")
+SELECTORS = ("summaries", "oracle")
 PREFILL_ATTENTIONS = ("auto", "torch", "triton")
 DEFAULT_DEVICE_KV_TOKENS = 65536  # --oasis-device-kv-tokens on CPU when unset
 
@@ -134,6 +135,24 @@ class OasisConfig:
             "predicts blocks and is never accepted (one token per step, as in the OasisKV paper). "
             "'verify': normal speculative acceptance, so accepted drafts are extra tokens per step.",
             "choices": DRAFT_POLICIES,
+        },
+    )
+    selector: str = field(
+        default="summaries",
+        metadata={
+            "help": "What chooses the blocks a sparse layer's decode step attends. 'summaries': the min/max "
+            "block summaries scored by the predicting query (--oasis-lookahead), the serving mode. 'oracle' "
+            "(evaluation only: needs --oasis-evaluation-only): each step's own query's exact attention mass "
+            "picks its top-K blocks per KV head (it computes dense attention's scores to choose), the best "
+            "any selection of K blocks can do; eager decode step, no lookahead drafts.",
+            "choices": SELECTORS,
+        },
+    )
+    evaluation_only: bool = field(
+        default=False,
+        metadata={
+            "help": "Allow modes that exist to measure, not to serve (--oasis-selector oracle): they read "
+            "the whole context every step.",
         },
     )
     fetch_ratio: float = field(
@@ -307,6 +326,7 @@ class OasisConfig:
             ("prefetch", PREFETCH_MODES),
             ("decode_step", DECODE_STEPS),
             ("prefill_attention", PREFILL_ATTENTIONS),
+            ("selector", SELECTORS),
         ):
             if getattr(self, name) not in choices:
                 raise OasisConfigError(
@@ -335,6 +355,8 @@ class OasisConfig:
                 f"{_option('decode_step')} captured: --oasis-adaptive-cap follows the whole batch's drift, a "
                 "host decision each step; use --oasis-fetch-ratio"
             )
+        if self.selector == "oracle":
+            self._check_oracle()
         if self.recall_target and self.recall_sample_every == 0:
             raise OasisConfigError(
                 f"{_option('recall_target')}: needs recall samples; --oasis-recall-sample-every is 0"
@@ -361,6 +383,23 @@ class OasisConfig:
                 "head): raise it or lower --oasis-top-k"
             )
         object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
+
+    def _check_oracle(self) -> None:
+        """``--oasis-selector oracle``: evaluation only, on the eager step's plain decode passes."""
+        name = _option("selector")
+        if not self.evaluation_only:
+            raise OasisConfigError(
+                f"{name} oracle: reads every key of the context at every step, an evaluation mode, not a "
+                "serving one; add --oasis-evaluation-only true to run it"
+            )
+        if self.decode_step == "captured":
+            raise OasisConfigError(
+                f"{name} oracle: replaces the eager step's attention; --oasis-decode-step eager"
+            )
+        if self.lookahead != "previous":
+            raise OasisConfigError(
+                f"{name} oracle: attends plain decode passes only; --oasis-lookahead previous"
+            )
 
     @property
     def device_tokens(self) -> int:

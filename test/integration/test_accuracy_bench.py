@@ -2,8 +2,9 @@
 model cannot answer, so scores are not the point), two tasks at ~1K tokens, one sample each, a dense
 server and one shared sparse server for two configs: a K that covers every block and K = 8, each request
 carrying its config's K in its custom_params (both configs' requests run at once, on prompts a 1-token
-request prefilled). Sparse with K covering the context answers exactly as dense, so those answers and
-scores must agree; each config's decode figures are the sums of its own requests' (their replies'
+request prefilled), and the oracle arm at the same two K on a shared oracle server (``--oasis-selector
+oracle``). Sparse with K covering the context answers exactly as dense, the oracle's too, so those
+answers and scores must agree; each config's decode figures are the sums of its own requests' (their replies'
 meta_info["oasis"]), and with the server's /oasis/stats deltas they account for every decode step; the
 first working sets' loads at the extends are counted apart."""
 
@@ -29,12 +30,15 @@ K = 72  # blocks of 16: every block of a ~1K prompt and its answer
 def test_the_quick_accuracy_run_scores_dense_and_a_covering_k_alike(tmp_path: Path) -> None:
     out = tmp_path / "accuracy.json"
     argv = ["--json", str(out), "--quick", "--num-layers", "6", "--tasks", ",".join(TASKS),
-            "--contexts", "1000", "--samples", "1", "--top-ks", f"{K},8", "--concurrency", "1"]  # fmt: skip
+            "--contexts", "1000", "--samples", "1", "--top-ks", f"{K},8", "--oracle-top-ks", f"{K},8",
+            "--concurrency", "1"]  # fmt: skip
     assert bench_accuracy.main(argv) == 0
     report = json.loads(out.read_text())
     assert report["settings"]["num_layers"] == 6 and report["settings"]["quick"]
-    assert list(report["configs"]) == ["dense", f"k{K}", "k8"]  # --quick adds no recall-target server
+    # --quick adds no recall-target server
+    assert list(report["configs"]) == ["dense", f"k{K}", "k8", f"oracle{K}", "oracle8"]
     assert report["servers"][f"shared-k{K}-k8"]["configs"] == [f"k{K}", "k8"]
+    assert report["servers"][f"shared-oracle{K}-oracle8"]["configs"] == [f"oracle{K}", "oracle8"]
     assert report["configs"]["k8"]["request_options"] == {"oasis_top_k": 8, "oasis_recall_target": 0.0}
     for task in TASKS:
         cell = report["tasks"][task]["1000"]
@@ -42,6 +46,9 @@ def test_the_quick_accuracy_run_scores_dense_and_a_covering_k_alike(tmp_path: Pa
         assert dense["errors"] == sparse["errors"] == 0
         assert dense["answers"] == sparse["answers"] and dense["answers"][0].strip()
         assert dense["score"] == sparse["score"] is not None and 0 <= dense["score"] <= 1
+        oracle, few = cell[f"oracle{K}"], cell["oracle8"]  # the oracle arm, on a real server
+        assert oracle["answers"] == dense["answers"] and oracle["errors"] == few["errors"] == 0
+        assert few["answers"][0].strip()
     figures = report["configs"][f"k{K}"]
     assert figures["request_figures"]["decode_steps"] > 0
     assert figures["decode_bytes_per_step"] == 0  # K covers every block: decode reads nothing from the host
@@ -72,4 +79,5 @@ def test_the_quick_accuracy_run_scores_dense_and_a_covering_k_alike(tmp_path: Pa
     for own in (covering, few):
         assert own["admission_bytes_host_to_device"] == own["admission_blocks_loaded"] * block_bytes
     assert figures["bytes_per_step"] == covering["admission_bytes_host_to_device"] / covering["decode_steps"]
-    assert (tmp_path / "accuracy.png").exists()
+    assert (tmp_path / "accuracy.png").exists() and (tmp_path / "accuracy_bytes.png").exists()
+    assert report["configs"]["oracle8"]["request_figures"]["decode_steps"] > 0

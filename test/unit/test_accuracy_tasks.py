@@ -451,6 +451,35 @@ def test_sparse_configs_share_a_server_when_a_requests_options_can_set_them() ->
     assert [len(p.configs) for p in server_plans(server_configs([16]))] == [1, 1]  # one sparse: its own
 
 
+def test_the_oracle_arm_shares_a_server_of_its_own() -> None:
+    """``--oracle-top-ks``: the oracle's configs share one server (``--oasis-selector oracle``, evaluation
+    only), each request carrying its K, beside the runtime's shared server; a lone oracle config has its own."""
+    configs = server_configs([16, 32], [], [16, 64])
+    assert [c.name for c in configs] == ["dense", "k16", "k32", "oracle16", "oracle64"]
+    assert request_options(configs[4]) == {"oasis_top_k": 64, "oasis_recall_target": 0.0}
+    plans = server_plans(configs)
+    assert [[c.name for c in p.configs] for p in plans] == [
+        ["dense"],
+        ["k16", "k32"],
+        ["oracle16", "oracle64"],
+    ]
+    assert plans[2].server.args == (
+        "--oasis-mode", "sparse", "--oasis-selector", "oracle", "--oasis-evaluation-only", "true",
+        "--oasis-top-k", "16", "--oasis-recall-max-top-k", "64",
+    )  # fmt: skip
+    assert plans[1].server.args == (
+        "--oasis-mode",
+        "sparse",
+        "--oasis-top-k",
+        "16",
+        "--oasis-recall-max-top-k",
+        "32",
+    )
+    lone = server_plans(server_configs([16, 32], [], [32]))
+    assert [p.server.name for p in lone] == ["dense", "shared-k16-k32", "oracle32"]
+    assert "oracle" in lone[2].server.args
+
+
 def test_a_configs_decode_figures_sum_its_requests_own() -> None:
     sums: dict[str, float] = {}
     add_figures(sums, {"decode_steps": 10, "decode_blocks_loaded": 30, "decode_bytes_host_to_device": 3000,

@@ -142,6 +142,8 @@ def test_the_cpu_default_decode_step_is_captured_unless_told(
         assert cpu_decode_step(argv, OasisConfig()).decode_step == "eager"
     assert cpu_decode_step([], OasisConfig(adaptive_cap=True)).decode_step == "eager"
     assert cpu_decode_step([], OasisConfig(fetch_ratio=1.0)).decode_step == "eager"  # no cap: eager wins
+    oracle = OasisConfig(selector="oracle", evaluation_only=True)  # its attention replaces the eager step's
+    assert cpu_decode_step([], oracle).decode_step == "eager"
     monkeypatch.setenv(DECODE_STEP_ENV, "eager")
     assert cpu_decode_step([], OasisConfig()).decode_step == "eager"
     monkeypatch.setenv(DECODE_STEP_ENV, "graph")
@@ -254,6 +256,19 @@ def test_a_pd_decode_server_on_cpu_backs_up_retracted_requests_in_plain_tensors(
         (["--oasis-prefill-attention", "flash"], "--oasis-prefill-attention"),
         (["--oasis-prefill-attention", "triton"], "--oasis-prefill-attention triton on cpu"),
         (["--oasis-decode-step", "captured", "--oasis-adaptive-cap", "true"], "--oasis-decode-step captured"),
+        (["--oasis-selector", "oracle"], "add --oasis-evaluation-only true"),
+        (["--oasis-selector", "exact"], "--oasis-selector"),
+        (
+            [
+                "--oasis-selector",
+                "oracle",
+                "--oasis-evaluation-only",
+                "true",
+                "--disaggregation-mode",
+                "decode",
+            ],
+            "a PD decode node's blocks",
+        ),
         (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm"),
         (["--speculative-draft-model-path", "/x"], "--speculative-draft-model-path needs --oasis-lookahead"),
         (["--oasis-lookahead", "eagle3", "--model-path", "/x"], "needs --speculative-draft-model-path"),

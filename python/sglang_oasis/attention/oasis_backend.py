@@ -33,6 +33,7 @@ from sglang_oasis.attention.extend_attention import CachedPrefixExtend
 from sglang_oasis.attention.gauges import Gauges, held_by
 from sglang_oasis.attention.graph_hooks import GraphHooks
 from sglang_oasis.attention.kv_intake import KVIntake
+from sglang_oasis.attention.oracle import attention_kind
 from sglang_oasis.attention.pd_node import PDNode
 from sglang_oasis.attention.recall_probe import RecallProbe
 from sglang_oasis.attention.request_options import RequestOptions, batch_params, read_options, retraction_keys
@@ -75,10 +76,9 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
             raise ValueError(f"oasis backend needs --page-size {self.block_size} (= --oasis-block-size), got "
                              f"{pool.page_size}")  # fmt: skip
         self.num_kv_heads, args = pool.head_num, model_runner.server_args
-        self.tier = DeviceTier.for_pool(
+        self.tier = tier = DeviceTier.for_pool(
             pool, config, getattr(args, "max_running_requests", None), self.req_to_token_pool, self.device
         )
-        tier = self.tier
         tier.cap_running_requests(model_runner)
         self.summaries, self.working_sets, self.pinned = tier.summaries, tier.working_sets, tier.pinned  # fmt: skip
         self.dense_layers = frozenset(config.dense_layers)
@@ -92,7 +92,7 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
             self.failures, faults or FaultInjection(), self.device,
         )  # fmt: skip
         self.strict = strict  # tests: prove decode attention reads the device tier only (strict_mode.py)
-        self.attention = SparseAttention(
+        self.attention = attention_kind(config)(  # oracle.py: an evaluation-only oracle's attention
             tier, self.req_to_token_pool, pool, self.block_size, self.stats, strict is not None
         )
         self.recall = RecallProbe(
