@@ -71,14 +71,14 @@ def admitted(config: OasisConfig, own_k: dict[int, int], pins: dict[int, list[in
         oasis.slots.claim(req, 0)
     oasis.set_batch(reqs, admission=True)
     slots = oasis.batch.slots
-    for req, k in own_k.items():
-        oasis.tier.working_sets.top_k[oasis.tier.slot(req)] = k
     oasis.intake.catch_up(oasis.batch, SPARSE_LAYER, torch.tensor(CONTEXTS))
     oasis.summarised[oasis.batch.req_index, SPARSE_LAYER] = torch.tensor(CONTEXTS)  # as an extend records it
     generator = torch.Generator().manual_seed(1)
     oasis.selector.select(oasis.batch, SPARSE_LAYER, torch.randn(len(reqs), Q_HEADS, DIM, generator=generator),
                           list(CONTEXTS))  # fmt: skip
     oasis.selector.finish_pending()
+    for req, k in own_k.items():  # after the admission's selection, which sets the requests' options' K
+        oasis.tier.working_sets.top_k[oasis.tier.slot(req)] = k
     for req, blocks in pins.items():
         oasis.tier.pinned[oasis.tier.slot(req), SPARSE_LAYER, :, : len(blocks)] = torch.tensor(blocks)
     for row, (req, context) in enumerate(zip(reqs, CONTEXTS, strict=True)):  # the partial block, as an extend
@@ -234,6 +234,10 @@ def test_captured_step_equals_eager_step(case: str) -> None:
     assert got["scored"] == after["scored_selections"] - before["scored_selections"]
     if case == "k_sparse_capped":  # the case exercises what it names
         assert got["deferred"] > 0 and got["loads"] > got["fresh"] > 0
+    if case == "k_per_row":
+        assert captured.tier.working_sets.top_k[
+            [captured.tier.slot(r) for r in REQS], SPARSE_LAYER
+        ].tolist() == [4, 8, 12]
     stop(eager)
 
 
