@@ -63,6 +63,12 @@ def test_positions_equal_the_reference(block: int, sinks: int) -> None:
     assert not got[:, :, 103:].any() and not got[0, :, 37:].any()  # nothing past a row's tokens
 
 
+def test_contexts_shorter_than_a_block_attend_every_token() -> None:
+    q, keys = torch.randn(2, 4, 8), torch.randn(2, 2, 11, 8)
+    got = oracle_positions(q, keys, torch.tensor([11, 3]), torch.tensor([1, 1]), 16, 1, 0.3)
+    assert got[0].all() and got[1, :, :3].all() and not got[1, :, 3:].any()
+
+
 def test_the_top_block_is_the_one_the_query_points_at() -> None:
     """A needle: one block's keys aligned with the query; K = 1 attends it (and the partial block)."""
     q = torch.zeros(1, 3, 4)

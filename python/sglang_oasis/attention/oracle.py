@@ -41,10 +41,11 @@ def oracle_positions(
     heads, length = keys.shape[1], keys.shape[2]
     positions = torch.arange(length)
     valid = positions[None, :] < seq_lens[:, None]  # [bs, T]
-    logits = torch.einsum("bhgd,bhtd->bhgt", q.view(bs, heads, q_heads // heads, dim).float(), keys.float())
+    logits = torch.einsum("bhgd,bhtd->bhgt", q.view(bs, heads, -1, dim).float(), keys.float())
     probs = (logits * scale).masked_fill(~valid[:, None, None, :], float("-inf")).softmax(dim=-1)
     blocks = length // block
-    mass = probs[..., : blocks * block].reshape(bs, heads, -1, blocks, block).sum(dim=(2, 4))  # [bs, H, N]
+    group = q_heads // heads
+    mass = probs[..., : blocks * block].reshape(bs, heads, group, blocks, block).sum(dim=(2, 4))  # [bs, H, N]
     index = torch.arange(blocks)
     full = seq_lens // block
     in_range = index[None, :] < full[:, None]  # [bs, N]
