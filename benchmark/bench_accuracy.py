@@ -145,6 +145,8 @@ SHAREABLE = ("--oasis-mode", "--oasis-top-k", "--oasis-recall-target", "--oasis-
 GROUPING = ("--oasis-selector", "--oasis-evaluation-only")
 # The oracle arm (--oracle-top-ks): each step's top-K blocks by its own query's exact attention mass
 ORACLE_ARGS = ("--oasis-selector", "oracle", "--oasis-evaluation-only", "true")
+# --oracle-pooled-top-ks: the same bytes (H x K blocks per request and layer) shared among the KV heads by mass
+POOLED_ARGS = ("--oasis-selector", "oracle-pooled", "--oasis-evaluation-only", "true")
 MODEL_CONTEXT = 8192  # SmolLM2-135M-Instruct's limit
 BLOCK = 16  # the sparse default block size, also the prefix-reuse granularity the estimate assumes
 ANSWER_CHARS = 300
@@ -193,17 +195,17 @@ def last_value(args: Sequence[str], option: str) -> str | None:
 
 
 def server_configs(
-    top_ks: Sequence[int], extra: Sequence[str] = (), oracle_top_ks: Sequence[int] = ()
-) -> list[ServerConfig]:
-    """Dense, sparse at each K (named ``k<K>``), the oracle at each of ``oracle_top_ks`` (``oracle<K>``),
-    then each ``NAME=ARGS`` of ``extra`` (sparse unless ARGS say ``--oasis-mode dense``; its K is the last
+    top_ks: Sequence[int], extra: Sequence[str] = (), oracle_top_ks: Sequence[int] = (),
+    pooled_top_ks: Sequence[int] = (),
+) -> list[ServerConfig]:  # fmt: skip
+    """Dense, sparse at each K (named ``k<K>``), the oracle at each of ``oracle_top_ks`` (``oracle<K>``)
+    and its pooled form at each of ``pooled_top_ks`` (``pooled<K>``), then each ``NAME=ARGS`` of ``extra`` (sparse unless ARGS say ``--oasis-mode dense``; its K is the last
     ``--oasis-top-k`` in ARGS, else the default)."""
     configs = [ServerConfig("dense", ("--oasis-mode", "dense"), None)]
     configs += [ServerConfig(f"k{k}", ("--oasis-mode", "sparse", "--oasis-top-k", str(k)), k) for k in top_ks]
-    configs += [
-        ServerConfig(f"oracle{k}", ("--oasis-mode", "sparse", *ORACLE_ARGS, "--oasis-top-k", str(k)), k)
-        for k in oracle_top_ks
-    ]
+    for prefix, fixed, ks in (("oracle", ORACLE_ARGS, oracle_top_ks), ("pooled", POOLED_ARGS, pooled_top_ks)):
+        configs += [ServerConfig(f"{prefix}{k}", ("--oasis-mode", "sparse", *fixed, "--oasis-top-k", str(k)), k)
+                    for k in ks]  # fmt: skip
     for spec in extra:
         name, sep, text = spec.partition("=")
         if not sep or not name.strip():
@@ -570,12 +572,17 @@ def bytes_plot(configs: dict[str, Any], path: Path, title: str) -> None:
     dense = configs.get("dense", {}).get("mean_score")
     if dense is not None:
         ax.axhline(dense, color="black", linestyle="--", linewidth=1, label=f"dense ({dense:.3f})")
-    for kind, marker in (("runtime", "o"), ("oracle", "^")):
+
+    def kind(entry: dict[str, Any]) -> str:  # its --oasis-selector
+        args = list(entry.get("args", ()))
+        return args[args.index("--oasis-selector") + 1] if "--oasis-selector" in args[:-1] else "summaries"
+
+    for selector, marker in (("summaries", "o"), ("oracle", "^"), ("oracle-pooled", "s")):
         points = [(e["decode_bytes_per_step"] / 1024, e["mean_score"], name) for name, e in configs.items()
-                  if name != "dense" and (name.startswith("oracle") == (kind == "oracle"))
+                  if name != "dense" and kind(e) == selector
                   and e.get("decode_bytes_per_step") is not None and e.get("mean_score") is not None]  # fmt: skip
         if points:
-            ax.plot([x for x, _, _ in points], [y for _, y, _ in points], marker, label=kind)
+            ax.plot([x for x, _, _ in points], [y for _, y, _ in points], marker, label=selector)
         for x, y, name in points:
             ax.annotate(name, (x, y), textcoords="offset points", xytext=(4, 4), fontsize=7)
     ax.set_xlabel("KiB per request decode step (host tier to device)")
@@ -782,6 +789,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--oracle-top-ks", type=int_list, default=None,
                         help="the oracle arm at these K (--oasis-selector oracle, evaluation only: each step's "
                         "top-K blocks by its own query's exact attention mass; default none)")  # fmt: skip
+    parser.add_argument("--oracle-pooled-top-ks", type=int_list, default=None,
+                        help="the oracle with a request's H x K blocks per layer shared among its KV heads by "
+                        "mass (--oasis-selector oracle-pooled; default none)")  # fmt: skip
     parser.add_argument("--num-layers", type=int, default=None, help="truncate SmolLM2 (smoke tests only)")
     parser.add_argument("--dtype", default="float32", help="SGLang --dtype of every server")
     parser.add_argument("--concurrency", type=int, default=4, help="requests in flight after each lead")
@@ -806,7 +816,9 @@ def main(argv: list[str] | None = None) -> int:
         counts = per_context(args.samples or list(QUICK_SAMPLES if args.quick else FULL_SAMPLES), contexts)
         if args.extra_config is None:
             args.extra_config = [] if args.quick else list(TARGET_CONFIGS)
-        configs = server_configs(top_ks, args.extra_config, args.oracle_top_ks or ())
+        configs = server_configs(
+            top_ks, args.extra_config, args.oracle_top_ks or (), args.oracle_pooled_top_ks or ()
+        )
     except ValueError as exc:
         parser.error(str(exc))
     if unknown or not names:

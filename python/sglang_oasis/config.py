@@ -24,7 +24,7 @@ DRAFT_POLICIES = ("reject", "verify")
 VERIFY_ROWS = 2  # --speculative-num-draft-tokens of the lookahead: the real token and one draft
 PREFETCH_MODES = ("async", "sync")
 DECODE_STEPS = ("eager", "captured")
-SELECTORS = ("summaries", "oracle")
+SELECTORS = ("summaries", "oracle", "oracle-pooled")
 PREFILL_ATTENTIONS = ("auto", "torch", "triton")
 DEFAULT_DEVICE_KV_TOKENS = 65536  # --oasis-device-kv-tokens on CPU when unset
 
@@ -144,7 +144,8 @@ class OasisConfig:
             "block summaries scored by the predicting query (--oasis-lookahead), the serving mode. 'oracle' "
             "(evaluation only: needs --oasis-evaluation-only): each step's own query's exact attention mass "
             "picks its top-K blocks per KV head (it computes dense attention's scores to choose), the best "
-            "any selection of K blocks can do; eager decode step, no lookahead drafts.",
+            "any selection of K blocks can do; eager decode step, no lookahead drafts. 'oracle-pooled': the same "
+            "with a request's H x K blocks per layer shared among its KV heads by mass (a head-wise budget).",
             "choices": SELECTORS,
         },
     )
@@ -355,7 +356,7 @@ class OasisConfig:
                 f"{_option('decode_step')} captured: --oasis-adaptive-cap follows the whole batch's drift, a "
                 "host decision each step; use --oasis-fetch-ratio"
             )
-        if self.selector == "oracle":
+        if self.selector.startswith("oracle"):
             self._check_oracle()
         if self.recall_target and self.recall_sample_every == 0:
             raise OasisConfigError(
@@ -386,20 +387,16 @@ class OasisConfig:
 
     def _check_oracle(self) -> None:
         """``--oasis-selector oracle``: evaluation only, on the eager step's plain decode passes."""
-        name = _option("selector")
+        name = f"{_option('selector')} {self.selector}"
         if not self.evaluation_only:
             raise OasisConfigError(
-                f"{name} oracle: reads every key of the context at every step, an evaluation mode, not a "
+                f"{name}: reads every key of the context at every step, an evaluation mode, not a "
                 "serving one; add --oasis-evaluation-only true to run it"
             )
         if self.decode_step == "captured":
-            raise OasisConfigError(
-                f"{name} oracle: replaces the eager step's attention; --oasis-decode-step eager"
-            )
+            raise OasisConfigError(f"{name}: replaces the eager step's attention; --oasis-decode-step eager")
         if self.lookahead != "previous":
-            raise OasisConfigError(
-                f"{name} oracle: attends plain decode passes only; --oasis-lookahead previous"
-            )
+            raise OasisConfigError(f"{name}: attends plain decode passes only; --oasis-lookahead previous")
 
     @property
     def device_tokens(self) -> int:

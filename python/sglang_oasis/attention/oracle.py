@@ -3,7 +3,8 @@ the K blocks holding most of the step's own query's exact attention mass. The be
 blocks per KV head can do, and no serving mode: it reads every key of the context to choose (dense
 attention's scores). ``bench_accuracy --oracle-top-ks`` runs it beside the runtime's selection, whose gap
 to it is then the selection's (the min/max bound, the lookahead's predicting query, the fetch cap), not
-the model's.
+the model's. ``--oasis-selector oracle-pooled``: the same bytes (H x K blocks per request and layer)
+shared among the KV heads by mass, the best a head-wise budget (Ada-KV's) could do.
 
 What a step attends, per request and KV head: its sink blocks, its top-K full blocks by the attention
 mass the group's query heads give them (softmax over every position, summed over the heads and the
@@ -33,10 +34,12 @@ if TYPE_CHECKING:
 
 def oracle_positions(
     q: torch.Tensor, keys: torch.Tensor, seq_lens: torch.Tensor, top_k: torch.Tensor, block: int, sinks: int,
-    scale: float,
+    scale: float, pooled: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """The positions each KV head attends: ``q`` ``[bs, q_heads, D]``, ``keys`` ``[bs, H, T, D]`` (row b's
-    positions below ``seq_lens[b]`` valid), ``top_k`` ``[bs]``. Returns ``[bs, H, T]`` bool."""
+    positions below ``seq_lens[b]`` valid), ``top_k`` ``[bs]``. Returns ``[bs, H, T]`` bool. ``pooled``
+    (``oracle-pooled``): a row's H x K blocks go to its heads' blocks of most mass, however many per head
+    (Ada-KV's head-wise budget, at best; each head keeps its sinks)."""
     bs, q_heads, dim = q.shape
     heads, length = keys.shape[1], keys.shape[2]
     positions = torch.arange(length)
@@ -51,8 +54,12 @@ def oracle_positions(
     in_range = index[None, :] < full[:, None]  # [bs, N]
     sink = index < sinks
     ranked = mass.masked_fill(~in_range[:, None, :] | sink, float("-inf"))
-    rank = ranked.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)  # 0: the most mass
-    chosen = (rank < top_k[:, None, None]) | sink
+    if pooled:  # ranks over the row's heads and blocks, against a budget of H x K
+        flat = ranked.flatten(1).argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)
+        chosen = (flat < (heads * top_k)[:, None]).view(bs, heads, blocks) | sink
+    else:
+        rank = ranked.argsort(dim=-1, descending=True, stable=True).argsort(dim=-1)  # 0: the most mass
+        chosen = (rank < top_k[:, None, None]) | sink
     over = (full > top_k + sinks)[:, None, None]
     selected = torch.where(over, chosen, True) & in_range[:, None, :]  # [bs, H, N]
     by_position = selected.repeat_interleave(block, dim=-1)
@@ -64,13 +71,13 @@ def oracle_positions(
 
 def oracle_attention(
     q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_lens: torch.Tensor, top_k: torch.Tensor,
-    block: int, sinks: int, scale: float,
+    block: int, sinks: int, scale: float, pooled: bool = False,
 ) -> torch.Tensor:  # fmt: skip
     """Attention of ``q`` ``[bs, q_heads, D]`` over the positions ``oracle_positions`` chooses of ``keys``,
     ``values`` ``[bs, H, T, D]``; ``[bs, q_heads, D]`` in ``q``'s dtype (computed in float32)."""
     bs, q_heads, dim = q.shape
     heads = keys.shape[1]
-    attended = oracle_positions(q, keys, seq_lens, top_k, block, sinks, scale)  # [bs, H, T]
+    attended = oracle_positions(q, keys, seq_lens, top_k, block, sinks, scale, pooled)  # [bs, H, T]
     grouped = q.view(bs, heads, q_heads // heads, dim).float()
     logits = torch.einsum("bhgd,bhtd->bhgt", grouped, keys.float()) * scale
     probs = logits.masked_fill(~attended[:, :, None, :], float("-inf")).softmax(dim=-1)
@@ -81,9 +88,11 @@ def oracle_attention(
 def attention_kind(config: OasisConfig) -> Callable[..., SparseAttention]:
     """What the oasis backend builds its ``SparseAttention`` with: the class, or with ``--oasis-selector
     oracle`` the oracle's (its sinks the server's)."""
-    if config.selector != "oracle":
+    if not config.selector.startswith("oracle"):
         return SparseAttention
-    return functools.partial(OracleAttention, sinks=config.sink_blocks)
+    return functools.partial(
+        OracleAttention, sinks=config.sink_blocks, pooled=config.selector == "oracle-pooled"
+    )
 
 
 class OracleAttention(SparseAttention):
@@ -91,9 +100,9 @@ class OracleAttention(SparseAttention):
     the eager step's own work beneath a decode, unchanged. Each row's K is its (request, layer)'s
     (``WorkingSetPool.top_k``: a request's ``oasis_top_k`` too)."""
 
-    def __init__(self, *args: object, sinks: int = 0) -> None:
+    def __init__(self, *args: object, sinks: int = 0, pooled: bool = False) -> None:
         super().__init__(*args)  # type: ignore[arg-type]
-        self.sink_blocks = sinks
+        self.sink_blocks, self.pooled = sinks, pooled
 
     def decode(
         self, batch: BatchView, q: torch.Tensor, layer: RadixAttention, seq_lens: torch.Tensor,
@@ -110,6 +119,6 @@ class OracleAttention(SparseAttention):
         top_k = self.working_sets.top_k[batch.slots, layer_id]
         exact = oracle_attention(
             q.cpu(), keys.cpu(), values.cpu(), seq_lens, top_k.cpu(), self.block_size, self.sink_blocks,
-            layer.scaling,
+            layer.scaling, self.pooled,
         )  # fmt: skip
         return exact.to(out.device, out.dtype)
