@@ -55,8 +55,15 @@ the covering K must answer as dense and read nothing from the host tier at decod
 
     python benchmark/bench_accuracy.py --json accuracy.json [--quick] [--tasks a,b] [--contexts
         1000,2000,4000,7000] [--samples 2,1,1,1 | N] [--top-ks 16,32,64,128] [--num-layers N]
-        [--dtype float32] [--concurrency 4] [--extra-config NAME='ARGS'] [--plot PNG] [--dry-run]
+        [--dtype float32] [--concurrency 4] [--extra-config NAME='ARGS'] [--oracle-top-ks 16,32,64]
+        [--oracle-pooled-top-ks 8,16] [--plot PNG] [--dry-run]
         [--resume] [--separate-servers]
+
+``--oracle-top-ks`` adds the oracle arm (``oracle<K>``, ``--oasis-selector oracle``, evaluation only: each
+step's top-K blocks per KV head by its own query's exact attention mass), ``--oracle-pooled-top-ks`` its
+pooled form (``pooled<K>``: H x K blocks per layer shared among the heads by mass); each set shares a
+server of its own. Besides the heat map, ``<plot>_bytes.png``: each config's mean score against its KiB per
+decode step, dense as a line.
 
 ``--extra-config NAME='ARGS'`` (repeatable; replaces the default ``target98``) adds a config: the sparse
 defaults plus ARGS (the last word wins), e.g. ``--extra-config recall95='--oasis-recall-target 0.95'``.
