@@ -206,8 +206,9 @@ def server_configs(
     pooled_top_ks: Sequence[int] = (),
 ) -> list[ServerConfig]:  # fmt: skip
     """Dense, sparse at each K (named ``k<K>``), the oracle at each of ``oracle_top_ks`` (``oracle<K>``)
-    and its pooled form at each of ``pooled_top_ks`` (``pooled<K>``), then each ``NAME=ARGS`` of ``extra`` (sparse unless ARGS say ``--oasis-mode dense``; its K is the last
-    ``--oasis-top-k`` in ARGS, else the default)."""
+    and its pooled form at each of ``pooled_top_ks`` (``pooled<K>``), then each ``NAME=ARGS`` of ``extra``
+    (sparse unless ARGS say ``--oasis-mode dense``; its K is the last ``--oasis-top-k`` in ARGS, else the
+    default)."""
     configs = [ServerConfig("dense", ("--oasis-mode", "dense"), None)]
     configs += [ServerConfig(f"k{k}", ("--oasis-mode", "sparse", "--oasis-top-k", str(k)), k) for k in top_ks]
     for prefix, fixed, ks in (("oracle", ORACLE_ARGS, oracle_top_ks), ("pooled", POOLED_ARGS, pooled_top_ks)):
@@ -581,8 +582,7 @@ def bytes_plot(configs: dict[str, Any], path: Path, title: str) -> None:
         ax.axhline(dense, color="black", linestyle="--", linewidth=1, label=f"dense ({dense:.3f})")
 
     def kind(entry: dict[str, Any]) -> str:  # its --oasis-selector
-        args = list(entry.get("args", ()))
-        return args[args.index("--oasis-selector") + 1] if "--oasis-selector" in args[:-1] else "summaries"
+        return last_value(entry.get("args", ()), "--oasis-selector") or "summaries"
 
     for selector, marker in (("summaries", "o"), ("oracle", "^"), ("oracle-pooled", "s")):
         points = [(e["decode_bytes_per_step"] / 1024, e["mean_score"], name) for name, e in configs.items()

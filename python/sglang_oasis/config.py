@@ -356,7 +356,7 @@ class OasisConfig:
                 f"{_option('decode_step')} captured: --oasis-adaptive-cap follows the whole batch's drift, a "
                 "host decision each step; use --oasis-fetch-ratio"
             )
-        if self.selector.startswith("oracle"):
+        if self.oracle:
             self._check_oracle()
         if self.recall_target and self.recall_sample_every == 0:
             raise OasisConfigError(
@@ -385,8 +385,13 @@ class OasisConfig:
             )
         object.__setattr__(self, "dense_layers", tuple(sorted(set(self.dense_layers))))
 
+    @property
+    def oracle(self) -> bool:
+        """``--oasis-selector oracle`` or ``oracle-pooled``: an evaluation mode (``attention/oracle.py``)."""
+        return self.selector != "summaries"
+
     def _check_oracle(self) -> None:
-        """``--oasis-selector oracle``: evaluation only, on the eager step's plain decode passes."""
+        """``--oasis-selector oracle[-pooled]``: evaluation only, on the eager step's plain decode passes."""
         name = f"{_option('selector')} {self.selector}"
         if not self.evaluation_only:
             raise OasisConfigError(

@@ -152,14 +152,15 @@ def cpu_decode_step(argv: Sequence[str], config: OasisConfig) -> OasisConfig:
     0.69-0.93x the eager step's, docs/results.md), or ``$SGLANG_OASIS_CPU_DECODE_STEP``; none where the
     option is given, with ``--oasis-adaptive-cap`` or ``--oasis-selector oracle`` (which the captured step
     refuses) or with no fetch cap (``--oasis-fetch-ratio 1``: its fixed shape then copies a whole working
-    set per head every step, 1.68x dense against the eager step's ~1.3x). Its compiles (``compile_plan``) go to a cache that outlives
-    reboots (``$TORCHINDUCTOR_CACHE_DIR``, unless set: torch's under the project's cache)."""
+    set per head every step, 1.68x dense against the eager step's ~1.3x). Its compiles (``compile_plan``)
+    go to a cache that outlives reboots (``$TORCHINDUCTOR_CACHE_DIR``, unless set: torch's under the
+    project's cache)."""
     if config.decode_step == "captured" and config.fetch_ratio >= 1:
         say(
             "--oasis-decode-step captured with --oasis-fetch-ratio 1: the fixed shape copies a whole working set "
             "per KV head every step (1.68x dense's TPOT measured, the eager step ~1.3x); a fetch cap is faster"
         )
-    eager_only = config.adaptive_cap or config.selector != "summaries"  # what the captured step refuses
+    eager_only = config.adaptive_cap or config.oracle  # what the captured step refuses
     if given(argv, "--oasis-decode-step") or eager_only or config.fetch_ratio >= 1:
         return config
     step = os.environ.get(DECODE_STEP_ENV) or "captured"
@@ -550,12 +551,9 @@ def prepare(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
             if not on_cpu:
                 config = check_untested_cuda(argv, sglang_argv, config)
             wants_triton(config.prefill_attention, "cpu" if on_cpu else "cuda")  # raises, naming the option
-            if (
-                config.selector != "summaries"
-                and option_value(sglang_argv, "--disaggregation-mode") == "decode"
-            ):
-                raise LaunchError(f"--oasis-selector {config.selector}: reads every key from the local KV pool; a PD decode "
-                                  "node's blocks stay on the prefill node until read")  # fmt: skip
+            if config.oracle and option_value(sglang_argv, "--disaggregation-mode") == "decode":
+                raise LaunchError(f"--oasis-selector {config.selector}: reads every key from the local KV pool; "
+                                  "a PD decode node's blocks stay on the prefill node until read")  # fmt: skip
             sglang_argv += sparse_mode_args(sglang_argv, config, on_cpu)
         except (LaunchError, TritonPrefillError) as error:
             build_oasis_parser().error(str(error))

@@ -40,15 +40,38 @@ def oracle_positions(
     positions below ``seq_lens[b]`` valid), ``top_k`` ``[bs]``. Returns ``[bs, H, T]`` bool. ``pooled``
     (``oracle-pooled``): a row's H x K blocks go to its heads' blocks of most mass, however many per head
     (Ada-KV's head-wise budget, at best; each head keeps its sinks)."""
-    bs, q_heads, dim = q.shape
-    heads, length = keys.shape[1], keys.shape[2]
+    return _positions(_logits(q, keys, scale), seq_lens, top_k, block, sinks, pooled)
+
+
+def oracle_attention(
+    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_lens: torch.Tensor, top_k: torch.Tensor,
+    block: int, sinks: int, scale: float, pooled: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    """Attention of ``q`` ``[bs, q_heads, D]`` over the positions ``oracle_positions`` chooses of ``keys``,
+    ``values`` ``[bs, H, T, D]``; ``[bs, q_heads, D]`` in ``q``'s dtype (computed in float32)."""
+    logits = _logits(q, keys, scale)  # one product of the query and every key: to choose, then to attend
+    attended = _positions(logits, seq_lens, top_k, block, sinks, pooled)  # [bs, H, T]
+    probs = logits.masked_fill(~attended[:, :, None, :], float("-inf")).softmax(dim=-1)
+    out = torch.einsum("bhgt,bhtd->bhgd", probs, values.float())
+    return out.reshape(q.shape[0], q.shape[1], -1).to(q.dtype)
+
+
+def _logits(q: torch.Tensor, keys: torch.Tensor, scale: float) -> torch.Tensor:
+    """``[bs, H, group, T]`` float32: each query head's scaled scores against its KV head's keys."""
+    bs, _, dim = q.shape
+    return torch.einsum("bhgd,bhtd->bhgt", q.view(bs, keys.shape[1], -1, dim).float(), keys.float()) * scale
+
+
+def _positions(
+    logits: torch.Tensor, seq_lens: torch.Tensor, top_k: torch.Tensor, block: int, sinks: int, pooled: bool
+) -> torch.Tensor:
+    """``oracle_positions`` from the step's ``_logits``."""
+    bs, heads, _, length = logits.shape
     positions = torch.arange(length)
     valid = positions[None, :] < seq_lens[:, None]  # [bs, T]
-    logits = torch.einsum("bhgd,bhtd->bhgt", q.view(bs, heads, -1, dim).float(), keys.float())
-    probs = (logits * scale).masked_fill(~valid[:, None, None, :], float("-inf")).softmax(dim=-1)
+    probs = logits.masked_fill(~valid[:, None, None, :], float("-inf")).softmax(dim=-1)
     blocks = length // block
-    group = q_heads // heads
-    mass = probs[..., : blocks * block].reshape(bs, heads, group, blocks, block).sum(dim=(2, 4))  # [bs, H, N]
+    mass = probs[..., : blocks * block].unflatten(-1, (blocks, block)).sum(dim=(2, 4))  # [bs, H, N]
     index = torch.arange(blocks)
     full = seq_lens // block
     in_range = index[None, :] < full[:, None]  # [bs, N]
@@ -62,33 +85,16 @@ def oracle_positions(
         chosen = (rank < top_k[:, None, None]) | sink
     over = (full > top_k + sinks)[:, None, None]
     selected = torch.where(over, chosen, True) & in_range[:, None, :]  # [bs, H, N]
-    by_position = selected.repeat_interleave(block, dim=-1)
     tail = (positions[None, :] >= (full * block)[:, None]) & valid  # the partial block, this step's token
     attended = torch.zeros((bs, heads, length), dtype=torch.bool)
-    attended[..., : blocks * block] = by_position
+    attended[..., : blocks * block] = selected.repeat_interleave(block, dim=-1)
     return attended | tail[:, None, :]
-
-
-def oracle_attention(
-    q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, seq_lens: torch.Tensor, top_k: torch.Tensor,
-    block: int, sinks: int, scale: float, pooled: bool = False,
-) -> torch.Tensor:  # fmt: skip
-    """Attention of ``q`` ``[bs, q_heads, D]`` over the positions ``oracle_positions`` chooses of ``keys``,
-    ``values`` ``[bs, H, T, D]``; ``[bs, q_heads, D]`` in ``q``'s dtype (computed in float32)."""
-    bs, q_heads, dim = q.shape
-    heads = keys.shape[1]
-    attended = oracle_positions(q, keys, seq_lens, top_k, block, sinks, scale, pooled)  # [bs, H, T]
-    grouped = q.view(bs, heads, q_heads // heads, dim).float()
-    logits = torch.einsum("bhgd,bhtd->bhgt", grouped, keys.float()) * scale
-    probs = logits.masked_fill(~attended[:, :, None, :], float("-inf")).softmax(dim=-1)
-    out = torch.einsum("bhgt,bhtd->bhgd", probs, values.float())
-    return out.reshape(bs, q_heads, -1).to(q.dtype)
 
 
 def attention_kind(config: OasisConfig) -> Callable[..., SparseAttention]:
     """What the oasis backend builds its ``SparseAttention`` with: the class, or with ``--oasis-selector
     oracle`` the oracle's (its sinks the server's)."""
-    if not config.selector.startswith("oracle"):
+    if not config.oracle:
         return SparseAttention
     return functools.partial(
         OracleAttention, sinks=config.sink_blocks, pooled=config.selector == "oracle-pooled"
