@@ -384,7 +384,7 @@ def mark_staged_send(
             if not stager.fetch(sessions):
                 whole = sender._oasis_whole = True
                 stager.backend.stats.add("staging_unknown_decoder_sends")
-            elif not stager.has_room(len(req.origin_input_ids)):
+            elif not stager.reserve(int(sender.bootstrap_room), len(req.origin_input_ids)):
                 whole = sender._oasis_whole = True  # staging it would pass the cap: SGLang sends it all
                 stager.backend.stats.add("staging_whole_sends")
                 logger.warning(

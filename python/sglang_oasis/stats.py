@@ -122,6 +122,8 @@ GAUGES = {
     "device_request_slots": "requests the device tier holds working sets for (the running-request cap)",
     "running_requests": "requests holding a device request slot",
     "staged_bytes": "PD prefill node: bytes of staged KV and summaries held for decode nodes",
+    "staged_bytes_peak": "PD prefill node: the most bytes of staged KV and summaries held at once "
+    "(at most --oasis-remote-fetch-max-staged-mib)",
     # What a leak would leave behind once the server is idle (all 0 then, but kept_retractions: a retracted
     # request SGLang aborts while it waits is never resumed; its state stays, at most 4 per request slot).
     "held_handoffs": "PD prefill node: hand-offs kept for decode nodes (staged or sent whole)",

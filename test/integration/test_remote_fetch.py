@@ -336,19 +336,26 @@ def _stager(backend: StagingBackend, ttl_s: float = 3600, max_bytes: int = 0) ->
 
 
 def test_staging_is_capped_swept_and_released_on_errors() -> None:
-    """Issue 25 item 3: a byte cap (a request that would pass it goes whole), a periodic sweeper for
-    hand-offs no decode node released, and nothing left registered when staging fails half-way."""
+    """A byte cap (a request that would pass it goes whole), held across prompts admitted before any of
+    them is staged; a periodic sweeper for hand-offs no decode node released (and reservations never
+    staged); nothing left registered when staging fails half-way."""
     backend = StagingBackend()
     stager = _stager(backend, ttl_s=0.5)
-    assert stager.has_room(TOKENS), "no cap: always room"
+    assert stager.reserve(11, TOKENS), "no cap: always room"
     stager.stage(room=11, slot=1, num_tokens=TOKENS, decode_prefix_len=0)
     one = stager.staging.nbytes
     assert one > 0 and stager.handoff(11) is not None
+    assert stager.staging_bytes(TOKENS) == one, "the reservation is what staging takes"
     capped = _stager(StagingBackend(), max_bytes=one + one // 2)
-    assert capped.has_room(TOKENS)
+    assert capped.reserve(12, TOKENS)
+    # Decided before request 12 is staged (one batch's prompts): its reservation counts.
+    assert not capped.reserve(14, TOKENS), "a second request would pass the cap"
     capped.stage(room=12, slot=1, num_tokens=TOKENS, decode_prefix_len=0)
-    assert not capped.has_room(TOKENS), "a second request would pass the cap"
-    assert capped.release(12) and capped.has_room(TOKENS)
+    assert not capped.reserve(14, TOKENS), "staged, request 12 still counts (once)"
+    assert capped.release(12) and capped.reserve(14, TOKENS)
+    assert capped.backend.stats.snapshot()["staged_bytes_peak"] == one
+    capped.expire(now=time.monotonic() + 7200)  # request 14 was admitted and never staged (aborted)
+    assert capped.reserve(15, TOKENS), "an expired reservation frees its bytes"
     # The sweeper releases an unreleased hand-off after the TTL without any new request staged.
     deadline = time.monotonic() + 10
     while stager.handoff(11) is not None:

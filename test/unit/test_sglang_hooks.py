@@ -246,7 +246,7 @@ def test_hook_7_prefill_send_kv_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
     known = {"10.0.0.2:17000"}
     stager = NS(
         ready=threading.Event(), fetch=lambda sessions: bool(set(sessions)) and set(sessions) <= known,
-        has_room=lambda tokens: True, hand_over_whole=lambda room, *stage: handed.append(room),
+        reserve=lambda room, tokens: True, hand_over_whole=lambda room, *stage: handed.append(room),
         backend=NS(stats=NS(add=lambda name, n=1: counted.__setitem__(name, counted[name] + n))),
     )  # fmt: skip
     stager.ready.set()

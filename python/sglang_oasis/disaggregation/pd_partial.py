@@ -282,6 +282,9 @@ class PrefillStager:
         self.endpoint = MooncakeEndpoint(host)
         self.staging = KVStagingArea(self.endpoint, backend.block_size)
         self._handoffs: dict[int, tuple[bytes, float]] = {}  # room -> (json, staged at)
+        # room -> (bytes, when): prompts admitted to staging (``reserve``) and not staged yet
+        self._reserved: dict[int, tuple[int, float]] = {}
+        self._peak = 0  # the most bytes staged at once
         delay = os.environ.get(HANDOFF_DELAY_ENV, "").partition(":")
         self._delay = (int(delay[0]), float(delay[2])) if delay[1] else None  # (prompt tokens, seconds)
         self._slow_rooms: set[int] = set()
@@ -304,22 +307,43 @@ class PrefillStager:
         with self._lock:
             return len(self._handoffs)
 
-    def has_room(self, num_tokens: int) -> bool:
-        """Whether staging a ``num_tokens``-token prompt (its KV in whole blocks, and its summaries)
-        keeps the staged bytes within ``--oasis-remote-fetch-max-staged-mib``."""
-        if not self.max_bytes:
-            return True
-        k_buffers, _ = pool_buffers(self.backend.token_to_kv_pool)
-        per_token = 2 * sum(buffer[0].numel() * buffer.element_size() for buffer in k_buffers)
+    def staging_bytes(self, num_tokens: int) -> int:
+        """What staging a ``num_tokens``-token prompt takes: its KV in whole blocks with its summaries
+        (one block's worth per block), and the draft model's KV (no summaries) where there is one."""
         block = self.backend.block_size
         tokens = -(-num_tokens // block) * block
-        return self.staging.nbytes + tokens * per_token * (block + 1) // block <= self.max_bytes
+
+        def per_token(pool: MHATokenToKVPool) -> int:
+            k_buffers, _ = pool_buffers(pool)
+            return 2 * sum(buffer[0].numel() * buffer.element_size() for buffer in k_buffers)
+
+        draft = draft_pool()
+        draft_bytes = 0 if draft is None else tokens * per_token(draft)
+        return tokens * per_token(self.backend.token_to_kv_pool) * (block + 1) // block + draft_bytes
+
+    def reserve(self, room: int, num_tokens: int) -> bool:
+        """Admit room ``room``'s ``num_tokens``-token prompt to staging if it fits within
+        ``--oasis-remote-fetch-max-staged-mib`` beside what is staged and what the prompts admitted
+        before it will stage (prompts decided in one batch, before any of them is staged, cannot pass
+        the cap together); its bytes stay reserved until it is staged, released or expired. False: it
+        goes whole."""
+        if not self.max_bytes:
+            return True
+        need = self.staging_bytes(num_tokens)
+        with self._lock:
+            reserved = sum(nbytes for nbytes, _ in self._reserved.values())
+            if self.staging.nbytes + reserved + need > self.max_bytes:
+                return False
+            self._reserved[room] = (need, time.monotonic())
+        return True
 
     def expire(self, now: float | None = None) -> list[int]:
         """Release the hand-offs older than the TTL (their decode node never released them)."""
         now = time.monotonic() if now is None else now
         with self._lock:
             expired = [room for room, (_, at) in self._handoffs.items() if now - at > self.ttl_s]
+            for room in [room for room, (_, at) in self._reserved.items() if now - at > self.ttl_s]:
+                del self._reserved[room]  # admitted, never staged (aborted before its last chunk)
         for room in expired:
             logger.warning(
                 "oasis: staged KV of bootstrap room %d expired unreleased after %.0f s", room, self.ttl_s
@@ -407,14 +431,20 @@ class PrefillStager:
             None if draft is None else self.staging.stage(f"{room}/draft", *gathered(draft), summaries=False)
         )
         self._hand_off(room, slot, num_tokens, decode_prefix_len, layout, draft_layout)
+        staged = self.staging.nbytes
+        with self._lock:
+            self._reserved.pop(room, None)  # now counted in the staged bytes
+            self._peak = max(self._peak, staged)
         self.expire()
         backend.stats.add("staged_requests")
-        backend.stats.set("staged_bytes", self.staging.nbytes)
+        backend.stats.set("staged_bytes", staged)
+        backend.stats.set("staged_bytes_peak", self._peak)
 
     def release(self, room: int) -> bool:
         with self._lock:
             found = self._handoffs.pop(room, None) is not None
             self._slow_rooms.discard(room)
+            self._reserved.pop(room, None)
         self.staging.release(str(room))
         self.staging.release(f"{room}/draft")
         self.backend.stats.set("staged_bytes", self.staging.nbytes)
