@@ -196,6 +196,33 @@ def test_a_prompt_over_the_staging_cap_goes_whole_and_answers_as_without_pd(
     assert after_prefill["staged_bytes"] == 0
 
 
+def test_prompts_staged_at_once_stay_within_the_staging_cap(
+    pd: PDLaunch, sparse_reference: ServerProcess
+) -> None:
+    """Three 2,000-token prompts sent at once (18.7 MiB of KV and summaries each; all three: 56 MiB, over
+    the 44 MiB cap): the prefill node admits to staging only what fits beside what it admitted before
+    (prompts decided in one batch reserve their bytes before any is staged), the rest go whole; every
+    answer is the same server's without PD, and the staged bytes never passed the cap (the cap used to
+    be checked against the staged bytes alone, which prompts decided in one batch all saw the same)."""
+    prompts = {f"at-once-{seed}": prompt(2000, seed) for seed in (41, 42, 43)}
+    before = pd.prefill.oasis_stats()
+    got: dict[str, list[int]] = {}
+
+    def send(name: str) -> None:
+        got[name] = pd.router.generate(prompts[name], 8)["output_ids"]
+
+    threads = [threading.Thread(target=send, args=(name,)) for name in prompts]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert got == {name: sparse_reference.generate(ids, 8)["output_ids"] for name, ids in prompts.items()}
+    after = pd.prefill.oasis_stats()
+    assert after["staged_bytes_peak"] <= STAGING_CAP_MIB * 2**20
+    assert delta(after, before, "staging_whole_sends") >= 1
+    assert delta(after, before, "staged_requests") + delta(after, before, "staging_whole_sends") == 3
+
+
 def test_a_slow_handoff_holds_only_its_own_request(pd: PDLaunch, sparse_reference: ServerProcess) -> None:
     """The prefill node answers the hand-off of a ``SLOW_PROMPT``-token prompt ``SLOW_S`` late. Its
     admission (hand-off, Mooncake reads) runs off the decode scheduler's thread, so a request sent after
@@ -234,6 +261,40 @@ def test_openai_chat_through_the_router(pd: PDLaunch, smollm2_dense_server: Serv
     _, reference = smollm2_dense_server.post("/v1/chat/completions", body)
     content = json.loads(text)["choices"][0]["message"]["content"]
     assert content == json.loads(reference)["choices"][0]["message"]["content"]
+
+
+PD_BAD_OPTIONS: list[tuple[Any, str]] = [
+    ({"oasis_top_k": 16}, "oasis_top_k: not supported with PD disaggregation"),  # valid without PD
+    ({"oasis_top_k": "many"}, "oasis_top_k"),
+    ({"oasis_unknown": 1}, "oasis_unknown"),
+    ("top_k=16", "custom_params"),  # the OpenAI API's schema refuses it first ("a valid dictionary")
+]
+
+
+def test_request_options_under_pd_answer_400_through_the_router_and_the_pair_serves_on(
+    pd: PDLaunch, sparse_reference: ServerProcess
+) -> None:
+    """docs/faults.md: an ``oasis_*`` option (or a ``custom_params`` that is not a JSON object) under PD
+    answers HTTP 400 naming it through ``launch_pd``'s router on ``/v1/completions``, and both servers
+    serve on. SGLang's router (sglang-router 0.3.2) drops ``custom_params`` from ``/generate``'s
+    ``sampling_params`` and from ``/v1/chat/completions`` before they reach the servers: such requests
+    are served with the servers' settings, as if they set none (asserted, so a router that forwards
+    them shows here)."""
+    ids = prompt(PROMPTS["long"], seed=11)
+    for options, named in PD_BAD_OPTIONS:
+        body = {"model": "default", "prompt": "Hello", "max_tokens": 2, "custom_params": options}
+        status, text = pd.router.post("/v1/completions", body)
+        assert status == 400 and named in text, (options, status, text)
+    messages = [{"role": "user", "content": "Hi"}]
+    chat = {"model": "default", "max_tokens": 2, "messages": messages, "custom_params": {"oasis_top_k": 8}}
+    status, text = pd.router.post("/v1/chat/completions", chat)
+    assert status == 200, (status, text)
+    assert healthy(pd.prefill.url) and healthy(pd.decode.url)
+    expected = sparse_reference.generate(ids, 8)["output_ids"]
+    params = {"max_new_tokens": 8, "temperature": 0, "custom_params": {"oasis_top_k": 4}}
+    status, text = pd.router.post("/generate", {"input_ids": ids, "sampling_params": params})
+    assert status == 200 and json.loads(text)["output_ids"] == expected, (status, text)
+    assert pd.router.generate(ids, 8)["output_ids"] == expected
 
 
 def test_killing_the_prefill_server_fails_only_requests_that_need_it(
