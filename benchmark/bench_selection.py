@@ -21,6 +21,12 @@ not the pipeline. Selectors (``--selectors``):
   step's blocks are the top-K by the exact attention mass of the prompt's last ``--window-tokens``
   queries (known at prefill), the best ``ceil(--window-keep x K)`` of them stay selected at every step,
   and the rest follow the min/max bound of the previous query;
+- ``lowrank<r>`` (e.g. ``lowrank16``): the oracle's mass with the logits computed in the top ``r``
+  principal directions of the KV head's centered keys (Loki-style per-token low-rank keys; the basis
+  fitted on the same keys, an optimistic calibration);
+- ``<selector>-softmax`` (``minmax-softmax``, ``window-softmax``...): a GQA group's bounds combined as
+  each query head's softmax over the blocks (scaled by ``1 / sqrt(dim)``), summed, instead of summed
+  raw: one head's clear best block can win (at 4K, K = 32: the same hits and mass as the sum);
 - ``target<P>`` (e.g. ``target90``): ``window`` under ``--oasis-recall-target 0.<P>`` with the default
   maximum of 4 x K: each layer's first K sized from the window's mass (the runtime's ``window_top_k``),
   then after every decode step the step's exact recall (worst KV head) doubles K below the target and
@@ -35,7 +41,11 @@ seeds 0-4, ~``--context-tokens`` tokens of essays, greedy, 12 new tokens).
         [--block-size 16] [--selectors dense,oracle,minmax,minmax-current,minmax-sub4,window] [--model-dir DIR]
         [--window-tokens 32] [--window-keep 0.25]
 
-Writes ``selectors.<name>.{hits, cases, answers}``, ``settings``, ``date`` and ``machine``; prints a table.
+Besides the hits, ``held_vs_oracle``: at every (decode step, layer) that selects, the chosen blocks'
+share of the step's own query's attention mass over the full blocks, over the share its best K blocks
+hold (1: the current step's oracle), averaged.
+
+Writes ``selectors.<name>.{hits, cases, answers, held_vs_oracle}``, ``settings``, ``date`` and ``machine``; prints a table.
 """
 
 from __future__ import annotations
@@ -44,11 +54,14 @@ import argparse
 import json
 import math
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from accuracy_tasks import TASKS
+from bench_accuracy import chat_ids
 from common import machine_info, print_table
 from sgl_kernel_oasis import build_block_summaries, score_blocks, window_block_mass
 from sglang_oasis.attention.recall_probe import window_top_k
@@ -73,6 +86,9 @@ class Selector:
         self.previous: dict[int, torch.Tensor] = {}  # layer -> [q_heads, dim] last query
         self.first: dict[int, torch.Tensor] = {}  # ``window``: layer -> [kv_heads, K] first blocks
         self.pinned: dict[int, torch.Tensor] = {}  # ``window``: layer -> [kv_heads, P] kept blocks
+        # (step, layer) where K < the full blocks: the chosen blocks' share of the step's own query's
+        # attention mass over the full blocks, over the share the best K blocks hold (1: the oracle's)
+        self.held: list[float] = []
 
     def reset(self) -> None:
         self.previous.clear()
@@ -92,16 +108,40 @@ class Selector:
             logits = torch.einsum("hgd,htd->hgt", query.float().view(kv_heads, group, dim), keys.float())
             mass = (logits / math.sqrt(dim)).softmax(-1).view(kv_heads, group, blocks, self.block)
             return mass.sum(dim=(1, 3))
+        if self.name.startswith("lowrank"):
+            return self.low_rank_mass(query, keys, int(self.name.removeprefix("lowrank")))
         if self.name == "minmax-center":
             kmin, kmax = build_block_summaries(by_token, self.block)
             group = query.shape[0] // kv_heads
             center = (kmin.float() + kmax.float()).permute(1, 2, 0) / 2  # [kv_heads, dim, blocks]
             return torch.matmul(query.float().view(kv_heads, group, dim), center).sum(dim=1)
         # min/max selectors: a block scores its best box (one box per block but for ``minmax-sub<N>``)
-        boxes = int(self.name.removeprefix("minmax-sub")) if self.name.startswith("minmax-sub") else 1
+        base = self.name.removesuffix("-softmax")
+        boxes = int(base.removeprefix("minmax-sub")) if base.startswith("minmax-sub") else 1
         kmin, kmax = build_block_summaries(by_token, self.block // boxes)
-        box_scores = score_blocks(query[None], kmin, kmax)[0]  # [kv_heads, blocks * boxes]
+        if self.name.endswith("-softmax"):  # each query head's bounds as a softmax over the boxes, summed
+            group = query.shape[0] // kv_heads
+            q = query.float().view(kv_heads, group, 1, dim)
+            lo, hi = kmin.float().transpose(0, 1)[:, None], kmax.float().transpose(0, 1)[:, None]
+            bound = torch.maximum(q * lo, q * hi).sum(-1) / math.sqrt(dim)  # [kv_heads, group, boxes]
+            box_scores = bound.softmax(-1).sum(dim=1)
+        else:
+            box_scores = score_blocks(query[None], kmin, kmax)[0]  # [kv_heads, blocks * boxes]
         return box_scores.view(kv_heads, blocks, boxes).amax(-1)
+
+    def low_rank_mass(self, query: torch.Tensor, keys: torch.Tensor, rank: int) -> torch.Tensor:
+        """``lowrank<r>``: the oracle's mass with every logit computed in the top ``rank`` principal
+        directions of the KV head's centered keys (Loki-style; the mean key's logit is the same for every
+        key, so it leaves the softmax unchanged). The basis is fitted on these very keys, at every step:
+        an optimistic calibration (a basis fitted on other text would do no better, as a rule)."""
+        kv_heads, tokens, dim = keys.shape
+        centered = keys.float() - keys.float().mean(dim=1, keepdim=True)
+        basis = torch.linalg.svd(centered, full_matrices=False).Vh[:, :rank]  # [kv_heads, rank, dim]
+        group = query.shape[0] // kv_heads
+        q = torch.einsum("hgd,hrd->hgr", query.float().view(kv_heads, group, dim), basis)
+        logits = torch.einsum("hgr,htr->hgt", q, torch.einsum("htd,hrd->htr", centered, basis))
+        mass = (logits / math.sqrt(dim)).softmax(-1).view(kv_heads, group, tokens // self.block, self.block)
+        return mass.sum(dim=(1, 3))
 
     def hold_target(
         self,
@@ -134,7 +174,7 @@ class Selector:
         q_heads, kv_heads, tokens = query.shape[1], key.shape[1], key.shape[2]
         if self.name == "dense" or query.shape[2] > 1:  # the prompt attends densely
             self.previous[layer] = query[0, :, -1]
-            windowed = self.name == "window" or self.target
+            windowed = self.name.startswith("window") or self.target
             if windowed and tokens // self.block > self.top_k:
                 rows = min(self.window_tokens, query.shape[2])
                 mass = window_block_mass(query[0, :, -rows:].transpose(0, 1), key[0].transpose(0, 1),
@@ -167,6 +207,7 @@ class Selector:
                 if layer in self.pinned:
                     scores = scores.scatter(1, self.pinned[layer], float("inf"))
                 chosen = scores.topk(top_k, dim=-1).indices
+            self.held.append(held_share(now, key[0, :, : full * self.block], chosen, top_k, self.block))
             in_blocks = torch.zeros((kv_heads, full), dtype=torch.bool).scatter_(1, chosen, True)
             visible[:, : full * self.block] = in_blocks.repeat_interleave(self.block, dim=1)
         group = q_heads // kv_heads
@@ -179,6 +220,20 @@ class Selector:
         return out.transpose(1, 2).contiguous(), None
 
 
+def held_share(
+    query: torch.Tensor, keys: torch.Tensor, chosen: torch.Tensor, top_k: int, block: int
+) -> float:
+    """The attention mass of ``query`` ``[q_heads, dim]`` over the full blocks of ``keys`` ``[kv_heads,
+    tokens, dim]`` that the ``chosen`` ``[kv_heads, K]`` blocks hold, over what the best ``top_k`` blocks
+    hold (per KV head: the group's mean softmax; averaged over the KV heads)."""
+    kv_heads, tokens, dim = keys.shape
+    q = query.float().view(kv_heads, -1, dim)
+    mass = (torch.einsum("hgd,htd->hgt", q, keys.float()) / math.sqrt(dim)).softmax(-1).mean(dim=1)
+    per_block = mass.view(kv_heads, tokens // block, block).sum(-1)
+    best = per_block.topk(top_k, dim=-1).values.sum(-1)
+    return float((per_block.gather(1, chosen).sum(-1) / best).mean())
+
+
 def recall_of(query: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
     """``[kv_heads]``: the exact attention mass of ``query`` ``[q_heads, dim]`` over ``keys``
     ``[kv_heads, tokens, dim]`` that lies on ``visible`` ``[kv_heads, tokens]`` (mean over each group)."""
@@ -186,6 +241,34 @@ def recall_of(query: torch.Tensor, keys: torch.Tensor, visible: torch.Tensor, sc
     q = query.float().view(kv_heads, -1, dim)
     mass = (torch.einsum("hgd,htd->hgt", q, keys.float()) * scale).softmax(-1).mean(dim=1)
     return (mass * visible).sum(-1)
+
+
+@dataclass(frozen=True)
+class SuiteCase:
+    """A ``bench_accuracy`` sample (``--suite-samples``) as a case: a hit when its task scores the answer 1."""
+
+    sample: Any
+    messages: list[dict[str, str]]
+    prompt_tokens: int
+
+    @property
+    def max_tokens(self) -> int:
+        return int(self.sample.max_tokens)
+
+    def hit(self, answer: str) -> bool:
+        return TASKS[self.sample.task].score(self.sample, answer) == 1.0
+
+
+def suite_cases(tokenizer: Any, names: str) -> list[SuiteCase]:
+    """``task@context`` samples of bench_accuracy's suite (seed 0), comma-separated."""
+
+    ids = chat_ids(tokenizer)
+    cases = []
+    for name in names.split(","):
+        task, _, context = name.partition("@")
+        sample = TASKS[task].generate(0, int(context), lambda messages: len(ids(messages)))
+        cases.append(SuiteCase(sample, list(sample.prompt_messages), sample.prompt_tokens))
+    return cases
 
 
 def run_selector(model: Any, tokenizer: Any, cases: list[Any], selector: Selector, new_tokens: int) -> dict:
@@ -199,10 +282,11 @@ def run_selector(model: Any, tokenizer: Any, cases: list[Any], selector: Selecto
                                             return_dict=True)["input_ids"]  # fmt: skip
         selector.reset()
         with torch.no_grad():
-            out = model.generate(ids, max_new_tokens=new_tokens, do_sample=False)
+            out = model.generate(ids, max_new_tokens=getattr(case, "max_tokens", new_tokens), do_sample=False)
         answers.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
     hits = [case.hit(answer) for case, answer in zip(cases, answers, strict=True)]
-    return {"hits": sum(hits), "cases": hits, "answers": answers}
+    held = sum(selector.held) / len(selector.held) if selector.held else 1.0
+    return {"hits": sum(hits), "cases": hits, "answers": answers, "held_vs_oracle": held}
 
 
 def main() -> None:
@@ -222,6 +306,11 @@ def main() -> None:
     parser.add_argument(
         "--model-dir", type=Path, default=None, help="default: SmolLM2-135M-Instruct (30 layers)"
     )
+    parser.add_argument(
+        "--suite-samples",
+        default="",
+        help="instead of passkey: bench_accuracy samples, e.g. niah_single_uuid@2000",
+    )
     args = parser.parse_args()
 
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -232,14 +321,17 @@ def main() -> None:
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     text = essays_text()
-    cases = [
+    cases: list[Any] = [
         make_case(tokenizer, args.context_tokens, depth, seed=i, text=text) for i, depth in enumerate(DEPTHS)
     ]
+    labels = " ".join(map(str, DEPTHS))
+    if args.suite_samples:
+        cases, labels = suite_cases(tokenizer, args.suite_samples), args.suite_samples.replace(",", " ")
     results: dict[str, Any] = {
         "settings": {"context_tokens": args.context_tokens, "top_k": args.top_k, "block_size": args.block_size,
                      "window_tokens": args.window_tokens, "window_keep": args.window_keep,
                      "prompt_tokens": [case.prompt_tokens for case in cases], "depths": list(DEPTHS),
-                     "model": str(model_dir)},
+                     "suite_samples": args.suite_samples, "model": str(model_dir)},
         "selectors": {},
     }  # fmt: skip
     for name in args.selectors.split(","):
@@ -252,12 +344,23 @@ def main() -> None:
             args.new_tokens,
         )
         results["selectors"][name] = {**result, "seconds": round(time.monotonic() - started, 1)}
-        print(f"[bench_selection] {name}: {result['hits']}/{len(cases)}", flush=True)
+        print(
+            f"[bench_selection] {name}: {result['hits']}/{len(cases)}, "
+            f"held {result['held_vs_oracle']:.3f} of the oracle's mass",
+            flush=True,
+        )
     results["date"] = time.strftime("%Y-%m-%d")
     results["machine"] = machine_info()
-    rows = [[name, f"{r['hits']}/{len(cases)}", " ".join("x" if hit else "." for hit in r["cases"])]
-            for name, r in results["selectors"].items()]  # fmt: skip
-    print_table(["selector", "passkey hits", f"by depth {' '.join(map(str, DEPTHS))}"], rows)
+    rows = [
+        [
+            name,
+            f"{r['hits']}/{len(cases)}",
+            " ".join("x" if hit else "." for hit in r["cases"]),
+            f"{r['held_vs_oracle']:.3f}",
+        ]
+        for name, r in results["selectors"].items()
+    ]
+    print_table(["selector", "hits", f"by case {labels}", "mass vs oracle"], rows)
     args.json.parent.mkdir(parents=True, exist_ok=True)
     args.json.write_text(json.dumps(results, indent=2))
 

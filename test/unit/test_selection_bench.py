@@ -13,7 +13,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
 
-from bench_selection import DEPTHS, Selector, run_selector
+from bench_selection import DEPTHS, Selector, held_share, run_selector
 
 B, DIM, BLOCKS = 4, 8, 5
 
@@ -30,7 +30,9 @@ def keys_with_aligned_blocks() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     return keys, torch.stack([a, a]) * 2, torch.stack([b, b]) * 2
 
 
-@pytest.mark.parametrize("name", ["oracle", "minmax", "minmax-current", "minmax-sub2", "minmax-center"])
+@pytest.mark.parametrize(
+    "name", ["oracle", "minmax", "minmax-current", "minmax-sub2", "minmax-center", "minmax-softmax"]
+)
 def test_each_selector_ranks_the_aligned_block_first(name: str) -> None:
     keys, a, b = keys_with_aligned_blocks()
     selector = Selector(name, top_k=1, block_size=B)
@@ -48,6 +50,34 @@ def test_center_scores_each_block_at_its_boxs_center() -> None:
     center = (boxes.amin(dim=2) + boxes.amax(dim=2)) / 2  # [kv_heads, blocks, dim]
     expected = torch.einsum("hgd,hbd->hb", query.view(2, 3, DIM), center)
     torch.testing.assert_close(Selector("minmax-center", 1, B).scores(query, keys), expected)
+
+
+def test_softmax_aggregation_lets_one_query_head_choose() -> None:
+    """One-token blocks (the bound is ``q . k``): block 0 is query head 0's clear best and head 1's worst,
+    block 2 both heads' second best. Summed bounds tie blocks 0 and 1 and pick block 2; each head's
+    softmax over the blocks, summed, picks block 0 (head 0 puts almost all its mass there)."""
+    scale = 2**0.5  # sqrt(dim): the bounds are divided by it before the softmax
+    keys = torch.tensor([[[10 * scale, 0.0], [0.0, 0.0], [0.0, 2 * scale]]])  # [1 KV head, 3 tokens, 2]
+    query = torch.tensor([[1.0, 1.0], [-1.0, 1.0]])  # 2 query heads, one group
+    assert int(Selector("minmax", 1, 1).scores(query, keys).argmax()) == 2
+    softmax = Selector("minmax-softmax", 1, 1).scores(query, keys)[0]
+    logits = torch.tensor([[10.0, 0.0, 2.0], [-10.0, 0.0, 2.0]])
+    torch.testing.assert_close(softmax, logits.softmax(-1).sum(0))
+    assert int(softmax.argmax()) == 0
+
+
+def test_held_share_is_the_chosen_blocks_mass_over_the_best_k() -> None:
+    """2 KV heads of 2 query heads, 4 blocks of 2 tokens, random: the best K blocks hold 1; any other
+    choice its mass over theirs, per KV head (the group's mean softmax), averaged over the heads."""
+    gen = torch.Generator().manual_seed(3)
+    keys, query = torch.randn(2, 8, 4, generator=gen) * 2, torch.randn(4, 4, generator=gen)
+    logits = torch.einsum("hgd,htd->hgt", query.view(2, 2, 4), keys) / 2  # sqrt(dim) = 2
+    per_block = logits.softmax(-1).mean(1).view(2, 4, 2).sum(-1)  # [kv_heads, blocks]
+    best = per_block.topk(2, dim=-1)
+    assert held_share(query, keys, best.indices, 2, 2) == pytest.approx(1.0)
+    worst = per_block.topk(2, dim=-1, largest=False)
+    expected = float((worst.values.sum(-1) / best.values.sum(-1)).mean())
+    assert held_share(query, keys, worst.indices, 2, 2) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize(("name", "block"), [("minmax", 1), ("oracle", 1), ("minmax-current", 3)])
@@ -99,3 +129,28 @@ def test_window_starts_from_the_prompts_attention_and_keeps_its_best_block() -> 
         seen = [*range(3 * B, 4 * B), BLOCKS * B]
         weights = (a[:, None, :] @ keys[0, seen].T[None] * 0.5).softmax(-1)
         torch.testing.assert_close(out[0, 0], (weights @ values[0, seen])[:, 0])
+
+
+def test_low_rank_at_full_rank_is_the_oracle_and_low_ranks_differ() -> None:
+    """``lowrank<r>`` with every direction kept computes the exact logits up to a per-head constant (the
+    mean key's), so its masses are the oracle's; with one direction they are not."""
+    gen = torch.Generator().manual_seed(4)
+    keys, query = torch.randn(2, 24, DIM, generator=gen), torch.randn(4, DIM, generator=gen) * 3
+    oracle = Selector("oracle", 2, B).scores(query, keys)
+    torch.testing.assert_close(Selector(f"lowrank{DIM}", 2, B).scores(query, keys), oracle)
+    assert not torch.allclose(Selector("lowrank1", 2, B).scores(query, keys), oracle, atol=1e-3)
+
+
+def test_suite_samples_are_cases_hit_when_their_task_scores_one(tiny_llama_dir: Path) -> None:
+    """``--suite-samples``: a bench_accuracy sample becomes a case with its prompt, its answer budget and
+    its task's scoring (the expected value: a hit; another: not)."""
+    from transformers import AutoTokenizer
+
+    from bench_selection import suite_cases
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    (case,) = suite_cases(tokenizer, "niah_single_number@400")
+    assert case.sample.task == "niah_single_number" and case.max_tokens == case.sample.max_tokens
+    assert 0 < case.prompt_tokens <= 400 and case.messages == list(case.sample.prompt_messages)
+    assert case.hit(f"The number is {case.sample.expected[0]}.")
+    assert not case.hit("The number is 1.")
