@@ -27,6 +27,9 @@ not the pipeline. Selectors (``--selectors``):
 - ``<selector>-softmax`` (``minmax-softmax``, ``window-softmax``...): a GQA group's bounds combined as
   each query head's softmax over the blocks (scaled by ``1 / sqrt(dim)``), summed, instead of summed
   raw: one head's clear best block can win (at 4K, K = 32: the same hits and mass as the sum);
+- ``<selector>-cap<N>`` and/or ``-ema<P>`` (e.g. ``window-cap2-ema50``): the working set lives across
+  steps as the runtime's: at most N blocks per KV head enter per step (``--oasis-fetch-ratio`` x K), and
+  each block's score is smoothed, P% of this step's plus the rest of its score before;
 - ``target<P>`` (e.g. ``target90``): ``window`` under ``--oasis-recall-target 0.<P>`` with the default
   maximum of 4 x K: each layer's first K sized from the window's mass (the runtime's ``window_top_k``),
   then after every decode step the step's exact recall (worst KV head) doubles K below the target and
@@ -53,10 +56,11 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 
@@ -70,12 +74,80 @@ from sglang_oasis.evaluation.passkey import essays_text, make_case
 DEPTHS = (0.1, 0.3, 0.5, 0.7, 0.9)
 
 
+class Residency:
+    """The ``-cap<N>`` and ``-ema<P>`` modifiers: a working set that lives across steps, as the runtime's.
+    ``cap``: at most N blocks per KV head and step enter it (best score first; blocks that filled up
+    since the layer's last step enter free, as the runtime loads those from the active block), and blocks
+    no longer selected leave least recently selected first, ties lowest id first (the runtime's order,
+    ``WorkingSetPool.plan_selections``); ``ema``: a block's score is P% of this step's plus the
+    rest of its smoothed score (a new block: its own). Neither: each step selects afresh."""
+
+    def __init__(self, cap: int | None = None, ema: float | None = None) -> None:
+        self.cap, self.ema = cap, ema
+        self.resident: dict[int, torch.Tensor] = {}  # layer -> [kv_heads, K] block ids
+        self.full: dict[int, int] = {}  # layer -> its full blocks at its last step
+        self.last: dict[int, list[dict[int, int]]] = {}  # layer -> per KV head, block -> step last selected
+        self.steps: dict[int, int] = {}  # layer -> its steps so far
+        self.smoothed: dict[int, torch.Tensor] = {}  # layer -> [kv_heads, blocks]
+
+    def reset(self) -> None:
+        self.resident.clear()
+        self.full.clear()
+        self.smoothed.clear()
+        self.last.clear()
+        self.steps.clear()
+
+    def smooth(self, layer: int, scores: torch.Tensor) -> torch.Tensor:
+        if self.ema is None:
+            return scores
+        before = self.smoothed.get(layer)
+        if before is not None:
+            n = min(before.shape[1], scores.shape[1])
+            scores = scores.clone()
+            scores[:, :n] = self.ema * scores[:, :n] + (1 - self.ema) * before[:, :n]
+        self.smoothed[layer] = scores
+        return scores
+
+    def admit(
+        self, layer: int, chosen: torch.Tensor, full: int, selected: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``chosen`` ``[kv_heads, K]`` is the layer's working set (the first one: no cap); the blocks
+        this step ``selected`` (default: all of ``chosen``) are stamped as selected now."""
+        self.resident[layer], self.full[layer] = chosen, full
+        step = self.steps[layer] = self.steps.get(layer, -1) + 1
+        last = self.last.setdefault(layer, [{} for _ in range(chosen.shape[0])])
+        for head, blocks in enumerate((chosen if selected is None else selected).tolist()):
+            last[head].update(dict.fromkeys(blocks, step))
+        return chosen
+
+    def step(self, layer: int, wanted: torch.Tensor, scores: torch.Tensor, full: int) -> torch.Tensor:
+        """The layer's working set after a step that selected ``wanted`` ``[kv_heads, K]`` by ``scores``
+        ``[kv_heads, blocks]``, of ``full`` full blocks."""
+        if self.cap is None or layer not in self.resident:
+            return self.admit(layer, wanted, full)
+        fresh_from, rows = self.full[layer], []
+        for head, resident in enumerate(self.resident[layer].tolist()):
+            want, score, last = set(wanted[head].tolist()), scores[head].tolist(), self.last[layer][head]
+            incoming = sorted((b for b in want if b not in resident), key=lambda b: -score[b])
+            fresh = [b for b in incoming if b >= fresh_from]
+            take = fresh + [b for b in incoming if b < fresh_from][: self.cap]
+            unwanted = sorted((b for b in resident if b not in want), key=lambda b: (last[b], b))
+            leaving = set(unwanted[: len(take)])
+            rows.append([b for b in resident if b not in leaving] + take)
+            for block in leaving:
+                del last[block]
+        return self.admit(layer, torch.tensor(rows), full, selected=wanted)
+
+
 class Selector:
     """The attention function's state: which selector, K, B, and each layer's predicting query."""
 
     def __init__(
         self, name: str, top_k: int, block_size: int, window_tokens: int = 32, window_keep: float = 0.25
     ) -> None:
+        modifiers = cast(re.Match[str], re.fullmatch(r"(.*?)(?:-cap(\d+))?(?:-ema(\d+))?", name))
+        name, cap, ema = modifiers.groups()  # the selector itself, and its Residency modifiers
+        self.residency = Residency(None if cap is None else int(cap), None if ema is None else int(ema) / 100)
         self.name, self.top_k, self.block = name, top_k, block_size
         self.window_tokens, self.window_blocks = window_tokens, math.ceil(window_keep * top_k)
         self.target = int(name.removeprefix("target")) / 100 if name.startswith("target") else 0.0
@@ -91,6 +163,7 @@ class Selector:
         self.held: list[float] = []
 
     def reset(self) -> None:
+        self.residency.reset()
         self.previous.clear()
         self.first.clear()
         self.pinned.clear()
@@ -201,12 +274,12 @@ class Selector:
             self.top_k_used.append(top_k)
         if full > top_k:
             if layer in self.first:  # ``window``: the first step after the prompt
-                chosen = self.first.pop(layer)
+                chosen = self.residency.admit(layer, self.first.pop(layer), full)
             else:
-                scores = self.scores(predicting, key[0, :, : full * self.block])
+                scores = self.residency.smooth(layer, self.scores(predicting, key[0, :, : full * self.block]))
                 if layer in self.pinned:
                     scores = scores.scatter(1, self.pinned[layer], float("inf"))
-                chosen = scores.topk(top_k, dim=-1).indices
+                chosen = self.residency.step(layer, scores.topk(top_k, dim=-1).indices, scores, full)
             self.held.append(held_share(now, key[0, :, : full * self.block], chosen, top_k, self.block))
             in_blocks = torch.zeros((kv_heads, full), dtype=torch.bool).scatter_(1, chosen, True)
             visible[:, : full * self.block] = in_blocks.repeat_interleave(self.block, dim=1)

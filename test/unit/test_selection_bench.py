@@ -154,3 +154,45 @@ def test_suite_samples_are_cases_hit_when_their_task_scores_one(tiny_llama_dir: 
     assert 0 < case.prompt_tokens <= 400 and case.messages == list(case.sample.prompt_messages)
     assert case.hit(f"The number is {case.sample.expected[0]}.")
     assert not case.hit("The number is 1.")
+
+
+def test_capped_residency_enters_the_best_blocks_and_evicts_the_least_recently_selected() -> None:
+    """``-cap1``: of two wanted blocks not resident, only the better enters, and of the residents no
+    longer wanted the one selected least recently leaves (the runtime's order, whatever the scores); a
+    block that filled up since the last step enters free."""
+    from bench_selection import Residency
+
+    residency = Residency(cap=1)
+    residency.admit(0, torch.tensor([[0, 1, 2]]), full=10)
+
+    def scores(**by_block: float) -> torch.Tensor:
+        out = torch.zeros(1, 10)
+        for block, score in by_block.items():
+            out[0, int(block.removeprefix("b"))] = score
+        return out
+
+    # 5 and 6 wanted, only 5 (the better) enters; 1 and 2 both last selected at the start: 1 leaves
+    step1 = residency.step(0, torch.tensor([[5, 6, 0]]), scores(b5=0.9, b6=0.8, b0=0.7), full=10)
+    assert step1.tolist() == [[0, 2, 5]]
+    # 7 enters; of 0 (selected a step ago, scoring lower) and 2 (selected at the start), 2 leaves
+    step2 = residency.step(
+        0, torch.tensor([[5, 7, 8]]), scores(b7=0.9, b5=0.85, b8=0.8, b2=0.7, b0=0.1), full=10
+    )
+    assert step2.tolist() == [[0, 5, 7]]
+    residency = Residency(cap=1)
+    residency.admit(0, torch.tensor([[1, 2]]), full=4)
+    filled = torch.tensor([[0.1, 0.2, 0.3, 0.5, 0.7]])  # block 4 filled up since the last step
+    assert sorted(residency.step(0, torch.tensor([[3, 4]]), filled, full=5)[0].tolist()) == [3, 4]
+    assert Selector("window-cap2-ema50", 4, B).residency.cap == 2
+    assert Selector("window-cap2-ema50", 4, B).name == "window"
+
+
+def test_smoothed_scores_mix_this_step_with_the_last() -> None:
+    """``-ema50``: a block's score is half this step's plus half its smoothed score before; a block new
+    this step keeps its own."""
+    from bench_selection import Residency
+
+    residency = Residency(ema=0.5)
+    first = residency.smooth(0, torch.tensor([[1.0, 3.0]]))
+    assert first.tolist() == [[1.0, 3.0]]
+    assert residency.smooth(0, torch.tensor([[3.0, 1.0, 5.0]])).tolist() == [[2.0, 2.0, 5.0]]
