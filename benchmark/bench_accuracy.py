@@ -113,7 +113,7 @@ from typing import Any, NamedTuple
 from accuracy_tasks import TASKS, Message, Sample
 from common import common_prefix, int_list, machine_info, print_table
 from sglang_oasis.config import OasisConfig
-from sglang_oasis.sglang_hooks import FIGURES_KEY
+from sglang_oasis.sglang_contract import FIGURES_KEY
 
 FULL_CONTEXTS = (1000, 2000, 4000, 7000)
 FULL_SAMPLES = (2, 1, 1, 1)

@@ -19,10 +19,9 @@ from pathlib import Path
 
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.platform.cpu.import_hook import install_if_cpu_engine
+from sglang_oasis.sglang_contract import BACKEND_NAME
 
 logger = logging.getLogger(__name__)
-
-BACKEND_NAME = "oasis"
 
 
 def register_attention_backend() -> None:

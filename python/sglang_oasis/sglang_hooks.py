@@ -159,6 +159,15 @@ from typing import TYPE_CHECKING, Any, Protocol, cast
 
 from sglang_oasis.attention.request_options import NotedRequest, check, note_requests
 from sglang_oasis.config import OasisConfig
+from sglang_oasis.sglang_contract import (  # the names the backend and the hooks share
+    BACKEND_NAME,
+    BEFORE_BACKUP_LISTENER,
+    FIGURES_KEY,
+    FREED_ROW_LISTENER,
+    RETRACT_LISTENER,
+    RETRACTION_KEY,
+    STAGER_ATTRIBUTE,
+)
 
 if TYPE_CHECKING:  # SGLang's own types, for mypy (the hooks are checked against SGLang's signatures)
     import numpy as np
@@ -196,12 +205,10 @@ SEND_INDICES_TARGET = "sglang.srt.disaggregation.common.conn.CommonKVSender._pre
 PEER_REGISTRATION_TARGET = (
     "sglang.srt.disaggregation.mooncake.conn.MooncakeKVManager._publish_peer_registration"
 )
-STAGER_ATTRIBUTE = "_oasis_stager"  # set by hook 7 on SGLang's Mooncake senders and their KV manager
 BOOTSTRAP_ROUTES_TARGET = "sglang.srt.disaggregation.common.conn.CommonKVBootstrapServer._setup_routes"
 DECODE_COMMIT_TARGET = "sglang.srt.disaggregation.decode.DecodeTransferQueue._commit_transfer_to_req"
 DECODE_POLLERS_TARGET = "sglang.srt.disaggregation.decode.DecodeTransferQueue._pollers"
 DECODE_FREE_TARGET = "sglang.srt.disaggregation.decode.DecodeReqToTokenPool.free"
-FREED_ROW_LISTENER = "oasis_on_free_row"  # a DecodeReqToTokenPool attribute: called with each freed row
 BACKUP_TARGET = "sglang.srt.mem_cache.common.backup_kv_cache"
 RELEASE_TARGET = "sglang.srt.managers.schedule_batch.release_req"
 FORWARD_BATCH_TARGET = "sglang.srt.model_executor.forward_batch_info.ForwardBatch.init_new"
@@ -213,11 +220,6 @@ POOL_BUDGET_TARGET = "sglang.srt.mem_cache.kv_cache_configurator.KVCacheConfigur
 GRAPH_RUN_TARGET = (
     "sglang.srt.model_executor.runner.decode_cuda_graph_runner.DecodeCudaGraphRunner.can_run_graph"
 )
-FIGURES_KEY = "oasis"  # meta_info key of a request's own figures (hook 10)
-BEFORE_BACKUP_LISTENER = "oasis_before_backup"  # attribute of a req-to-token pool: row -> KV whole locally?
-RETRACT_LISTENER = "oasis_on_retract"  # attribute of a req-to-token pool: (row, key, tokens, backed_up)
-RETRACTION_KEY = "oasis_retraction_key"  # attribute of a retracted Req: what its kept state is found by
-BACKEND_NAME = "oasis"
 REJECTED_DRAFT = -1  # no token id: never equal to the target's prediction
 
 logger = logging.getLogger(__name__)

@@ -41,7 +41,7 @@ from sglang_oasis.attention.request_options import NotedRequest, note_requests
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.memory.host_kv_pool import PinnedHostKVPool
 from sglang_oasis.server_process import child_env
-from sglang_oasis.sglang_hooks import RETRACT_LISTENER
+from sglang_oasis.sglang_contract import RETRACT_LISTENER
 from sglang_oasis_testing import fake_cuda
 from sglang_oasis_testing.fake_cuda import Crossing, DeviceMismatch, Event, FakeCuda, values
 

@@ -23,7 +23,7 @@ from sglang_oasis.attention.oasis_backend import OasisAttnBackend
 from sglang_oasis.attention.request_options import retraction_keys
 from sglang_oasis.attention.sync_guard import SyncGuard
 from sglang_oasis.config import OasisConfig
-from sglang_oasis.sglang_hooks import RETRACT_LISTENER
+from sglang_oasis.sglang_contract import RETRACT_LISTENER
 
 BLOCK, DIM = 4, 2
 DIRECTIONS = torch.tensor([[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0], [0.0, -1.0]])  # block b -> direction b

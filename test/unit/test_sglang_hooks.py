@@ -267,11 +267,13 @@ def test_hook_7_prefill_send_kv_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
         send(2, ["10.0.0.3:17000"]),
         send(3, [*known, "x:1"]),
     )
-    assert fetching._oasis_stager is stager and fetching._oasis_stage == (3, 40, 16)
+    assert getattr(fetching, hooks.STAGER_ATTRIBUTE) is stager and fetching._oasis_stage == (3, 40, 16)
     assert getattr(fetching.kv_mgr, hooks.STAGER_ATTRIBUTE) is stager  # for test_hook_7_peer_registration
     for whole in (unknown, mixed):
         assert (
-            whole._oasis_whole and not hasattr(whole, "_oasis_stager") and not hasattr(whole, "_oasis_stage")
+            whole._oasis_whole
+            and not hasattr(whole, hooks.STAGER_ATTRIBUTE)
+            and not hasattr(whole, "_oasis_stage")
         )
     assert handed == [2, 3] and counted == {"staging_unknown_decoder_sends": 2}
 
@@ -289,7 +291,9 @@ def test_hook_7_send_last_page_only() -> None:
 
     staged: list[tuple[Any, ...]] = []
     sender = NS(
-        _oasis_stager=NS(stage=lambda *args: staged.append(args)), _oasis_stage=(5, 40, 16), bootstrap_room=9
+        **{hooks.STAGER_ATTRIBUTE: NS(stage=lambda *args: staged.append(args))},
+        _oasis_stage=(5, 40, 16),
+        bootstrap_room=9,
     )
 
     def chunk(kv: list[int], index_slice: slice, last: bool) -> Any:
@@ -313,7 +317,9 @@ def test_hook_7_send_last_page_only() -> None:
         raise RuntimeError("no memory")
 
     kv_mgr = NS(record_failure=failures.__setitem__, update_status=lambda r, s: statuses.append((r, s)))
-    failing = NS(_oasis_stager=NS(stage=broken), _oasis_stage=(1, 2, 0), bootstrap_room=4, kv_mgr=kv_mgr)
+    failing = NS(
+        **{hooks.STAGER_ATTRIBUTE: NS(stage=broken)}, _oasis_stage=(1, 2, 0), bootstrap_room=4, kv_mgr=kv_mgr
+    )
     out = hooks.send_last_page_only(lambda s, k, *a: (k, slice(0, 1), True, False), failing, np.asarray([7]))
     assert out[3] is True and "no memory" in failures[4] and statuses == [(4, KVPoll.Failed)]
 

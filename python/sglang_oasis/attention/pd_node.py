@@ -28,7 +28,7 @@ from sglang_oasis.attention.transfer_failures import TransferFailures
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.disaggregation.pd_partial import Arrival, DecodeFetcher, PrefillStager
 from sglang_oasis.memory.summary_store import BlockSummaryStore
-from sglang_oasis.sglang_hooks import BEFORE_BACKUP_LISTENER, FREED_ROW_LISTENER
+from sglang_oasis.sglang_contract import BEFORE_BACKUP_LISTENER, FREED_ROW_LISTENER
 from sglang_oasis.stats import OasisStats, tensor_parallel_rank
 
 if TYPE_CHECKING:

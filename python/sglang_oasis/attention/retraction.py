@@ -52,7 +52,7 @@ from sglang_oasis.attention.selector import Selector
 from sglang_oasis.attention.sparse_attention import SparseAttention
 from sglang_oasis.disaggregation.pd_partial import Arrival
 from sglang_oasis.memory.working_set import EMPTY, TransferPlan
-from sglang_oasis.sglang_hooks import RETRACT_LISTENER
+from sglang_oasis.sglang_contract import RETRACT_LISTENER
 from sglang_oasis.stats import OasisStats
 
 if TYPE_CHECKING:
