@@ -11,6 +11,8 @@ runs of the same shape with other prompts (default 1; the figures at the top lev
 - ``dense``: dense SGLang, the baseline;
 - ``sparse_eager``: sparse, K = ``--top-k`` (default 32) blocks of 16, the eager decode step;
 - ``sparse_captured``: the same with ``--oasis-decode-step captured``;
+- ``sparse_codes``: ``sparse_eager`` with ``--oasis-selector codes`` (blocks ranked by their 2-bit key
+  codes' attention mass; not in the default ``--modes``);
 - ``dense_floor``: the dense server with ``--floor-input-len`` (16) token prompts: a step with almost no
   context to attend, i.e. what every mode's step costs besides attention (projections, MLP, sampling,
   the scheduler). No attention can make a step cheaper than this; ``attention_ratio_<mode>`` = (its TPOT
@@ -45,7 +47,7 @@ from common import machine_info, print_table
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.server_process import ServerProcess, child_env
 
-MODES = ("dense", "sparse_eager", "sparse_captured", "dense_floor")
+MODES = ("dense", "sparse_eager", "sparse_captured", "sparse_codes", "dense_floor")
 FIELDS = ("mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms", "output_throughput", "completed")
 
 
@@ -55,8 +57,9 @@ def server_args(mode: str, model: Path, args: argparse.Namespace) -> list[str]:
     if mode in ("dense", "dense_floor"):
         return [*common, "--oasis-mode", "dense", "--max-total-tokens", str(tokens)]
     step = "captured" if mode == "sparse_captured" else "eager"
+    codes = ["--oasis-selector", "codes"] if mode == "sparse_codes" else []
     return [*common, "--oasis-top-k", str(args.top_k), "--oasis-host-kv-tokens", str(tokens),
-            "--oasis-decode-step", step]  # fmt: skip
+            "--oasis-decode-step", step, *codes]  # fmt: skip
 
 
 def server_groups(modes: list[str]) -> list[list[str]]:
@@ -98,7 +101,7 @@ def main() -> int:
     parser.add_argument("--top-k", type=int, default=32)
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--modes", default=",".join(MODES))
+    parser.add_argument("--modes", default=",".join(mode for mode in MODES if mode != "sparse_codes"))
     parser.add_argument("--warmup-runs", type=int, default=1, help="untimed runs first (other prompts)")
     parser.add_argument("--floor-input-len", type=int, default=16, help="dense_floor's prompt length")
     args = parser.parse_args()

@@ -24,7 +24,7 @@ DRAFT_POLICIES = ("reject", "verify")
 VERIFY_ROWS = 2  # --speculative-num-draft-tokens of the lookahead: the real token and one draft
 PREFETCH_MODES = ("async", "sync")
 DECODE_STEPS = ("eager", "captured")
-SELECTORS = ("summaries", "oracle", "oracle-pooled")
+SELECTORS = ("summaries", "codes", "oracle", "oracle-pooled")
 PREFILL_ATTENTIONS = ("auto", "torch", "triton")
 DEFAULT_DEVICE_KV_TOKENS = 65536  # --oasis-device-kv-tokens on CPU when unset
 
@@ -141,7 +141,12 @@ class OasisConfig:
         default="summaries",
         metadata={
             "help": "What chooses the blocks a sparse layer's decode step attends. 'summaries': the min/max "
-            "block summaries scored by the predicting query (--oasis-lookahead), the serving mode. 'oracle' "
+            "block summaries scored by the predicting query (--oasis-lookahead), the serving mode. 'codes': every "
+            "key of a full block also kept in the device tier to 2 bits per channel within its block's min/max "
+            "box (head_dim / 4 bytes per token and KV head, as much again as bf16 summaries), and blocks ranked "
+            "by the predicting query's softmax over those keys (an estimate of each block's attention mass, not "
+            "the summaries' bound); eager decode step, no remote partial fetching (a PD decode node's keys "
+            "stay on the prefill node). 'oracle' "
             "(evaluation only: needs --oasis-evaluation-only): each step's own query's exact attention mass "
             "picks its top-K blocks per KV head (it computes dense attention's scores to choose), the best "
             "any selection of K blocks can do; eager decode step, no lookahead drafts. 'oracle-pooled': the same "
@@ -358,6 +363,11 @@ class OasisConfig:
             )
         if self.oracle:
             self._check_oracle()
+        if self.selector == "codes" and self.decode_step == "captured":
+            raise OasisConfigError(
+                f"{_option('selector')} codes: the captured step scores the min/max summaries only; "
+                "--oasis-decode-step eager"
+            )
         if self.recall_target and self.recall_sample_every == 0:
             raise OasisConfigError(
                 f"{_option('recall_target')}: needs recall samples; --oasis-recall-sample-every is 0"
@@ -388,7 +398,7 @@ class OasisConfig:
     @property
     def oracle(self) -> bool:
         """``--oasis-selector oracle`` or ``oracle-pooled``: an evaluation mode (``attention/oracle.py``)."""
-        return self.selector != "summaries"
+        return self.selector in ("oracle", "oracle-pooled")
 
     def _check_oracle(self) -> None:
         """``--oasis-selector oracle[-pooled]``: evaluation only, on the eager step's plain decode passes."""

@@ -102,7 +102,7 @@ def test_cuda_jobs_run_on_a_side_stream_ordered_by_events() -> None:
 
 
 def test_adaptive_cap_follows_the_drift_within_its_bounds() -> None:
-    from sglang_oasis.attention.selector import FetchCaps
+    from sglang_oasis.attention.fetch_caps import FetchCaps
     from sglang_oasis.config import OasisConfig
 
     config = OasisConfig(top_k=40, fetch_ratio=0.05, adaptive_cap=True)

@@ -196,3 +196,27 @@ def test_smoothed_scores_mix_this_step_with_the_last() -> None:
     first = residency.smooth(0, torch.tensor([[1.0, 3.0]]))
     assert first.tolist() == [[1.0, 3.0]]
     assert residency.smooth(0, torch.tensor([[3.0, 1.0, 5.0]])).tolist() == [[2.0, 2.0, 5.0]]
+
+
+def test_codes2_scores_what_the_runtimes_codes_selector_scores() -> None:
+    """``codes2`` screens ``--oasis-selector codes``: the same masses as the runtime's op
+    (``sgl_kernel_oasis.key_codes.coded_block_mass``); with 8 bits it is all but the oracle."""
+    from sgl_kernel_oasis.key_codes import coded_block_mass, encode_key_codes
+
+    gen = torch.Generator().manual_seed(4)
+    keys, query = torch.randn(2, BLOCKS * B, DIM, generator=gen), torch.randn(6, DIM, generator=gen)
+    by_page = keys.view(2, BLOCKS, B, DIM).permute(1, 2, 0, 3)  # [pages, B, kv_heads, D]
+    kmin, kmax = by_page.amin(dim=1), by_page.amax(dim=1)
+    runtime = coded_block_mass(
+        query[None],
+        kmin,
+        kmax,
+        encode_key_codes(by_page, kmin, kmax),
+        torch.arange(BLOCKS)[None],
+        torch.tensor([BLOCKS]),
+        DIM**-0.5,
+    )[0]
+    torch.testing.assert_close(Selector("codes2", 2, B).scores(query, keys), runtime, rtol=1e-5, atol=1e-6)
+    oracle = Selector("oracle", 2, B).scores(query, keys)
+    torch.testing.assert_close(Selector("codes8", 2, B).scores(query, keys), oracle, rtol=0, atol=0.02)
+    assert not torch.allclose(Selector("codes1", 2, B).scores(query, keys), oracle, atol=0.02)

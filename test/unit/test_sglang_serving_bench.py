@@ -22,6 +22,8 @@ def test_sparse_servers_differ_only_in_the_decode_step() -> None:
     assert captured[captured.index("--oasis-decode-step") + 1] == "captured"
     assert [a for a in eager if a != "eager"] == [a for a in captured if a != "captured"]
     assert eager[eager.index("--oasis-top-k") + 1] == "32"
+    codes = argv["sparse_codes"]  # the eager step with the codes selector
+    assert codes == [*eager, "--oasis-selector", "codes"]
     # every server holds the whole run's KV: 4 x (3000 + 128) tokens and a margin
     for mode, tokens in (("dense", "--max-total-tokens"), ("sparse_eager", "--oasis-host-kv-tokens")):
         assert int(argv[mode][argv[mode].index(tokens) + 1]) >= 4 * 3128
@@ -30,5 +32,6 @@ def test_sparse_servers_differ_only_in_the_decode_step() -> None:
 
 
 def test_the_floor_runs_on_the_dense_server_started_once() -> None:
-    assert server_groups(list(MODES)) == [["dense", "dense_floor"], ["sparse_eager"], ["sparse_captured"]]
+    groups = [["dense", "dense_floor"], ["sparse_eager"], ["sparse_captured"], ["sparse_codes"]]
+    assert server_groups(list(MODES)) == groups
     assert server_groups(["dense_floor", "sparse_captured"]) == [["dense_floor"], ["sparse_captured"]]

@@ -1,5 +1,5 @@
 """The work of one prefetch-pipeline job: for one layer of a batch, predict (score the block summaries
-with the predicting query), select (top-K per KV head), plan (capped delta against the resident
+with the predicting query, or with ``--oasis-selector codes`` its attention over the coded keys), select (top-K per KV head), plan (capped delta against the resident
 working set) and transfer (copy the admitted blocks from the host tier into their slots; a block that
 just filled up is copied from the active blocks, on the device).
 
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol, cast
 
 import torch
 
@@ -25,6 +25,8 @@ from sglang_oasis.memory.working_set import TransferPlan, WorkingSetPool
 
 if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+    from sglang_oasis.memory.key_code_store import KeyCodeStore
 
 logger = logging.getLogger(__name__)
 
@@ -54,6 +56,7 @@ class SelectionJob(NamedTuple):
     admission: bool  # the first working set after an extend: nothing capped, nothing "fresh"
     cap: int | torch.Tensor | None  # None: no cap; [bs]: each request's own
     fail_reqs: tuple[int, ...]  # injected failures
+    scale: float = 0.0  # the layer's attention scale (--oasis-selector codes' softmax); 0: 1 / sqrt(dim)
 
 
 class JobResult(NamedTuple):
@@ -99,8 +102,10 @@ class BlockPrefetcher:
         kv_pool: MHATokenToKVPool,
         sink_blocks: int,
         num_kv_heads: int,
+        codes: KeyCodeStore | None = None,
     ) -> None:
         self.working_sets = working_sets
+        self.codes = codes  # --oasis-selector codes: blocks ranked by their coded keys' attention mass
         self.summaries = summaries
         self.active = active
         self.kv_pool = kv_pool
@@ -186,6 +191,8 @@ class BlockPrefetcher:
         if bool(over.any()):
             if job.prior is not None:
                 scores = job.prior[over]  # [n, H, N]
+            elif self.codes is not None:  # --oasis-selector codes: the decoded keys' attention mass
+                scores = self._coded_mass(job, over, valid)
             else:
                 kmin, kmax = self.summaries.kmin[job.layer_id], self.summaries.kmax[job.layer_id]
                 device = kmin.device
@@ -208,6 +215,15 @@ class BlockPrefetcher:
             selected[over] = chosen
             priority[over] = scores.masked_fill(sinks, float("inf"))
         return selected, priority, int(over.sum())
+
+    def _coded_mass(self, job: SelectionJob, over: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+        """``[n, H, N]``: the ``over`` rows' blocks scored by the attention mass of their predicting query
+        over their full blocks' coded keys (``key_code_store.py``), pages coded first where needed."""
+        codes = cast("KeyCodeStore", self.codes)
+        pages = job.pages[over]
+        codes.ensure(job.layer_id, pages[valid[over]], self.kv_pool)
+        scale = job.scale or job.queries.shape[-1] ** -0.5
+        return codes.block_mass(job.layer_id, job.queries[over], pages, job.full[over], scale).cpu()
 
     def _copy_from_active(self, job: SelectionJob, plan: TransferPlan, fresh: torch.Tensor) -> torch.Tensor:
         """Copy the loads of blocks that just filled up and are still in the active blocks from there

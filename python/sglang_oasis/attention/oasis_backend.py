@@ -222,7 +222,7 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
         if not self.batch.admission and k is not None:  # re-prefilled retracted requests: their sparse step
             self.retractions.attend_resumed(self.batch, layer, q_rows, last, k, v, out, seq_lens_cpu)
         prior = self.selector.window_prior(self.batch, layer, q_rows, last.tolist(), extend_lens, seq_lens)
-        self.selector.select(self.batch, layer_id, q_rows[last], seq_lens, prior)
+        self.selector.select(self.batch, layer_id, q_rows[last], seq_lens, prior, layer.scaling)
         return out
 
     def forward_decode(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):  # type: ignore[override]
@@ -253,7 +253,7 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
         if self.recall.due():  # before the host copy is poisoned, before the working set changes
             self.recall.sample_safely(self.batch, layer_id, q_rows, seq_lens.tolist(), layer.scaling)
         self._poison_if_strict(layer_id)
-        self.selector.select(self.batch, layer_id, q_rows, seq_lens.tolist())
+        self.selector.select(self.batch, layer_id, q_rows, seq_lens.tolist(), scale=layer.scaling)
         return out.reshape(-1, layer.tp_q_head_num * layer.v_head_dim)
 
     def forward_verify(self, q, k, v, layer: RadixAttention, forward_batch: ForwardBatch, save_kv_cache=True):
@@ -299,7 +299,9 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
                 self.batch, layer_id, q_rows[:, 0], (seq_lens + 1).tolist(), layer.scaling, last
             )
         self._poison_if_strict(layer_id)
-        self.selector.select(self.batch, layer_id, q_rows[:, -1], (seq_lens + 1).tolist())
+        self.selector.select(
+            self.batch, layer_id, q_rows[:, -1], (seq_lens + 1).tolist(), scale=layer.scaling
+        )
         return out.reshape(-1, heads * layer.v_head_dim)
 
     def _poison_if_strict(self, layer_id: int) -> None:

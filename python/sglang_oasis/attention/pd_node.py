@@ -93,6 +93,11 @@ class PDNode:
             )
             logger.info("oasis remote partial fetching: prefill hand-offs at %s", self.stager.url)
         else:
+            if self.selector.prefetcher.codes is not None:  # the launcher refuses it too; any start here
+                raise ValueError(
+                    "--oasis-selector codes: codes every key from the local host tier, and remote partial "
+                    "fetching leaves a decode node's blocks on the prefill node; --oasis-remote-fetch false"
+                )
             self.remote = self.selector.prefetcher.remote = DecodeFetcher(self, host, rank, tp_size)
             # SGLang frees a finished request's row: release its staging then (sglang_hooks.py).
             setattr(self.req_to_token_pool, FREED_ROW_LISTENER, self.remote.release_slot)

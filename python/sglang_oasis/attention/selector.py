@@ -12,7 +12,6 @@ counters and their failures filed against the generation of the request that cau
 from __future__ import annotations
 
 import logging
-import math
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
 
@@ -21,6 +20,7 @@ import torch
 from sgl_kernel_oasis import window_block_mass
 from sglang_oasis.attention.batch_view import BatchView
 from sglang_oasis.attention.block_prefetcher import BlockPrefetcher, JobResult, SelectionJob
+from sglang_oasis.attention.fetch_caps import FetchCaps
 from sglang_oasis.attention.prefetch_pipeline import PrefetchPipeline
 from sglang_oasis.attention.recall_probe import on_ladder, window_top_k
 from sglang_oasis.attention.request_slots import RequestSlots
@@ -46,29 +46,6 @@ class FaultInjection(NamedTuple):
         if self.prompt_len is None:
             return ()
         return tuple(req for req in reqs if prompt_lens.get(req) == self.prompt_len)
-
-
-class FetchCaps:
-    """Blocks per KV head a decode step may load, per layer: ``ceil(--oasis-fetch-ratio x K)`` (None:
-    no cap), or with ``--oasis-adaptive-cap`` ``ceil(1.25 x`` the layer's moving average of predicted
-    but missing blocks per head and step``)``, within ``OasisConfig.fetch_cap_bounds``."""
-
-    def __init__(self, config: OasisConfig, num_layers: int) -> None:
-        self.config = config
-        self.caps: list[int | None] = [config.fetch_cap] * num_layers
-        self._drift = [0.0] * num_layers
-
-    def __getitem__(self, layer: int) -> int | None:
-        return self.caps[layer]
-
-    def observe(self, layer: int, missing_per_head: float) -> None:
-        """A decode step's drift at ``layer``: blocks per head it loaded plus those the cap deferred."""
-        if not self.config.adaptive_cap:
-            return
-        low, high = self.config.fetch_cap_bounds
-        drift = 0.75 * self._drift[layer] + 0.25 * missing_per_head
-        self._drift[layer] = drift
-        self.caps[layer] = min(high, max(low, math.ceil(1.25 * drift)))
 
 
 class Selector:
@@ -108,6 +85,7 @@ class Selector:
             kv_pool,
             config.sink_blocks,
             self.num_kv_heads,
+            tier.codes,
         )
         self.caps = FetchCaps(config, int(kv_pool.layer_num))
         # the captured decode step's results not folded into the host's tables yet (graphed_step.py)
@@ -123,9 +101,11 @@ class Selector:
         queries: torch.Tensor,
         seq_lens: list[int],
         prior: torch.Tensor | None = None,
+        scale: float = 0.0,
     ) -> None:
         """Choose each request's working set for the next step from ``queries`` ``[bs, q_heads, dim]``
-        (or ``prior`` ``[bs, kv_heads, N]``) and submit the job that loads the blocks that changed."""
+        (or ``prior`` ``[bs, kv_heads, N]``) and submit the job that loads the blocks that changed.
+        ``scale``: the layer's attention scale (``--oasis-selector codes``; 0: ``1 / sqrt(dim)``)."""
         if not seq_lens:
             return
         if batch.admits and not batch.admission:
@@ -137,7 +117,8 @@ class Selector:
                 part_prior = None  # the window's (the batch's widest blocks): the admissions' only
                 if prior is not None and part is batch.admitting:
                     part_prior = prior[part][..., : max(lens) // self.block_size]
-                self.select(batch.subset(part), layer_id, queries[part.to(queries.device)], lens, part_prior)
+                rows = queries[part.to(queries.device)]
+                self.select(batch.subset(part), layer_id, rows, lens, part_prior, scale)
             return
         if not batch.admission:
             prior = None  # the prefill window's: admissions only
@@ -194,6 +175,7 @@ class Selector:
             cap=None if admission else self._cap(layer_id, top_k[slots, layer_id]),
             fail_reqs=() if admission else self.faults.failing(batch.reqs, self.prompt_len),
             top_k=top_k[slots, layer_id].clone(),
+            scale=scale,
         )
         for result in self.pipeline.submit(layer_id, lambda: self.prefetcher.run(job)):
             self.account(result)

@@ -4,6 +4,8 @@ the launcher can size ``--max-running-requests`` before anything is imported.
     budget          = --oasis-device-kv-tokens x the served model's KV bytes per token
     summaries       = 2 (min, max) x layers x host pages x KV heads x head_dim x element bytes
                       (each page's epoch is host bookkeeping: ``summary_store.py``)
+                      + layers x host pages x block x KV heads x head_dim / 4 with --oasis-selector codes
+                      (2-bit key codes: ``key_code_store.py``)
     per request     = 2 (K, V) x layers x KV heads x (top-K + sinks) x block x head_dim x element bytes
                       (top-K: --oasis-recall-max-top-k when --oasis-recall-target is on)
                       + 2 (K, V) x layers x KV heads x active span x head_dim x element bytes
@@ -59,6 +61,7 @@ class TierShape(NamedTuple):
     window_blocks: int  # blocks per layer and KV head the prefill window may pin (at the largest top-K)
     active_tokens: int  # ring positions per layer and KV head of the active blocks (``active_span``)
     padding_slots: int = 0  # request slots for padding rows (captured decode step or CUDA graphs: 1)
+    key_codes: bool = False  # --oasis-selector codes: every full block's keys coded beside the summaries
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -75,6 +78,7 @@ class TierShape(NamedTuple):
             config.slots_per_head, config.pin_slots,
             active_span(config.block_size, config.verify_rows),
             int(config.decode_step == "captured" or config.cuda_untested),  # CUDA graphs pad rows too
+            config.selector == "codes",
         )  # fmt: skip
 
 
@@ -96,6 +100,8 @@ def layout(budget_bytes: int, shape: TierShape, max_request_slots: int | None = 
     ``max_request_slots``); raises ``DeviceTierError`` when not even one request fits."""
     s = shape
     summary = 2 * s.num_layers * s.host_pages * s.num_kv_heads * s.head_dim * s.element_bytes
+    if s.key_codes:  # 2 bits per channel of every key (``sgl_kernel_oasis.key_codes``)
+        summary += s.num_layers * s.host_pages * s.block_size * s.num_kv_heads * (s.head_dim // 4)
     heads = s.num_layers * s.num_kv_heads
     request = 2 * heads * s.slots_per_head * s.block_size * s.head_dim * s.element_bytes  # K and V
     request += 2 * heads * s.slots_per_head * INDEX_BYTES  # slot_block, last_selected

@@ -4,7 +4,8 @@
 (N x the served model's KV bytes per token). In them it holds, and allocates exactly:
 
     summaries            kmin/kmax of every host block, per layer and KV head, and the blocks' epochs
-                         (fixed: set by the host tier's size, whatever the load)
+                         (fixed: set by the host tier's size, whatever the load); with --oasis-selector
+                         codes, every full block's keys at 2 bits per channel (``key_code_store.py``)
     per request slot     the working sets (K + sink blocks of B tokens per layer and KV head, K and V;
                          K is --oasis-recall-max-top-k when a recall target may grow them),
                          their head-wise map (block held by each slot, last selection step), the blocks
@@ -42,6 +43,7 @@ from sglang_oasis.memory.device_layout import (
     budget_bytes,
     layout,
 )
+from sglang_oasis.memory.key_code_store import KeyCodeStore
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.memory.tier_tables import TierTables
 from sglang_oasis.memory.working_set import WorkingSetPool
@@ -73,6 +75,11 @@ class DeviceTier:
             dtype,
             device,
         )
+        self.codes: KeyCodeStore | None = None  # --oasis-selector codes
+        if shape.key_codes:
+            self.codes = KeyCodeStore(
+                self.summaries, shape.num_layers, shape.host_pages, shape.num_kv_heads, shape.head_dim, device
+            )
         self.working_sets = WorkingSetPool(
             allocated, shape.num_layers, shape.num_kv_heads, shape.head_dim, shape.slots_per_head,
             shape.block_size, dtype, device, top_k,
@@ -161,6 +168,7 @@ class DeviceTier:
             "active_v": self.active.v,
             "summary_kmin": summaries.kmin,
             "summary_kmax": summaries.kmax,
+            **({} if self.codes is None else {"key_codes": self.codes.codes}),
             **self.tables.device,
         }
 
@@ -170,6 +178,7 @@ class DeviceTier:
         return {
             **{f"host_{name}": t for name, t in self.tables.host.items()},
             "summary_epoch": self.summaries.epoch,
+            **({} if self.codes is None else {"key_codes_coded": self.codes.coded}),
         }
 
     @property

@@ -1,0 +1,76 @@
+"""Key codes of every full host block, per layer and KV head, kept in device memory beside the
+summaries (``--oasis-selector codes``; ``sgl_kernel_oasis.key_codes``).
+
+    codes[layer, page, token, head, :] = the page's token's key, 2 bits per channel within the page's
+                                          min/max box (``head_dim / 4`` bytes)
+
+A page is coded once it is full (its keys and its box no longer change), the first time a selection
+needs it: the selection job reads its keys from the host tier and its box from the summaries.
+``coded[layer, page]`` is the summaries' epoch of the page when it was coded (-1: never): a recycled
+page (a new epoch, ``summary_store.py``) is coded again. The selection job is the store's one writer.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from sgl_kernel_oasis.key_codes import PER_BYTE, coded_block_mass, encode_key_codes
+from sglang_oasis.memory.summary_store import BlockSummaryStore
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
+
+
+def code_bytes_per_page(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> int:
+    """Device bytes of one host page's codes over every layer."""
+    return num_layers * block_size * num_kv_heads * (head_dim // PER_BYTE)
+
+
+class KeyCodeStore:
+    def __init__(
+        self, summaries: BlockSummaryStore, num_layers: int, num_pages: int, num_kv_heads: int, head_dim: int,
+        device: torch.device | str,
+    ) -> None:  # fmt: skip
+        if head_dim % PER_BYTE:
+            raise ValueError(f"--oasis-selector codes: head_dim {head_dim} is not a multiple of {PER_BYTE}")
+        self.summaries = summaries
+        self.block_size = summaries.block_size
+        shape = (num_layers, num_pages, self.block_size, num_kv_heads, head_dim // PER_BYTE)
+        self.codes = torch.zeros(shape, dtype=torch.uint8, device=device)
+        self.coded = torch.full((num_layers, num_pages), -1, dtype=torch.int64)  # host: the job's plan
+
+    @property
+    def nbytes(self) -> int:
+        return self.codes.numel()
+
+    def ensure(self, layer: int, pages: torch.Tensor, kv_pool: MHATokenToKVPool) -> int:
+        """Code the full ``pages`` (host page ids, any shape) not coded at their current epoch; returns
+        how many were coded."""
+        pages = pages.flatten().to(torch.int64).unique()
+        epochs = self.summaries.epoch[pages]
+        stale = pages[self.coded[layer, pages] != epochs]
+        if not len(stale):
+            return 0
+        block = self.block_size
+        tokens = (stale[:, None] * block + torch.arange(block)).flatten()
+        buffer = kv_pool.get_key_buffer(layer)
+        device = self.codes.device
+        keys = buffer[tokens.to(buffer.device)].to(device).view(len(stale), block, *buffer.shape[1:])
+        on_device = stale.to(device)
+        kmin, kmax = self.summaries.lookup(layer, on_device)
+        self.codes[layer, on_device] = encode_key_codes(keys, kmin, kmax)
+        self.coded[layer, stale] = self.summaries.epoch[stale]
+        return len(stale)
+
+    def block_mass(
+        self, layer: int, queries: torch.Tensor, pages: torch.Tensor, full: torch.Tensor, scale: float
+    ) -> torch.Tensor:
+        """``[bs, kv_heads, N]``: each request's full blocks' attention mass for its query ``[bs, q_heads,
+        dim]`` over its decoded keys (``coded_block_mass``); blocks beyond ``full`` score 0."""
+        summaries, device = self.summaries, self.codes.device
+        return coded_block_mass(
+            queries.to(device), summaries.kmin[layer], summaries.kmax[layer], self.codes[layer],
+            pages.to(device), full, scale,
+        )  # fmt: skip

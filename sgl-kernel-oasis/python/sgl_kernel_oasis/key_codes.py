@@ -1,0 +1,139 @@
+"""Key codes: every key of a block known to 2 bits per channel within the block's min/max box.
+
+The min/max summaries bound a block's keys (Quest's upper bound ranks blocks by the best key any box
+could hold); at K = 32 blocks of 16 that bound holds 0.93-0.96 of the attention mass the best K blocks
+hold, and the difference decides retrieval answers (docs/results.md, bench_selection). A block's keys
+coded to ``CODE_BITS`` bits per channel between the block's own min and max::
+
+    code[t, d]  = round((k[t, d] - kmin[d]) / (kmax[d] - kmin[d]) x (2^bits - 1))
+    k^[t, d]    = kmin[d] + code[t, d] / (2^bits - 1) x (kmax[d] - kmin[d])
+
+give every key back to within a quarter of the box's width per channel at 2 bits; a query's softmax over
+the decoded keys of its context then estimates each block's exact attention mass (the oracle's
+measure, not a bound). Offline at 4K and K = 32 it holds 0.985 of the best K's mass where the bound
+holds 0.955, and answers as dense does on the suite's samples (bench_selection ``codes2``).
+
+Codes are packed 4 per byte along the channel (``head_dim / 4`` bytes per key and KV head: 16 bytes for
+64 channels, as many as the min/max summaries' share per token in bf16 at blocks of 16). Only full
+blocks are coded (a full block's keys and box no longer change).
+"""
+
+from __future__ import annotations
+
+import torch
+
+CODE_BITS = 2
+LEVELS = (1 << CODE_BITS) - 1
+PER_BYTE = 8 // CODE_BITS
+
+
+def encode_key_codes(keys: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """Pack full blocks' keys into codes.
+
+    Args:
+        keys: ``[blocks, block_size, kv_heads, head_dim]``.
+        kmin, kmax: ``[blocks, kv_heads, head_dim]``, the blocks' element-wise bounds of ``keys``.
+
+    Returns:
+        ``[blocks, block_size, kv_heads, head_dim // 4]`` uint8.
+    """
+    assert keys.dim() == 4 and kmin.shape == kmax.shape == (keys.shape[0], *keys.shape[2:]), (
+        keys.shape,
+        kmin.shape,
+    )
+    assert keys.shape[-1] % PER_BYTE == 0, f"head_dim {keys.shape[-1]} is not a multiple of {PER_BYTE}"
+    lo, hi = kmin.float()[:, None], kmax.float()[:, None]
+    span = hi - lo
+    scaled = torch.where(span > 0, (keys.float() - lo) / span.clamp(min=torch.finfo(torch.float32).tiny), 0.0)
+    codes = (scaled.clamp(0, 1) * LEVELS).round().to(torch.uint8)  # [blocks, B, H, D]
+    grouped = codes.view(*codes.shape[:-1], -1, PER_BYTE)
+    shifts = torch.arange(PER_BYTE, dtype=torch.uint8, device=codes.device) * CODE_BITS
+    return (grouped << shifts).sum(dim=-1, dtype=torch.uint8)
+
+
+def decode_key_codes(codes: torch.Tensor, kmin: torch.Tensor, kmax: torch.Tensor) -> torch.Tensor:
+    """``[blocks, block_size, kv_heads, head_dim]`` float32 keys back from ``encode_key_codes``'s codes
+    and the same bounds."""
+    shifts = torch.arange(PER_BYTE, dtype=torch.uint8, device=codes.device) * CODE_BITS
+    levels = (codes[..., None] >> shifts) & LEVELS  # [blocks, B, H, D / 4, 4]
+    levels = levels.reshape(*codes.shape[:-1], -1).float()
+    lo, hi = kmin.float()[:, None], kmax.float()[:, None]
+    return lo + levels * ((hi - lo) / LEVELS)
+
+
+def coded_block_mass(
+    query: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    codes: torch.Tensor,
+    pages: torch.Tensor,
+    full: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """Each full block's share of a query's attention over the decoded keys of its request's full
+    blocks, summed over each KV head's query heads.
+
+    Args:
+        query: ``[batch, num_q_heads, head_dim]``.
+        kmin, kmax: ``[num_pages, kv_heads, head_dim]``, one layer of the summary store.
+        codes: ``[num_pages, block_size, kv_heads, head_dim // 4]`` uint8, one layer's codes.
+        pages: ``[batch, N]``: the page of each request's logical block.
+        full: ``[batch]``: each request's full blocks (at most N; its blocks beyond score 0).
+        scale: the attention's logit scale.
+
+    Returns:
+        ``[batch, kv_heads, N]`` float32 (each row's masses sum to the group size over its full blocks).
+
+    Each request is computed on its own blocks alone, so its scores do not depend on the batch (the same
+    greedy output in any batch).
+    """
+    batch, num_q_heads, head_dim = query.shape
+    num_kv_heads = kmin.shape[1]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros((batch, num_kv_heads, pages.shape[1]), dtype=torch.float32, device=query.device)
+    for row in range(batch):
+        n = int(full[row])
+        if n == 0:
+            continue
+        page = pages[row, :n].to(torch.int64)
+        keys = decode_key_codes(codes[page], kmin[page], kmax[page])  # [n, B, H, D]
+        keys = keys.permute(2, 0, 1, 3).reshape(num_kv_heads, 1, -1, head_dim)  # [H, 1, n * B, D]
+        q = query[row].float().view(num_kv_heads, group, 1, head_dim)
+        logits = (q * keys).sum(dim=-1) * scale  # [H, G, n * B]: a sum over channels, no matmul tiling
+        mass = logits.softmax(dim=-1).view(num_kv_heads, group, n, -1).sum(dim=(1, 3))
+        out[row, :, :n] = mass
+    return out
+
+
+def coded_block_mass_reference(
+    query: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    keys: torch.Tensor,
+    pages: torch.Tensor,
+    full: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``coded_block_mass`` from the uncoded ``keys`` (``[num_pages, block_size, kv_heads, head_dim]``),
+    rounding each channel to its level in plain arithmetic: the definition, one query head at a time."""
+    batch, num_q_heads, head_dim = query.shape
+    num_kv_heads = kmin.shape[1]
+    group = num_q_heads // num_kv_heads
+    out = torch.zeros((batch, num_kv_heads, pages.shape[1]), dtype=torch.float32)
+    for row in range(batch):
+        n = int(full[row])
+        if n == 0:
+            continue
+        page = pages[row, :n].long()
+        lo, hi = kmin[page].double()[:, None], kmax[page].double()[:, None]  # [n, 1, H, D]
+        width = hi - lo
+        level = torch.where(
+            width > 0, torch.round((keys[page].double() - lo) / width.clamp(min=1e-300) * LEVELS), 0
+        )
+        decoded = lo + level * width / LEVELS  # [n, B, H, D]
+        for head in range(num_q_heads):
+            kv = head // group
+            flat = decoded[:, :, kv].reshape(-1, head_dim)  # [n * B, D]
+            weights = torch.softmax(flat @ query[row, head].double() * scale, dim=0)
+            out[row, kv, :n] += weights.view(n, -1).sum(dim=1).float()
+    return out

@@ -1,0 +1,180 @@
+"""Key codes (``sgl_kernel_oasis.key_codes``, ``memory/key_code_store.py``, ``--oasis-selector codes``):
+the op against a reference written another way (float64, one query head at a time) on random inputs with
+awkward sizes; the store codes each full page once per epoch; through the oasis backend's eager step a
+request's next working set is the top-K of the reference's mass over SGLang's pool, which is not the
+summaries' bound's; the options that cannot serve it are refused, naming them."""
+
+from __future__ import annotations
+
+import dataclasses
+from types import SimpleNamespace
+
+import pytest
+import torch
+from test_decode_program import (
+    BLOCK,
+    CONTEXTS,
+    KV_HEADS,
+    REQS,
+    SCALE,
+    SPARSE_LAYER,
+    admitted,
+    configs,
+    eager_step,
+    step_inputs,
+    stop,
+)
+
+from sgl_kernel_oasis import score_blocks
+from sgl_kernel_oasis.key_codes import (
+    coded_block_mass,
+    coded_block_mass_reference,
+    decode_key_codes,
+    encode_key_codes,
+)
+from sglang_oasis.config import OasisConfig, OasisConfigError
+from sglang_oasis.memory.device_layout import TierShape, layout
+from sglang_oasis.memory.key_code_store import KeyCodeStore
+from sglang_oasis.memory.summary_store import BlockSummaryStore
+
+
+def boxes(keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """``[pages, B, H, D]`` keys -> their pages' min and max ``[pages, H, D]``."""
+    return keys.amin(dim=1), keys.amax(dim=1)
+
+
+@pytest.mark.parametrize("dim", [4, 12, 20])
+def test_codes_give_each_key_back_within_half_a_level(dim: int) -> None:
+    generator = torch.Generator().manual_seed(dim)
+    keys = torch.randn(7, 5, 3, dim, generator=generator) * 3
+    keys[2, :, 1] = 0.5  # a box of zero width: every key is its min
+    kmin, kmax = boxes(keys)
+    codes = encode_key_codes(keys, kmin, kmax)
+    assert codes.dtype == torch.uint8 and codes.shape == (7, 5, 3, dim // 4)
+    decoded = decode_key_codes(codes, kmin, kmax)
+    width = (kmax - kmin)[:, None]
+    assert bool(((decoded - keys).abs() <= width / 6 + 1e-5).all())
+    assert torch.equal(decoded[2, :, 1], keys[2, :, 1])
+    corners = torch.where(keys > (kmin[:, None] + kmax[:, None]) / 2, kmax[:, None], kmin[:, None])
+    torch.testing.assert_close(decode_key_codes(encode_key_codes(corners, kmin, kmax), kmin, kmax), corners)
+
+
+def test_coded_mass_equals_the_reference_with_awkward_sizes() -> None:
+    generator = torch.Generator().manual_seed(0)
+    pages, block, kv_heads, group, dim = 13, 5, 2, 3, 12
+    keys = torch.randn(pages, block, kv_heads, dim, generator=generator)
+    kmin, kmax = boxes(keys)
+    codes = encode_key_codes(keys, kmin, kmax)
+    query = torch.randn(4, kv_heads * group, dim, generator=generator)
+    page_ids = torch.stack([torch.randperm(pages, generator=generator)[:7] for _ in range(4)])
+    full = torch.tensor([7, 0, 3, 1])
+    got = coded_block_mass(query, kmin, kmax, codes, page_ids, full, 0.37)
+    expected = coded_block_mass_reference(query, kmin, kmax, keys, page_ids, full, 0.37)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got[1], torch.zeros(kv_heads, 7)) and bool((got[2, :, 3:] == 0).all())
+    torch.testing.assert_close(got.sum(-1)[[0, 2, 3]], torch.full((3, kv_heads), float(group)))
+    alone = coded_block_mass(query[2:3], kmin, kmax, codes, page_ids[2:3], full[2:3], 0.37)
+    assert torch.equal(alone[0], got[2])  # a request's scores do not depend on its batch
+
+
+def test_corner_keys_give_the_exact_attention_mass() -> None:
+    """Keys at their box's corners (each channel its block's min or max) code exactly: the mass is the
+    query's true attention mass per block."""
+    generator = torch.Generator().manual_seed(1)
+    low, high = (
+        torch.randn(6, 1, 2, 8, generator=generator),
+        torch.rand(6, 1, 2, 8, generator=generator) + 0.1,
+    )
+    keys = torch.where(torch.rand(6, 4, 2, 8, generator=generator) < 0.5, low, low + high)
+    keys[:, 0], keys[:, 1] = low[:, 0], (low + high)[:, 0]  # every box spans low .. low + high
+    query = torch.randn(1, 4, 8, generator=generator)
+    mass = coded_block_mass(
+        query,
+        *boxes(keys),
+        encode_key_codes(keys, *boxes(keys)),
+        torch.arange(6)[None],
+        torch.tensor([6]),
+        0.5,
+    )
+    for head in range(2):
+        logits = torch.einsum("gd,td->gt", query[0, 2 * head : 2 * head + 2], keys[:, :, head].reshape(-1, 8))
+        exact = (logits * 0.5).softmax(-1).view(2, 6, 4).sum(dim=(0, 2))
+        torch.testing.assert_close(mass[0, head], exact, rtol=1e-5, atol=1e-6)
+
+
+class Pool:
+    """What the store reads of SGLang's pool: its key buffers, ``[tokens, kv_heads, dim]`` per layer."""
+
+    def __init__(self, keys: torch.Tensor) -> None:
+        self.keys, self.reads = keys, 0
+
+    def get_key_buffer(self, layer: int) -> torch.Tensor:
+        self.reads += 1
+        return self.keys[layer]
+
+
+def test_the_store_codes_a_page_once_per_epoch() -> None:
+    block, pages, heads, dim = 4, 6, 2, 8
+    keys = torch.randn(2, pages * block, heads, dim, generator=torch.Generator().manual_seed(2))
+    summaries = BlockSummaryStore(2, pages, heads, dim, block, torch.float32, "cpu")
+    for layer in range(2):
+        summaries.update(layer, torch.arange(pages * block), keys[layer])
+    store, pool = KeyCodeStore(summaries, 2, pages, heads, dim, "cpu"), Pool(keys)
+    assert store.ensure(1, torch.tensor([[3, 1], [1, 4]]), pool) == 3
+    by_page = keys[1].view(pages, block, heads, dim)
+    expected = encode_key_codes(by_page[[1, 3, 4]], *boxes(by_page[[1, 3, 4]]))
+    assert torch.equal(store.codes[1, [1, 3, 4]], expected) and not bool(store.codes[0].any())
+    assert store.ensure(1, torch.tensor([4, 1]), pool) == 0 and pool.reads == 1  # coded at this epoch
+    keys[1, 4 * block : 5 * block] += 5  # page 4 recycled: its first token restarts its summary and epoch
+    summaries.update(0, torch.arange(4 * block, 5 * block), keys[0, 4 * block : 5 * block])
+    summaries.update(1, torch.arange(4 * block, 5 * block), keys[1, 4 * block : 5 * block])
+    assert store.ensure(1, torch.tensor([1, 4]), pool) == 1
+    assert torch.equal(store.codes[1, 4], encode_key_codes(by_page[4:5], *boxes(by_page[4:5]))[0])
+
+
+def test_through_the_backend_the_next_working_set_is_the_coded_mass_top_k() -> None:
+    """An eager decode step with ``--oasis-selector codes`` (no cap, K = 6 of 18-62 blocks): each request's
+    next working set per KV head holds the top-K blocks of its query's mass over its coded keys in
+    SGLang's pool, this step's token included; the summaries' bound would have chosen others."""
+    config, _, _ = configs("k_sparse_uncapped")
+    oasis = admitted(dataclasses.replace(config, selector="codes"), {}, {})
+    assert oasis.tier.codes is not None
+    eager_step(oasis, 0)
+    oasis.selector.finish_pending()
+    q = step_inputs(0)[0]
+    pool, req_to_token = oasis.token_to_kv_pool, oasis.req_to_token_pool.req_to_token
+    ws, differs = oasis.tier.working_sets, 0
+    for row, (req, context) in enumerate(zip(REQS, CONTEXTS, strict=True)):
+        full = (context + 1) // BLOCK
+        pages = (req_to_token[req, 0 : full * BLOCK : BLOCK].long() // BLOCK)[None]
+        by_page = pool.k[SPARSE_LAYER].view(-1, BLOCK, KV_HEADS, q.shape[-1])
+        kmin, kmax = boxes(by_page)
+        mass = coded_block_mass_reference(
+            q[row : row + 1], kmin, kmax, by_page, pages, torch.tensor([full]), SCALE
+        )[0]
+        bound = score_blocks(q[row : row + 1], kmin[pages[0]], kmax[pages[0]])[0]
+        held = ws.slot_block[oasis.tier.slot(req), SPARSE_LAYER]  # [H, slots]: logical block ids, -1 empty
+        for head in range(KV_HEADS):
+            expected = set(mass[head].topk(6).indices.tolist())
+            assert set(held[head][held[head] >= 0].tolist()) == expected, (req, head)
+            differs += expected != set(bound[head].topk(6).indices.tolist())
+    assert differs > 0
+    stop(oasis)
+
+
+def test_codes_take_their_bytes_from_the_device_budget() -> None:
+    config = OasisConfig(selector="codes", device_kv_tokens=100_000)
+    shape = TierShape.of(config, num_layers=30, num_kv_heads=3, head_dim=64, element_bytes=2, host_pages=1000)
+    plain = TierShape.of(dataclasses.replace(config, selector="summaries"), 30, 3, 64, 2, 1000)
+    assert shape.key_codes and not plain.key_codes
+    with_codes, without = layout(10**9, shape), layout(10**9, plain)
+    assert with_codes.summary_bytes - without.summary_bytes == 30 * 1000 * 16 * 3 * 16
+    assert with_codes.request_slots <= without.request_slots
+
+
+def test_what_cannot_serve_codes_is_refused() -> None:
+    assert not OasisConfig(selector="codes").oracle  # a serving mode, not the evaluation-only oracle
+    with pytest.raises(OasisConfigError, match=r"--oasis-selector codes: .*--oasis-decode-step eager"):
+        OasisConfig(selector="codes", decode_step="captured")
+    with pytest.raises(ValueError, match="head_dim 6"):
+        KeyCodeStore(SimpleNamespace(block_size=4), 1, 2, 1, 6, "cpu")  # type: ignore[arg-type]
