@@ -103,7 +103,7 @@ def slow_handoff(args: argparse.Namespace, model_dir: Path, prompts: list[list[i
     import threading
 
     from common import oasis_stats, stream_generate
-    from sglang_oasis.disaggregation.pd_partial import HANDOFF_DELAY_ENV
+    from sglang_oasis.disaggregation.prefill_stager import HANDOFF_DELAY_ENV
     from sglang_oasis_testing.pd_launch import PDLaunch
 
     running, slow = prompts[0], prompts[-1][: len(prompts[-1]) - 1]  # a length no other prompt has

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from sglang_oasis.disaggregation.mooncake_builds import MissingSystemLibrary, check_system_libraries
-from sglang_oasis.disaggregation.pd_partial import TOKEN_ENV
+from sglang_oasis.disaggregation.side_channel import TOKEN_ENV
 from sglang_oasis.disaggregation.transfer_engine import engine_env_defaults
 from sglang_oasis.launch_server import TENSOR_PARALLEL_OPTIONS, given
 from sglang_oasis.server_process import ServerProcess, ServerStartError, free_port
@@ -197,7 +197,7 @@ def start_cluster(args: argparse.Namespace, server_args: list[str]) -> PDCluster
     common = [*server_args, "--disaggregation-transfer-backend", args.transfer_backend,
               "--disaggregation-bootstrap-port", str(bootstrap)]  # fmt: skip
     env = engine_env_defaults()
-    # The hand-off routes of remote partial fetching accept only this pair's servers (pd_partial.py).
+    # The hand-off routes of remote partial fetching accept only this pair's servers (side_channel.py).
     env.setdefault(TOKEN_ENV, os.environ.get(TOKEN_ENV) or secrets.token_hex(16))
     servers = {}
     for role, port, extra in (("prefill", args.prefill_port, args.prefill_args),

@@ -16,6 +16,7 @@ FIGURES_KEY = "oasis"  # ``meta_info`` key of a request's own figures (hook 10)
 FREED_ROW_LISTENER = "oasis_on_free_row"  # called with each freed row (a PD decode node's pool, hook 7)
 BEFORE_BACKUP_LISTENER = "oasis_before_backup"  # row -> whether its KV is whole locally (hook 7)
 RETRACT_LISTENER = "oasis_on_retract"  # (row, key, tokens, backed_up) of a retracted request (7, 8)
+DRAFT_KV_ATTRIBUTE = "oasis_draft_kv"  # the EAGLE-3 draft model's KV pool (set by its attention backend)
 
 RETRACTION_KEY = "oasis_retraction_key"  # attribute of a retracted Req: what its kept state is found by
 # Attribute of SGLang's Mooncake KV manager (one per prefill scheduler process): this node's stager, for

@@ -37,7 +37,7 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
    forward stream (not a ``torch.Stream`` on CPU). On the CPU engine the first is turned off (the
    indices are host tensors already) and so is the second
    (``SGLANG_DISAGG_PREFILL_EARLY_SEND_CACHED_PREFIX=0``; the regular send then carries the prefix).
-7. Remote partial fetching under PD disaggregation (``disaggregation/pd_partial.py``; sparse mode with
+7. Remote partial fetching under PD disaggregation (``disaggregation/__init__.py``; sparse mode with
    ``--oasis-remote-fetch``). SGLang's KV sender has no notion of a partial payload, so these places:
    - ``SchedulerDisaggregationPrefillMixin.send_kv_chunk`` (prefill): the only place that knows a
      send's request (its slot, prompt length and the decode node's cached prefix); the hook hands them
@@ -190,7 +190,8 @@ if TYPE_CHECKING:  # SGLang's own types, for mypy (the hooks are checked against
     from sglang.srt.speculative.draft_utils import DraftBackendFactory
 
     from sglang_oasis.attention.request_ledger import RequestFigures
-    from sglang_oasis.disaggregation.pd_partial import DecodeFetcher, PrefillStager
+    from sglang_oasis.disaggregation.decode_fetcher import DecodeFetcher
+    from sglang_oasis.disaggregation.prefill_stager import PrefillStager
 
 DRAFT_EXTEND_TARGET = "sglang.srt.speculative.draft_utils.DraftBackendFactory.create_draft_extend_backend"
 VERIFY_GREEDY_TARGET = "sglang.kernels.ops.speculative.spec_tree.verify_tree_greedy_func"
@@ -476,7 +477,7 @@ def remote_fetch_routes(original: Callable[..., None], server: CommonKVBootstrap
     """AROUND hook (prefill bootstrap server): ``/oasis/remote_fetch_endpoint`` (see hook 7)."""
     from aiohttp import web
 
-    from sglang_oasis.disaggregation.pd_partial import ENDPOINT_ROUTE, TOKEN_HEADER, authorized
+    from sglang_oasis.disaggregation.side_channel import ENDPOINT_ROUTE, TOKEN_HEADER, authorized
 
     original(server)
     endpoints: dict[int, dict[str, object]] = {}  # engine (tensor-parallel) rank -> its URL, --tp-size
@@ -590,7 +591,7 @@ def fetch_admission_blocks(
     arrival = None if remote is None else _arrival(req)
     if remote is None or arrival is None:  # no fetching here: the prefill node sent it whole
         return
-    from sglang_oasis.disaggregation.pd_partial import RemoteFetchError
+    from sglang_oasis.disaggregation.side_channel import RemoteFetchError
 
     slot, host, port, room = arrival
     generation = int(cast("ReqToTokenPool", queue.scheduler.req_to_token_pool).req_generation[slot])

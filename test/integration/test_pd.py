@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 
-from sglang_oasis.disaggregation.pd_partial import HANDOFF_DELAY_ENV
+from sglang_oasis.disaggregation.prefill_stager import HANDOFF_DELAY_ENV
 from sglang_oasis.server_process import GenerateError, ServerProcess
 from sglang_oasis_testing.pd_launch import PDLaunch
 

@@ -27,7 +27,7 @@ import pytest
 import requests
 import torch
 
-from sglang_oasis.disaggregation.pd_partial import ADMISSION_FAILURE_ENV
+from sglang_oasis.disaggregation.decode_admission import ADMISSION_FAILURE_ENV
 from sglang_oasis.server_process import ServerProcess, greedy_body
 from sglang_oasis_testing.pd_launch import PDLaunch
 

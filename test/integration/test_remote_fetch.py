@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from sgl_kernel_oasis import build_block_summaries
-from sglang_oasis.disaggregation.pd_partial import PrefillStager
+from sglang_oasis.disaggregation.prefill_stager import PrefillStager
 from sglang_oasis.disaggregation.remote_fetch import RemotePartialFetcher
 from sglang_oasis.disaggregation.staging import KVStagingArea, StagedKVLayout
 from sglang_oasis.disaggregation.transfer_engine import MooncakeEndpoint, RemoteReadError
@@ -376,7 +376,7 @@ def test_the_handoff_routes_take_only_the_deployments_callers(monkeypatch: pytes
     import urllib.error
     import urllib.request
 
-    from sglang_oasis.disaggregation.pd_partial import TOKEN_ENV, TOKEN_HEADER
+    from sglang_oasis.disaggregation.side_channel import TOKEN_ENV, TOKEN_HEADER
 
     monkeypatch.setenv(TOKEN_ENV, "s3cret")
     stager = _stager(StagingBackend())
@@ -403,7 +403,7 @@ def test_a_prefill_node_stages_only_for_decode_sessions_that_asked_for_a_handoff
     refused one, registers nothing."""
     import urllib.request
 
-    from sglang_oasis.disaggregation.pd_partial import DECODE_SESSION_HEADER
+    from sglang_oasis.disaggregation.side_channel import DECODE_SESSION_HEADER
 
     stager = _stager(StagingBackend())
     stager.hand_over_whole(room=31, slot=1, num_tokens=TOKENS, decode_prefix_len=0)
@@ -431,7 +431,7 @@ def test_releases_go_to_the_prefill_node_from_one_bounded_worker(monkeypatch: py
     """During a prefill outage releases cannot go through: they wait in one worker's queue of at most
     ``RELEASE_QUEUE``, and the rest are dropped (the prefill node's TTL expires them), instead of a thread
     per release piling up (as before). Every queued one is sent once the worker is free."""
-    from sglang_oasis.disaggregation import pd_partial
+    from sglang_oasis.disaggregation import decode_fetcher
 
     tier = DecodeTier(MooncakeEndpoint())
     backend = SimpleNamespace(
@@ -440,7 +440,7 @@ def test_releases_go_to_the_prefill_node_from_one_bounded_worker(monkeypatch: py
         ),
         block_size=B, summaries=SimpleNamespace(kmin=tier.kmin, kmax=tier.kmax),
     )  # fmt: skip
-    monkeypatch.setattr(pd_partial, "RELEASE_QUEUE", 3)
+    monkeypatch.setattr(decode_fetcher, "RELEASE_QUEUE", 3)
     outage, entered, sent = threading.Event(), threading.Event(), []
 
     def release_remote(url: str, room: int) -> None:  # the prefill node is down until `outage` is set
@@ -448,8 +448,8 @@ def test_releases_go_to_the_prefill_node_from_one_bounded_worker(monkeypatch: py
         outage.wait(timeout=60)
         sent.append(room)
 
-    monkeypatch.setattr(pd_partial.DecodeFetcher, "_release_remote", staticmethod(release_remote))
-    fetcher = pd_partial.DecodeFetcher(backend, "127.0.0.1")  # type: ignore[arg-type]
+    monkeypatch.setattr(decode_fetcher.DecodeFetcher, "_release_remote", staticmethod(release_remote))
+    fetcher = decode_fetcher.DecodeFetcher(backend, "127.0.0.1")  # type: ignore[arg-type]
     threads = threading.active_count()
     for slot in range(10):
         fetcher._staged[slot] = (0, "http://127.0.0.1:1", 100 + slot)
@@ -468,7 +468,7 @@ def test_releases_go_to_the_prefill_node_from_one_bounded_worker(monkeypatch: py
 
 def _decode_fetcher(tier: DecodeTier) -> Any:
     """A ``DecodeFetcher`` over ``tier``'s buffers (what it reads of the attention backend)."""
-    from sglang_oasis.disaggregation import pd_partial
+    from sglang_oasis.disaggregation.decode_fetcher import DecodeFetcher
 
     backend = SimpleNamespace(
         token_to_kv_pool=SimpleNamespace(
@@ -477,7 +477,7 @@ def _decode_fetcher(tier: DecodeTier) -> Any:
         block_size=B, summaries=SimpleNamespace(kmin=tier.kmin, kmax=tier.kmax),
         stats=OasisStats(None, owner=False),
     )  # fmt: skip
-    return pd_partial.DecodeFetcher(backend, "127.0.0.1")  # type: ignore[arg-type]
+    return DecodeFetcher(backend, "127.0.0.1")  # type: ignore[arg-type]
 
 
 def test_a_finishing_request_never_waits_for_its_remaining_blocks(prefill: KVStagingArea) -> None:
@@ -545,29 +545,29 @@ def test_a_request_that_never_began_its_admission_is_released_by_its_bootstrap_a
     whose admission ran (and found no hand-off, or released its room itself on failing) sends nothing more."""
     from concurrent.futures import Future
 
-    from sglang_oasis.disaggregation import pd_partial
+    from sglang_oasis.disaggregation.decode_admission import _Admission, _Claim
 
     stager = _stager(StagingBackend())
     for room in (41, 42, 43, 44):
         stager.hand_over_whole(room=room, slot=1, num_tokens=TOKENS, decode_prefix_len=0)
     remote = _decode_fetcher(DecodeTier(MooncakeEndpoint()))
     known = ("127.0.0.1", 7001)
-    remote._endpoints[known] = stager.url
+    remote.endpoints._urls[known] = stager.url
 
     def no_lookup(*args: object) -> None:
         raise AssertionError("a release looked a prefill node up")
 
-    monkeypatch.setattr(pd_partial, "handoff_endpoint", no_lookup)
+    monkeypatch.setattr(remote.endpoints, "handoff_endpoint", no_lookup)
     remote.release_slot(3, (*known, 41))  # its transfer failed before its admission began
     cancelled: Future[Any] = Future()
     # queued behind others: cancelled at the free
-    remote._admitting[4] = pd_partial._Admission(0, cancelled, pd_partial._Claim())
+    remote.admissions._admitting[4] = _Admission(0, cancelled, _Claim())
     remote.release_slot(4, (*known, 42))
     assert cancelled.cancelled()
     remote.release_slot(5, ("127.0.0.1", 7002, 43))  # a prefill node not known to stage
     ran: Future[Any] = Future()
     ran.set_result(None)  # its admission ran and found no hand-off
-    remote._admitting[6] = pd_partial._Admission(0, ran, pd_partial._Claim())
+    remote.admissions._admitting[6] = _Admission(0, ran, _Claim())
     remote.release_slot(6, (*known, 44))
     deadline = time.monotonic() + 30
     while stager.handoff(41) is not None or stager.handoff(42) is not None:
@@ -585,16 +585,16 @@ def test_a_release_never_waits_for_a_slow_handoff(monkeypatch: pytest.MonkeyPatc
     comes, reads nothing into the pages (another request's by then) and releases the room itself. Before,
     the release waited for the job on SGLang's scheduler thread, every running request with it, up to
     twice ``HTTP_TIMEOUT_S``."""
-    from sglang_oasis.disaggregation import pd_partial
+    from sglang_oasis.disaggregation.prefill_stager import HANDOFF_DELAY_ENV
 
-    monkeypatch.setenv(pd_partial.HANDOFF_DELAY_ENV, f"{TOKENS}:3")
+    monkeypatch.setenv(HANDOFF_DELAY_ENV, f"{TOKENS}:3")
     stager = _stager(StagingBackend())
     stager.stage(room=51, slot=1, num_tokens=TOKENS, decode_prefix_len=0)
     tier = DecodeTier(MooncakeEndpoint())
     remote = _decode_fetcher(tier)
-    remote._endpoints[("127.0.0.1", 7001)] = stager.url
+    remote.endpoints._urls[("127.0.0.1", 7001)] = stager.url
     assert not remote.admission_done(3, 0, "127.0.0.1", 7001, 51)
-    job = remote._admitting[3].job
+    job = remote.admissions._admitting[3].job
     time.sleep(0.3)  # the job is in the hand-off's GET
     remote.release_slot(3, ("127.0.0.1", 7001, 51))
     assert not job.done(), "the release waited for the hand-off"

@@ -194,7 +194,7 @@ def test_a_remotely_fetched_arrival_starts_from_the_prefill_selection(mode: Forw
     """PD with remote partial fetching: the first working set is the prefill node's selection (no dense
     step, no catch-up), whether the first forward is a decode (its seq_len counts the token it computes)
     or a verify (it does not); a staged length that does not match the prompt fails the request."""
-    from sglang_oasis.disaggregation.pd_partial import Arrival
+    from sglang_oasis.disaggregation.decode_admission import Arrival
 
     pool = TinyKVPool(64)
     backend = _backend(pool, top_k=2)
@@ -261,7 +261,7 @@ def test_a_dense_first_step_arrival_leaves_the_rest_of_its_batch_as_it_would_be_
     first step with an uncapped admission selection. Another request decoding in the same batch must get
     exactly the step it would get alone: its capped plan, its top-K and the prefill window's pins (before
     the fix the whole batch was an admission: the window's pins were cleared and the cap lifted)."""
-    from sglang_oasis.disaggregation.pd_partial import Arrival
+    from sglang_oasis.disaggregation.decode_admission import Arrival
 
     prompt, late = 4 * BLOCK + 1, 2 * BLOCK + 1  # request 0 (handed over), request 1 (no hand-off)
     layer = _layer()
@@ -407,7 +407,7 @@ def test_a_pd_request_retracted_before_its_first_step_resumes_from_its_hand_off(
     """Retracted between its commit and its first decode step, a request holds no slot yet but holds the
     prefill node's hand-off: it is kept, and the resumed request starts from it as it would have (not a
     dense first step with a new admission)."""
-    from sglang_oasis.disaggregation.pd_partial import Arrival
+    from sglang_oasis.disaggregation.decode_admission import Arrival
 
     prompt = 4 * BLOCK + 1
     layer = _layer()

@@ -12,8 +12,9 @@ from typing import Any
 import pytest
 import torch
 
-from sglang_oasis.disaggregation import pd_partial
+from sglang_oasis.disaggregation import side_channel
 from sglang_oasis.disaggregation.remote_fetch import RemotePartialFetcher, RemoteRequest
+from sglang_oasis.disaggregation.side_channel import EndpointDirectory, RemoteFetchError
 from sglang_oasis.disaggregation.staging import StagedKVLayout
 from sglang_oasis.disaggregation.transfer_engine import RemoteReadError
 
@@ -87,15 +88,15 @@ def test_an_unreachable_bootstrap_server_is_remembered(monkeypatch: pytest.Monke
         calls.append(address)
         raise OSError("connection refused")
 
-    monkeypatch.setattr(pd_partial.urllib.request, "urlopen", unreachable)
-    monkeypatch.setattr(pd_partial, "_unreachable", {})
+    monkeypatch.setattr(side_channel.urllib.request, "urlopen", unreachable)
+    directory = EndpointDirectory()
     for _ in range(3):
-        with pytest.raises(pd_partial.RemoteFetchError, match="unreachable"):
-            pd_partial.handoff_endpoint("127.0.0.1", 9)
+        with pytest.raises(RemoteFetchError, match="unreachable"):
+            directory.handoff_endpoint("127.0.0.1", 9)
     assert len(calls) == 1  # asked once; the rest were answered from memory
-    monkeypatch.setattr(pd_partial, "UNREACHABLE_TTL_S", 0.0)
-    with pytest.raises(pd_partial.RemoteFetchError):
-        pd_partial.handoff_endpoint("127.0.0.1", 9)
+    directory.unreachable_ttl_s = 0.0
+    with pytest.raises(RemoteFetchError):
+        directory.handoff_endpoint("127.0.0.1", 9)
     assert len(calls) == 2  # after the TTL it is asked again
 
 
@@ -124,12 +125,12 @@ def test_a_decode_rank_reads_from_the_prefill_rank_of_its_number_only_at_the_sam
         asked.append(request.full_url)
         return Answer(b'{"url": "http://127.0.0.1:7001", "tp_size": 2}')
 
-    monkeypatch.setattr(pd_partial.urllib.request, "urlopen", answer)
-    monkeypatch.setattr(pd_partial, "_mismatched", set())
-    assert pd_partial.handoff_endpoint("127.0.0.1", 9, engine_rank=1, tp_size=2) == "http://127.0.0.1:7001"
+    monkeypatch.setattr(side_channel.urllib.request, "urlopen", answer)
+    assert EndpointDirectory(rank=1, tp_size=2).handoff_endpoint("127.0.0.1", 9) == "http://127.0.0.1:7001"
     assert asked[-1].endswith("?engine_rank=1")
+    mismatched = EndpointDirectory(rank=0, tp_size=1)
     with caplog.at_level("ERROR"):
-        assert pd_partial.handoff_endpoint("127.0.0.1", 9, engine_rank=0, tp_size=1) is None
-        assert pd_partial.handoff_endpoint("127.0.0.1", 9, engine_rank=0, tp_size=1) is None
+        assert mismatched.handoff_endpoint("127.0.0.1", 9) is None
+        assert mismatched.handoff_endpoint("127.0.0.1", 9) is None
     errors = [r.getMessage() for r in caplog.records if "--tp-size 2" in r.getMessage()]
     assert len(errors) == 1 and "arrive whole" in errors[0], errors

@@ -327,7 +327,7 @@ def test_hook_7_send_last_page_only() -> None:
 def test_hook_7_bootstrap_routes() -> None:
     from aiohttp import web
 
-    from sglang_oasis.disaggregation.pd_partial import ENDPOINT_ROUTE
+    from sglang_oasis.disaggregation.side_channel import ENDPOINT_ROUTE
 
     assert_params(hooks.BOOTSTRAP_ROUTES_TARGET, ["self"])
     server = NS(app=web.Application())
@@ -343,7 +343,7 @@ def test_hook_7_bootstrap_routes_keep_each_tensor_parallel_ranks_handoffs() -> N
     from aiohttp import web
     from aiohttp.test_utils import TestClient, TestServer
 
-    from sglang_oasis.disaggregation.pd_partial import ENDPOINT_ROUTE
+    from sglang_oasis.disaggregation.side_channel import ENDPOINT_ROUTE
 
     server = NS(app=web.Application())
     hooks.remote_fetch_routes(lambda s: None, server)

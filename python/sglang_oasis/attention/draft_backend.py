@@ -8,14 +8,13 @@ parts that read the hooks' listener names).
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, cast
+from typing import TYPE_CHECKING
 
 from sglang.srt.layers.attention.torch_native_backend import TorchNativeAttnBackend
 
-from sglang_oasis.disaggregation.pd_partial import register_draft_pool
+from sglang_oasis.sglang_contract import DRAFT_KV_ATTRIBUTE
 
 if TYPE_CHECKING:
-    from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
     from sglang.srt.model_executor.model_runner import ModelRunner
 
 
@@ -24,5 +23,8 @@ class DraftAttnBackend(TorchNativeAttnBackend):
 
     def __init__(self, model_runner: ModelRunner) -> None:
         super().__init__(model_runner)
-        # PD remote fetching moves it whole; SGLang declares the abstract KVCache, a draft's is this one
-        register_draft_pool(cast("MHATokenToKVPool", model_runner.token_to_kv_pool))
+        # PD remote fetching moves the draft's KV whole: its stager and fetcher find the pool on the
+        # request-to-token pool, which is the target's. SGLang's scheduler hands the target's to the draft
+        # worker (``Scheduler.init_memory_pools`` -> ``TpModelWorker.alloc_memory_pool`` sets it on the
+        # draft's model runner) before it builds any attention backend (``init_all_attention_backends``).
+        setattr(model_runner.req_to_token_pool, DRAFT_KV_ATTRIBUTE, model_runner.token_to_kv_pool)

@@ -1,4 +1,4 @@
-"""This backend's side of PD disaggregation with remote partial fetching (``disaggregation/pd_partial.py``).
+"""This backend's side of PD disaggregation with remote partial fetching (``disaggregation/__init__.py``).
 
 Prefill node: a ``PrefillStager`` stages each finished prefill's KV and hands over its first selection
 (``admission_selection``, ``admission_pins``). Decode node: a ``DecodeFetcher`` reads only what working
@@ -26,7 +26,9 @@ from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.attention.selector import Selector
 from sglang_oasis.attention.transfer_failures import TransferFailures
 from sglang_oasis.config import OasisConfig
-from sglang_oasis.disaggregation.pd_partial import Arrival, DecodeFetcher, PrefillStager
+from sglang_oasis.disaggregation.decode_admission import Arrival
+from sglang_oasis.disaggregation.decode_fetcher import DecodeFetcher
+from sglang_oasis.disaggregation.prefill_stager import PrefillStager
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.sglang_contract import BEFORE_BACKUP_LISTENER, FREED_ROW_LISTENER
 from sglang_oasis.stats import OasisStats, tensor_parallel_rank

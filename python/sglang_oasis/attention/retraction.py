@@ -50,7 +50,7 @@ from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.attention.retracted_kv import SavedKV, put_back
 from sglang_oasis.attention.selector import Selector
 from sglang_oasis.attention.sparse_attention import SparseAttention
-from sglang_oasis.disaggregation.pd_partial import Arrival
+from sglang_oasis.disaggregation.decode_admission import Arrival
 from sglang_oasis.memory.working_set import EMPTY, TransferPlan
 from sglang_oasis.sglang_contract import RETRACT_LISTENER
 from sglang_oasis.stats import OasisStats

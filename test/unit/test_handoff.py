@@ -1,4 +1,4 @@
-"""The hand-off of remote partial fetching (``disaggregation/pd_partial.py``): what the prefill node
+"""The hand-off of remote partial fetching (``disaggregation/handoff.py``): what the prefill node
 serves the decode node survives the trip exactly."""
 
 from __future__ import annotations
@@ -6,14 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from sglang_oasis.disaggregation.pd_partial import (
-    TOKEN_ENV,
-    TOKEN_HEADER,
-    DecodeFetcher,
-    Handoff,
-    authorized,
-    reachable,
-)
+from sglang_oasis.disaggregation.handoff import Handoff
+from sglang_oasis.disaggregation.side_channel import TOKEN_ENV, TOKEN_HEADER, authorized, reachable
 from sglang_oasis.disaggregation.staging import StagedKVLayout
 
 
@@ -77,6 +71,6 @@ def test_a_wildcard_address_is_read_at_the_host_the_bootstrap_server_was_reached
     layout = StagedKVLayout("0.0.0.0:4000", 0, 0, 2, 9, 16, 1, 8, 4)
     draft = StagedKVLayout("0.0.0.0:4000", 64, 0, 1, 9, 16, 1, 8, 4)
     handoff = Handoff(layout, torch.zeros((2, 1, 0), dtype=torch.bool), 0, draft)
-    seen = DecodeFetcher._reachable(handoff, "192.168.7.7")
+    seen = handoff.reached_via("192.168.7.7")
     assert seen.layout is not None and seen.layout.session == "192.168.7.7:4000"
     assert seen.draft is not None and seen.draft.session == "192.168.7.7:4000" and seen.layout.kv_address == 0
