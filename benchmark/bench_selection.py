@@ -186,9 +186,10 @@ class Selector:
             logits = torch.einsum("hgd,htd->hgt", query.float().view(kv_heads, group, dim), keys.float())
             mass = (logits / math.sqrt(dim)).softmax(-1).view(kv_heads, group, blocks, self.block)
             return mass.sum(dim=(1, 3))
-        codes = re.search(r"codes(\d+)$", self.name)
+        codes = re.search(r"codes(\d+)(?:x(\d+))?$", self.name)
         if codes:
-            return self.coded_mass(query, keys, int(codes.group(1)))
+            candidates = None if codes.group(2) is None else int(codes.group(2))
+            return self.coded_mass(query, keys, int(codes.group(1)), candidates)
         if self.name.startswith("lowrank"):
             return self.low_rank_mass(query, keys, int(self.name.removeprefix("lowrank")))
         if self.name == "minmax-center":
@@ -210,10 +211,14 @@ class Selector:
             box_scores = score_blocks(query[None], kmin, kmax)[0]  # [kv_heads, blocks * boxes]
         return box_scores.view(kv_heads, blocks, boxes).amax(-1)
 
-    def coded_mass(self, query: torch.Tensor, keys: torch.Tensor, bits: int) -> torch.Tensor:
+    def coded_mass(
+        self, query: torch.Tensor, keys: torch.Tensor, bits: int, candidates: int | None = None
+    ) -> torch.Tensor:
         """``codes<b>``: the oracle's mass over keys known only to ``bits`` bits per channel within their
         block's min/max box (each key's channel rounded to one of 2^b levels from the block's min to its
-        max): the min/max summaries plus b bits per token and channel."""
+        max): the min/max summaries plus b bits per token and channel. ``codes<b>x<m>``: only each KV
+        head's ``m x K`` best blocks by the min/max bound are scored so (the softmax over them alone),
+        the others score 0."""
         kv_heads, tokens, dim = keys.shape
         blocks, levels = tokens // self.block, 2**bits - 1
         k = keys.float().view(kv_heads, blocks, self.block, dim)
@@ -221,9 +226,14 @@ class Selector:
         span = (hi - lo).clamp_min(1e-12)
         coded = lo + ((k - lo) / span * levels).round() / levels * span
         group = query.shape[0] // kv_heads
-        logits = torch.einsum("hgd,htd->hgt", query.float().view(kv_heads, group, dim),
-                              coded.view(kv_heads, tokens, dim))  # fmt: skip
-        mass = (logits / math.sqrt(dim)).softmax(-1).view(kv_heads, group, blocks, self.block)
+        q = query.float().view(kv_heads, group, dim)
+        logits = torch.einsum("hgd,htd->hgt", q, coded.view(kv_heads, tokens, dim)) / math.sqrt(dim)
+        if candidates is not None and candidates * self.top_k < blocks:
+            bound = score_blocks(query[None], lo[:, :, 0].transpose(0, 1), hi[:, :, 0].transpose(0, 1))[0]
+            kept = torch.zeros((kv_heads, blocks), dtype=torch.bool)
+            kept.scatter_(1, bound.topk(candidates * self.top_k, dim=-1).indices, True)
+            logits = logits.masked_fill(~kept.repeat_interleave(self.block, dim=1)[:, None], float("-inf"))
+        mass = logits.softmax(-1).view(kv_heads, group, blocks, self.block)
         return mass.sum(dim=(1, 3))
 
     def low_rank_mass(self, query: torch.Tensor, keys: torch.Tensor, rank: int) -> torch.Tensor:

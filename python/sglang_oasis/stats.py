@@ -45,6 +45,8 @@ COUNTERS = {
     "(--oasis-prefill-window) rather than the block summaries",
     "scored_selections": "(request, layer) selections that scored the block summaries (or the prefill "
     "window's attention) and ran top-K: the request had more blocks than its working set holds",
+    "key_code_pages": "--oasis-selector codes: (layer, page) key codes written, each page's keys coded "
+    "once a selection first needs them (and again after the page is reused)",
     "blocks_loaded": "blocks copied host -> device into working sets (one block of one KV head counts once)",
     "bytes_host_to_device": "every byte read from the host tier for device-side work: working-set loads "
     "and, at decode steps, active tails, dense layers and summary catch-ups",

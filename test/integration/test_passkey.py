@@ -111,6 +111,43 @@ def test_blocks_of_4_find_the_key_at_4k(
     assert dense >= 3
 
 
+@pytest.mark.timeout(1200)
+def test_key_codes_alone_find_every_key_dense_finds_at_2k(
+    default_dense_server: ServerProcess, default_model_dir: Path, tmp_path: Path, record_property
+) -> None:
+    """``--oasis-selector codes`` without the prefill window: every step's blocks (the first one's too)
+    ranked by the predicting query's attention over 2-bit key codes, where the min/max bound alone found
+    4/5 at 2K (module docstring). Served by real SGLang, its pages coded as selections need them."""
+    cases = passkey_cases(default_model_dir, 2000)
+    server = ServerProcess(
+        [
+            "--model-path",
+            str(default_model_dir),
+            "--oasis-top-k",
+            "32",
+            "--oasis-selector",
+            "codes",
+            "--oasis-prefill-window",
+            "0",
+            "--oasis-host-kv-tokens",
+            "32768",
+            "--oasis-device-kv-tokens",
+            "8192",
+        ],
+        log_path=tmp_path / "passkey-codes.log",
+    )
+    with server:
+        sparse = count_hits(server.url, cases, timeout=600)
+        stats = server.oasis_stats()
+    dense = count_hits(default_dense_server.url, cases, timeout=600)
+    record_property("passkey_hits", {"dense": dense, "sparse_codes": sparse})
+    print(f"passkey at ~2000 tokens, K=32, key codes: dense {dense}/5, sparse {sparse}/5")
+    assert dense >= 3 and sparse == dense
+    assert stats["window_selections"] == 0 and stats["scored_selections"] > 0
+    # the prompts' full pages coded at each of the 30 layers (a ~2K prompt has > 100; shared prefixes once)
+    assert stats["key_code_pages"] >= 30 * 100
+
+
 def passkey_cases(model_dir: Path, context_tokens: int) -> list[PasskeyCase]:
     from transformers import AutoTokenizer
 

@@ -73,11 +73,12 @@ class JobResult(NamedTuple):
     transfer_ns: int
     failed: dict[int, tuple[int, str]]  # req row -> (generation of the request that failed, message)
     host_loads: tuple[tuple[int, int, int], ...] = ()  # (req row, generation, blocks read from the host)
+    coded: int = 0  # --oasis-selector codes: pages whose keys this job coded
 
 
 class RemoteBlocks(Protocol):
     """Where blocks still on another node are read from before a load (remote partial fetching's decode
-    side, ``disaggregation/pd_partial.py``'s ``DecodeFetcher``)."""
+    side, ``disaggregation/decode_fetcher.py``'s ``DecodeFetcher``)."""
 
     tp_size: int  # tensor-parallel ranks (each reads its own KV heads' blocks)
 
@@ -140,7 +141,7 @@ class BlockPrefetcher:
         if job.pages.shape[1] == 0:  # no request has a full block yet
             return JobResult(job.layer_id, job.admission, len(job.reqs),
                              0, 0, 0, 0, 0, 0, 0, 0, {})  # fmt: skip
-        selected, priority, scored = self._choose(job)
+        selected, priority, scored, coded = self._choose(job)
         if job.admission and self.record_admissions is not None:
             for row, req in enumerate(job.reqs.tolist()):
                 layers = self.record_admissions.setdefault(req, {})
@@ -176,9 +177,10 @@ class BlockPrefetcher:
             transfer_ns=time.perf_counter_ns() - chosen,
             failed=failed,
             host_loads=host_loads,
+            coded=coded,
         )
 
-    def _choose(self, job: SelectionJob) -> tuple[torch.Tensor, torch.Tensor, int]:
+    def _choose(self, job: SelectionJob) -> tuple[torch.Tensor, torch.Tensor, int, int]:
         """``[bs, kv_heads, N]``: the blocks each head should hold next step, and their priority (summary
         score, or the job's prior where it has one; sink blocks first); and how many requests had more
         blocks than their working sets hold (scored and ran top-K)."""
@@ -188,11 +190,12 @@ class BlockPrefetcher:
         selected = valid[:, None, :].expand(-1, self.num_kv_heads, -1).clone()
         priority = torch.zeros(selected.shape)
         over = job.full > job.top_k + self.sink_blocks
+        coded = 0
         if bool(over.any()):
             if job.prior is not None:
                 scores = job.prior[over]  # [n, H, N]
             elif self.codes is not None:  # --oasis-selector codes: the decoded keys' attention mass
-                scores = self._coded_mass(job, over, valid)
+                scores, coded = self._coded_mass(job, over, valid)
             else:
                 kmin, kmax = self.summaries.kmin[job.layer_id], self.summaries.kmax[job.layer_id]
                 device = kmin.device
@@ -214,16 +217,19 @@ class BlockPrefetcher:
                 chosen[rows] = select_top_blocks(scores[rows], int(k), sinks, valid_over[rows])
             selected[over] = chosen
             priority[over] = scores.masked_fill(sinks, float("inf"))
-        return selected, priority, int(over.sum())
+        return selected, priority, int(over.sum()), coded
 
-    def _coded_mass(self, job: SelectionJob, over: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    def _coded_mass(
+        self, job: SelectionJob, over: torch.Tensor, valid: torch.Tensor
+    ) -> tuple[torch.Tensor, int]:
         """``[n, H, N]``: the ``over`` rows' blocks scored by the attention mass of their predicting query
-        over their full blocks' coded keys (``key_code_store.py``), pages coded first where needed."""
+        over their full blocks' coded keys (``key_code_store.py``), pages coded first where needed (how
+        many: the second value)."""
         codes = cast("KeyCodeStore", self.codes)
         pages = job.pages[over]
-        codes.ensure(job.layer_id, pages[valid[over]], self.kv_pool)
+        coded = codes.ensure(job.layer_id, pages[valid[over]], self.kv_pool)
         scale = job.scale or job.queries.shape[-1] ** -0.5
-        return codes.block_mass(job.layer_id, job.queries[over], pages, job.full[over], scale).cpu()
+        return codes.block_mass(job.layer_id, job.queries[over], pages, job.full[over], scale).cpu(), coded
 
     def _copy_from_active(self, job: SelectionJob, plan: TransferPlan, fresh: torch.Tensor) -> torch.Tensor:
         """Copy the loads of blocks that just filled up and are still in the active blocks from there

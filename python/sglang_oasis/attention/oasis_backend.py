@@ -293,15 +293,12 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
         out = self.attention.verify(
             self.batch, q_rows, layer, seq_lens, k.view(kv_shape), v.view(kv_shape), tree
         )
+        lens = (seq_lens + 1).tolist()
         if self.recall.due():  # the real row, over the working set the last draft row chose
             last = draft_locs[:, 0].tolist()
-            self.recall.sample_safely(
-                self.batch, layer_id, q_rows[:, 0], (seq_lens + 1).tolist(), layer.scaling, last
-            )
+            self.recall.sample_safely(self.batch, layer_id, q_rows[:, 0], lens, layer.scaling, last)
         self._poison_if_strict(layer_id)
-        self.selector.select(
-            self.batch, layer_id, q_rows[:, -1], (seq_lens + 1).tolist(), scale=layer.scaling
-        )
+        self.selector.select(self.batch, layer_id, q_rows[:, -1], lens, scale=layer.scaling)
         return out.reshape(-1, heads * layer.v_head_dim)
 
     def _poison_if_strict(self, layer_id: int) -> None:

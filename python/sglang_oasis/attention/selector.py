@@ -281,6 +281,7 @@ class Selector:
         host_loads = result.loads - result.from_active  # blocks that just filled up: from the device
         stats = self.stats
         stats.add("scored_selections", result.scored)
+        stats.add("key_code_pages", result.coded)
         stats.add("selections", result.selections)
         stats.add("selection_changes", result.loads)
         stats.add_loads(

@@ -97,9 +97,9 @@ def coded_block_mass(
             continue
         page = pages[row, :n].to(torch.int64)
         keys = decode_key_codes(codes[page], kmin[page], kmax[page])  # [n, B, H, D]
-        keys = keys.permute(2, 0, 1, 3).reshape(num_kv_heads, 1, -1, head_dim)  # [H, 1, n * B, D]
-        q = query[row].float().view(num_kv_heads, group, 1, head_dim)
-        logits = (q * keys).sum(dim=-1) * scale  # [H, G, n * B]: a sum over channels, no matmul tiling
+        keys = keys.permute(2, 3, 0, 1).reshape(num_kv_heads, head_dim, -1)  # [H, D, n * B]
+        q = query[row].float().view(num_kv_heads, group, head_dim)
+        logits = torch.matmul(q, keys) * scale  # [H, G, n * B]
         mass = logits.softmax(dim=-1).view(num_kv_heads, group, n, -1).sum(dim=(1, 3))
         out[row, :, :n] = mass
     return out
