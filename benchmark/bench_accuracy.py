@@ -584,7 +584,7 @@ def bytes_plot(configs: dict[str, Any], path: Path, title: str) -> None:
     def kind(entry: dict[str, Any]) -> str:  # its --oasis-selector
         return last_value(entry.get("args", ()), "--oasis-selector") or "summaries"
 
-    for selector, marker in (("summaries", "o"), ("oracle", "^"), ("oracle-pooled", "s")):
+    for selector, marker in (("summaries", "o"), ("codes", "D"), ("oracle", "^"), ("oracle-pooled", "s")):
         points = [(e["decode_bytes_per_step"] / 1024, e["mean_score"], name) for name, e in configs.items()
                   if name != "dense" and kind(e) == selector
                   and e.get("decode_bytes_per_step") is not None and e.get("mean_score") is not None]  # fmt: skip
