@@ -10,20 +10,8 @@ import dataclasses
 from types import SimpleNamespace
 
 import pytest
+import test_decode_program as harness
 import torch
-from test_decode_program import (
-    BLOCK,
-    CONTEXTS,
-    KV_HEADS,
-    REQS,
-    SCALE,
-    SPARSE_LAYER,
-    admitted,
-    configs,
-    eager_step,
-    step_inputs,
-    stop,
-)
 
 from sgl_kernel_oasis import score_blocks
 from sgl_kernel_oasis.key_codes import (
@@ -136,30 +124,32 @@ def test_through_the_backend_the_next_working_set_is_the_coded_mass_top_k() -> N
     """An eager decode step with ``--oasis-selector codes`` (no cap, K = 6 of 18-62 blocks): each request's
     next working set per KV head holds the top-K blocks of its query's mass over its coded keys in
     SGLang's pool, this step's token included; the summaries' bound would have chosen others."""
-    config, _, _ = configs("k_sparse_uncapped")
-    oasis = admitted(dataclasses.replace(config, selector="codes"), {}, {})
+    config, _, _ = harness.configs("k_sparse_uncapped")
+    oasis = harness.admitted(dataclasses.replace(config, selector="codes"), {}, {})
     assert oasis.tier.codes is not None
-    eager_step(oasis, 0)
+    harness.eager_step(oasis, 0)
     oasis.selector.finish_pending()
-    q = step_inputs(0)[0]
+    q = harness.step_inputs(0)[0]
     pool, req_to_token = oasis.token_to_kv_pool, oasis.req_to_token_pool.req_to_token
     ws, differs = oasis.tier.working_sets, 0
-    for row, (req, context) in enumerate(zip(REQS, CONTEXTS, strict=True)):
-        full = (context + 1) // BLOCK
-        pages = (req_to_token[req, 0 : full * BLOCK : BLOCK].long() // BLOCK)[None]
-        by_page = pool.k[SPARSE_LAYER].view(-1, BLOCK, KV_HEADS, q.shape[-1])
+    for row, (req, context) in enumerate(zip(harness.REQS, harness.CONTEXTS, strict=True)):
+        full = (context + 1) // harness.BLOCK
+        pages = (req_to_token[req, 0 : full * harness.BLOCK : harness.BLOCK].long() // harness.BLOCK)[None]
+        by_page = pool.k[harness.SPARSE_LAYER].view(-1, harness.BLOCK, harness.KV_HEADS, q.shape[-1])
         kmin, kmax = boxes(by_page)
         mass = coded_block_mass_reference(
-            q[row : row + 1], kmin, kmax, by_page, pages, torch.tensor([full]), SCALE
+            q[row : row + 1], kmin, kmax, by_page, pages, torch.tensor([full]), harness.SCALE
         )[0]
         bound = score_blocks(q[row : row + 1], kmin[pages[0]], kmax[pages[0]])[0]
-        held = ws.slot_block[oasis.tier.slot(req), SPARSE_LAYER]  # [H, slots]: logical block ids, -1 empty
-        for head in range(KV_HEADS):
+        held = ws.slot_block[
+            oasis.tier.slot(req), harness.SPARSE_LAYER
+        ]  # [H, slots]: logical block ids, -1 empty
+        for head in range(harness.KV_HEADS):
             expected = set(mass[head].topk(6).indices.tolist())
             assert set(held[head][held[head] >= 0].tolist()) == expected, (req, head)
             differs += expected != set(bound[head].topk(6).indices.tolist())
     assert differs > 0
-    stop(oasis)
+    harness.stop(oasis)
 
 
 def test_codes_take_their_bytes_from_the_device_budget() -> None:
