@@ -41,13 +41,11 @@ and checks its signature, so an SGLang upgrade that moves or reshapes one fails 
    ``--oasis-remote-fetch``). SGLang's KV sender has no notion of a partial payload, so these places:
    - ``SchedulerDisaggregationPrefillMixin.send_kv_chunk`` (prefill): the only place that knows a
      send's request (its slot, prompt length and the decode node's cached prefix); the hook hands them
-     to the stager's send plans (``disaggregation/send_plan.py``, keyed by bootstrap room), which
-     decide whole or staged, and puts the stager on SGLang's KV manager for the hooks below.
+     to the request's Mooncake sender.
    - ``CommonKVSender._prepare_send_indices`` (prefill): where every send's pages are decided. For a
-     staged request (``SendPlans.pages``), chunks before the last send nothing; the last stages the whole
-     prompt's KV (``PrefillStager.stage``) and sends only the request's last page, so SGLang's protocol
-     (aux data, completion, failure handling) runs unchanged. A staging failure fails the request's
-     transfer.
+     staged request, chunks before the last send nothing; the last stages the whole prompt's KV
+     (``PrefillStager.stage``) and sends only the request's last page, so SGLang's protocol (aux data,
+     completion, failure handling) runs unchanged. A staging failure fails the request's transfer.
    - ``CommonKVBootstrapServer._setup_routes`` (prefill's HTTP process): adds ``GET/PUT
      /oasis/remote_fetch_endpoint``, where the prefill scheduler registers its hand-off URL and decode
      nodes look it up (decode nodes know a request's bootstrap address, nothing else of the prefill).
@@ -373,26 +371,44 @@ def _fetcher(scheduler: Scheduler) -> DecodeFetcher | None:
 
 
 def mark_staged_send(
-    original: Callable[..., None],
-    scheduler: Scheduler,
-    req: Req,
-    last_chunk: bool = False,
+    original: Callable[..., None], scheduler: Scheduler, req: Req, last_chunk: bool = False,
     end_idx: int | None = None,
-) -> None:
-    """AROUND hook (prefill): the stager decides the request's send (``disaggregation/send_plan.py``),
-    told at its last chunk what to stage or hand over; the node's stager goes on SGLang's KV manager for
-    the hooks that are handed only SGLang's sender or manager."""
+) -> None:  # fmt: skip
+    """AROUND hook (prefill): a request sent by remote partial fetching carries, on its Mooncake sender,
+    the stager and (last chunk) what to stage."""
     stager = _stager(scheduler)
-    sender: Any = getattr(req, "disagg_kv_sender", None)
-    if stager is not None and _is_mooncake_sender(sender):
-        setattr(sender.kv_mgr, STAGER_ATTRIBUTE, stager)
-        room, prompt = int(sender.bootstrap_room), len(req.origin_input_ids)
-        stager.sends.decide(room, sender.kv_mgr.transfer_infos.get(room, {}), prompt, str(req.rid))
+    sender: Any = getattr(req, "disagg_kv_sender", None)  # carries our _oasis_* attributes
+    if stager is not None and stager.ready.is_set() and _is_mooncake_sender(sender):
+        whole = getattr(sender, "_oasis_whole", False)  # decided at its first send
+        if not whole and getattr(sender, STAGER_ATTRIBUTE, None) is None:
+            # The handshake: only a decode node known to fetch gets a partial payload (its first
+            # requests go whole; their hand-off GET names its session).
+            sessions = sender.kv_mgr.transfer_infos.get(int(sender.bootstrap_room), {})
+            if not stager.fetch(sessions):
+                whole = sender._oasis_whole = True
+                stager.backend.stats.add("staging_unknown_decoder_sends")
+            elif not stager.reserve(int(sender.bootstrap_room), len(req.origin_input_ids)):
+                whole = sender._oasis_whole = True  # staging it would pass the cap: SGLang sends it all
+                stager.backend.stats.add("staging_whole_sends")
+                logger.warning(
+                    "oasis: staging is full (--oasis-remote-fetch-max-staged-mib); request %s goes whole",
+                    req.rid,
+                )
+        if not whole:
+            setattr(sender, STAGER_ATTRIBUTE, stager)
+        setattr(sender.kv_mgr, STAGER_ATTRIBUTE, stager)  # for forget_reregistered_sessions
         if last_chunk:
+            prompt = len(req.origin_input_ids)
             extend_end = prompt if req.extend_end is None else req.extend_end
             tokens = end_idx if end_idx is not None else min(extend_end, prompt)
-            slot = int(cast(int, req.kv.req_pool_idx))
-            stager.sends.last_chunk(room, slot, int(tokens), int(req.disagg_decode_prefix_len))
+            stage = (int(cast(int, req.kv.req_pool_idx)), int(tokens), int(req.disagg_decode_prefix_len))
+            if not whole:
+                sender._oasis_stage = stage
+            else:  # the decode node asks for its hand-off all the same: its first selection
+                try:
+                    stager.hand_over_whole(int(sender.bootstrap_room), *stage)
+                except Exception:  # the decode node then fails the request, naming the missing hand-off
+                    logger.exception("oasis: handing over request %s's first selection failed", req.rid)
     original(scheduler, req, last_chunk=last_chunk, end_idx=end_idx)
 
 
@@ -422,22 +438,23 @@ SendIndices = tuple["npt.NDArray[np.int32]", slice, bool, bool]
 
 
 def send_last_page_only(
-    original: Callable[..., SendIndices],
-    sender: CommonKVSender,
-    kv_indices: npt.NDArray[np.int32],
-    *args: Any,
-    **kwargs: Any,
-) -> SendIndices:
-    """AROUND hook (prefill): a staged request's chunks send nothing but its last page (see hook 7 and
-    ``SendPlans.pages``); a staging failure fails the request's transfer, the server goes on."""
+    original: Callable[..., SendIndices], sender: CommonKVSender, kv_indices: npt.NDArray[np.int32],
+    *args: Any, **kwargs: Any,
+) -> SendIndices:  # fmt: skip
+    """AROUND hook (prefill): a staged request's chunks send nothing but its last page (see hook 7)."""
     kv_indices, index_slice, is_last, skip = original(sender, kv_indices, *args, **kwargs)
-    stager: PrefillStager | None = getattr(getattr(sender, "kv_mgr", None), STAGER_ATTRIBUTE, None)
+    stager: PrefillStager | None = getattr(sender, STAGER_ATTRIBUTE, None)
     if skip or stager is None:
         return kv_indices, index_slice, is_last, skip
+    if len(kv_indices):
+        sender._oasis_last_page = kv_indices[-1]  # type: ignore[attr-defined]  # ours, on SGLang's sender
+    if not is_last:
+        return kv_indices[:0], slice(index_slice.stop, index_slice.stop), is_last, False
     room = int(sender.bootstrap_room)
     try:
-        page = stager.sends.pages(room, kv_indices, is_last)
-    except Exception as error:
+        stager.stage(room, *getattr(sender, "_oasis_stage"))  # noqa: B009  # ours, on SGLang's sender
+        last = getattr(sender, "_oasis_last_page")  # noqa: B009
+    except Exception as error:  # the request fails, the server goes on
         from sglang.srt.disaggregation.base.conn import KVPoll
 
         logger.exception("oasis: staging bootstrap room %d failed", room)
@@ -446,12 +463,8 @@ def send_last_page_only(
         )
         sender.kv_mgr.update_status(room, cast("KVPoll", KVPoll.Failed))  # SGLang's KVPoll: a class of ints
         return kv_indices[:0], index_slice, is_last, True
-    if page is None:  # not staged: as SGLang sends it
-        return kv_indices, index_slice, is_last, skip
-    if not is_last:
-        return kv_indices[:0], slice(index_slice.stop, index_slice.stop), is_last, False
     end = index_slice.stop
-    return _one_page(kv_indices, page), slice(end - 1, end), True, False
+    return _one_page(kv_indices, last), slice(end - 1, end), True, False
 
 
 def _one_page(kv_indices: npt.NDArray[np.int32], page: int) -> npt.NDArray[np.int32]:
@@ -528,11 +541,9 @@ class _AdmissionGate:
         arrival = _arrival(self.req) if state == KVPoll.Success else None
         if arrival is None:
             return state
-        from sglang_oasis.disaggregation.decode_admission import Origin
-
         slot, host, port, room = arrival
         generation = int(self.generations[slot])
-        if not self.remote.admission_done(slot, generation, Origin(host, port, room, self.session)):
+        if not self.remote.admission_done(slot, generation, host, port, room, self.session):
             return int(KVPoll.Transferring)
         error = self.remote.admission_error(slot, generation)
         if error is None:
@@ -580,7 +591,6 @@ def fetch_admission_blocks(
     arrival = None if remote is None else _arrival(req)
     if remote is None or arrival is None:  # no fetching here: the prefill node sent it whole
         return
-    from sglang_oasis.disaggregation.decode_admission import Origin
     from sglang_oasis.disaggregation.side_channel import RemoteFetchError
 
     slot, host, port, room = arrival
@@ -591,7 +601,7 @@ def fetch_admission_blocks(
     if sharing:  # at the first arrival, on every rank alike (its checkpoint agrees over the ranks)
         _share_only_whole(queue.tree_cache, remote)
     try:
-        staged = remote.admit(slot, generation, Origin(host, port, room, _session(decode_req)))
+        staged = remote.admit(slot, generation, host, port, room, _session(decode_req))
     except Exception as error:  # the request fails, the server goes on
         if not isinstance(error, RemoteFetchError):
             logger.exception("oasis: admitting request %s failed", req.rid)

@@ -29,7 +29,6 @@ import torch
 
 from sglang_oasis import sglang_hooks as hooks
 from sglang_oasis.config import OasisConfig
-from sglang_oasis.disaggregation.send_plan import SendPlans
 from sglang_oasis.server_process import child_env
 
 CPU_ENGINE_CHECK = Path(__file__).with_name("sglang_hooks_cpu_engine.py")
@@ -228,50 +227,29 @@ def test_hook_6_cpu_disaggregation(monkeypatch: pytest.MonkeyPatch) -> None:
 # Hook 7 (remote partial fetching under PD disaggregation): one test per target.
 
 
-class FakeStager:
-    """A prefill node's stager as the send plans see it: decode sessions known to fetch, a staging cap
-    of ``room`` prompts, and what was staged or handed over (``disaggregation/send_plan.py``)."""
-
-    def __init__(self, known: set[str], room: int = 10) -> None:
-        self.ready, self.known, self.room = threading.Event(), known, room
-        self.ready.set()
-        self.staged: list[tuple[int, ...]] = []
-        self.handed: list[int] = []
-        self.counted: dict[str, int] = defaultdict(int)
-        stats = NS(add=lambda name, n=1: self.counted.__setitem__(name, self.counted[name] + n))
-        self.sends = SendPlans(self, stats)  # type: ignore[arg-type]
-
-    def fetch(self, sessions: Any) -> bool:
-        return bool(set(sessions)) and set(sessions) <= self.known
-
-    def reserve(self, room: int, tokens: int) -> bool:
-        self.room -= 1
-        return self.room >= 0
-
-    def stage(self, room: int, *stage: int) -> None:
-        self.staged.append((room, *stage))
-
-    def hand_over_whole(self, room: int, *stage: int) -> None:
-        self.handed.append(room)
-
-
 def test_hook_7_prefill_send_kv_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The hook hands each send to the stager's plans (its room, destinations and prompt, at the last
-    chunk its slot, tokens and the decode node's cached prefix): staged only when every decode session
-    it goes to has asked for a hand-off before; the others go whole, with a hand-off of their first
-    selection (which a fetching decode node asks for, and so introduces itself). SGLang's send runs for
-    every request, and the stager goes on SGLang's KV manager, nothing on its sender."""
+    """The handshake: a request is staged only when every decode session it goes to has asked for a
+    hand-off before; the others go whole (with a hand-off of their first selection, which a fetching
+    decode node asks for, and so introduces itself)."""
     from sglang.srt.disaggregation import prefill
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
     assert_params(hooks.PREFILL_SEND_TARGET, ["self", "req", "last_chunk", "end_idx"])
-    # What the hook hands to the stager is read where SGLang's send reads it.
+    # What the hook hands to the request's sender is read where SGLang's send reads it.
     send_source = source_of(prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk)
     assert "req.extend_end" in send_source and "req.disagg_decode_prefix_len" in send_source
     # A request's destinations: the decode nodes' transfer sessions, known before its first send.
     assert "self.transfer_infos[room][mooncake_session_id] = (" in source_of(MooncakeKVManager)
 
-    stager = FakeStager({"10.0.0.2:17000"})
+    counted: dict[str, int] = defaultdict(int)
+    handed: list[int] = []
+    known = {"10.0.0.2:17000"}
+    stager = NS(
+        ready=threading.Event(), fetch=lambda sessions: bool(set(sessions)) and set(sessions) <= known,
+        reserve=lambda room, tokens: True, hand_over_whole=lambda room, *stage: handed.append(room),
+        backend=NS(stats=NS(add=lambda name, n=1: counted.__setitem__(name, counted[name] + n))),
+    )  # fmt: skip
+    stager.ready.set()
     monkeypatch.setattr(hooks, "_pd_part", lambda scheduler, name: stager if name == "stager" else None)
     monkeypatch.setattr(hooks, "_is_mooncake_sender", lambda sender: True)
 
@@ -284,15 +262,20 @@ def test_hook_7_prefill_send_kv_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
         assert sent == [req]  # SGLang's send runs, for every request
         return sender
 
-    fetching = send(1, ["10.0.0.2:17000"])
-    for room, sessions in ((2, ["10.0.0.3:17000"]), (3, ["10.0.0.2:17000", "x:1"])):  # unknown, mixed
-        send(room, sessions)
-    staged = stager.sends.get(1)
-    assert staged is not None and not staged.whole and staged.stage == (3, 40, 16)
+    fetching, unknown, mixed = (
+        send(1, ["10.0.0.2:17000"]),
+        send(2, ["10.0.0.3:17000"]),
+        send(3, [*known, "x:1"]),
+    )
+    assert getattr(fetching, hooks.STAGER_ATTRIBUTE) is stager and fetching._oasis_stage == (3, 40, 16)
     assert getattr(fetching.kv_mgr, hooks.STAGER_ATTRIBUTE) is stager  # for test_hook_7_peer_registration
-    assert vars(fetching).keys() == {"bootstrap_room", "kv_mgr"}  # nothing of ours on SGLang's sender
-    assert stager.sends.get(2) is None and stager.sends.get(3) is None  # handed over whole: done
-    assert stager.handed == [2, 3] and stager.counted == {"staging_unknown_decoder_sends": 2}
+    for whole in (unknown, mixed):
+        assert (
+            whole._oasis_whole
+            and not hasattr(whole, hooks.STAGER_ATTRIBUTE)
+            and not hasattr(whole, "_oasis_stage")
+        )
+    assert handed == [2, 3] and counted == {"staging_unknown_decoder_sends": 2}
 
 
 def test_hook_7_send_last_page_only() -> None:
@@ -306,22 +289,24 @@ def test_hook_7_send_last_page_only() -> None:
     assert "self.curr_idx == self.num_kv_indices" in source_of(CommonKVSender._prepare_send_indices)
     assert callable(CommonKVManager.record_failure) and callable(CommonKVManager.update_status)
 
-    stager = FakeStager({"d:1"})
-    stager.sends.decide(9, ["d:1"], 40, "r9")
-    stager.sends.last_chunk(9, 5, 40, 16)
-    sender = NS(kv_mgr=NS(**{hooks.STAGER_ATTRIBUTE: stager}), bootstrap_room=9)
+    staged: list[tuple[Any, ...]] = []
+    sender = NS(
+        **{hooks.STAGER_ATTRIBUTE: NS(stage=lambda *args: staged.append(args))},
+        _oasis_stage=(5, 40, 16),
+        bootstrap_room=9,
+    )
 
     def chunk(kv: list[int], index_slice: slice, last: bool) -> Any:
         original = lambda s, k, *a: (k, index_slice, last, False)  # noqa: E731
         return hooks.send_last_page_only(original, sender, np.asarray(kv, dtype=np.int32))
 
     kv, sl, last, skip = chunk([10, 11], slice(0, 2), False)
-    assert len(kv) == 0 and sl == slice(2, 2) and not last and not skip and stager.staged == []
+    assert len(kv) == 0 and sl == slice(2, 2) and not last and not skip and staged == []
     kv, sl, last, skip = chunk([], slice(2, 2), True)  # a last chunk without new pages
     assert kv.tolist() == [11] and sl == slice(1, 2) and last and not skip, (kv, sl)
-    assert stager.staged == [(9, 5, 40, 16)] and stager.sends.get(9) is None
+    assert staged == [(9, 5, 40, 16)]
 
-    plain = NS(kv_mgr=sender.kv_mgr, bootstrap_room=3)  # not staged: untouched
+    plain = NS(bootstrap_room=3)  # not staged: untouched
     out = hooks.send_last_page_only(lambda s, k, *a: (k, slice(0, 2), True, False), plain, np.asarray([1, 2]))
     assert out[0].tolist() == [1, 2] and out[1] == slice(0, 2)
 
@@ -331,15 +316,10 @@ def test_hook_7_send_last_page_only() -> None:
     def broken(*args: Any) -> None:
         raise RuntimeError("no memory")
 
-    stager.stage = broken  # type: ignore[method-assign]
-    stager.sends.decide(4, ["d:1"], 2, "r4")
-    stager.sends.last_chunk(4, 1, 2, 0)
-    kv_mgr = NS(
-        **{hooks.STAGER_ATTRIBUTE: stager},
-        record_failure=failures.__setitem__,
-        update_status=lambda r, s: statuses.append((r, s)),
+    kv_mgr = NS(record_failure=failures.__setitem__, update_status=lambda r, s: statuses.append((r, s)))
+    failing = NS(
+        **{hooks.STAGER_ATTRIBUTE: NS(stage=broken)}, _oasis_stage=(1, 2, 0), bootstrap_room=4, kv_mgr=kv_mgr
     )
-    failing = NS(bootstrap_room=4, kv_mgr=kv_mgr)
     out = hooks.send_last_page_only(lambda s, k, *a: (k, slice(0, 1), True, False), failing, np.asarray([7]))
     assert out[3] is True and "no memory" in failures[4] and statuses == [(4, KVPoll.Failed)]
 
@@ -467,8 +447,10 @@ def test_hook_7_decode_pollers() -> None:
         def admission_error(self, slot: int, generation: int) -> str | None:
             return self.errors.get(slot)
 
-        def admission_done(self, slot: int, generation: int, origin: Any) -> bool:
-            self.asked.append((slot, generation, *origin))
+        def admission_done(
+            self, slot: int, generation: int, host: str, port: int, room: int, session: str
+        ) -> bool:
+            self.asked.append((slot, generation, host, port, room, session))
             return slot in self.over
 
     def entry(slot: int, state: KVPoll, host: str = "127.0.0.1", finished: bool = False) -> Any:

@@ -11,7 +11,7 @@ import urllib.error
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple, Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -28,17 +28,6 @@ if TYPE_CHECKING:
 # the tensor-parallel rank ``SGLANG_OASIS_INJECT_ON_RANK`` names only, if set).
 ADMISSION_FAILURE_ENV = "SGLANG_OASIS_INJECT_ADMISSION_FAILURE"
 ADMISSION_WORKERS = 4  # admissions read at once (hand-off and Mooncake reads, off the scheduler thread)
-
-
-class Origin(NamedTuple):
-    """Where a transferred request comes from: its prefill node's bootstrap address and room, and this
-    node's SGLang transfer session, which it names when it asks for the hand-off (the handshake:
-    ``PrefillStager.fetch``)."""
-
-    host: str
-    port: int
-    room: int
-    session: str | None = None
 
 
 @dataclass
@@ -143,11 +132,21 @@ class DecodeAdmissions:
             return None
         return pending.job.done()
 
-    def start(self, slot: int, generation: int, origin: Origin) -> bool:
+    def start(
+        self,
+        slot: int,
+        generation: int,
+        bootstrap_host: str,
+        bootstrap_port: int,
+        room: int,
+        session: str | None,
+    ) -> bool:
         """Starts the admission of the request in ``slot`` on an admission worker; True if it is over
         already."""
         claim = _Claim()
-        job = self._admitter.submit(self._read_admission, slot, origin, claim)
+        job = self._admitter.submit(
+            self._read_admission, slot, bootstrap_host, bootstrap_port, room, session, claim
+        )
         with self._lock:
             self._admitting[slot] = _Admission(generation, job, claim)
         return job.done()
@@ -191,15 +190,22 @@ class DecodeAdmissions:
                 admitted = None
         return began, admitted
 
-    def _read_admission(self, slot: int, origin: Origin, claim: _Claim) -> _Admitted | None:
+    def _read_admission(
+        self,
+        slot: int,
+        bootstrap_host: str,
+        bootstrap_port: int,
+        room: int,
+        session: str | None,
+        claim: _Claim,
+    ) -> _Admitted | None:
         """The admission worker's job: the hand-off, then the admission blocks and summaries into the
         request's pages (allocated by SGLang, its alone until it is freed: ``release_slot`` waits once the
         job has claimed them)."""
-        found = self._get_handoff(origin)
+        found = self._get_handoff(bootstrap_host, bootstrap_port, room, session)
         if found is None:
             return None
         url, handoff = found
-        room = origin.room
         if not claim.claim():  # the request was freed while its hand-off was on its way
             self._release_remote(url, room)
             return None
@@ -270,15 +276,16 @@ class DecodeAdmissions:
         fetcher.release(slot)  # all present: nothing to read later
         return reads.admission_bytes
 
-    def _get_handoff(self, origin: Origin) -> tuple[str, Handoff] | None:
-        host, port, room, session = origin
-        url = self.endpoints.url(host, port)
+    def _get_handoff(
+        self, bootstrap_host: str, bootstrap_port: int, room: int, session: str | None
+    ) -> tuple[str, Handoff] | None:
+        url = self.endpoints.url(bootstrap_host, bootstrap_port)
         if url is None:
             return None
         for attempt in range(2):
             try:
                 with open_url(f"{url}/handoff/{room}", session=session) as response:
-                    return url, Handoff.from_json(response.read()).reached_via(host)
+                    return url, Handoff.from_json(response.read()).reached_via(bootstrap_host)
             except urllib.error.HTTPError as error:
                 raise RemoteFetchError(f"no hand-off for bootstrap room {room} at {url}: {error}") from None
             except (urllib.error.URLError, OSError, ValueError, KeyError) as error:
@@ -286,7 +293,7 @@ class DecodeAdmissions:
                     raise RemoteFetchError(
                         f"no hand-off for bootstrap room {room} at {url}: {error}"
                     ) from None
-                url = self.endpoints.url(host, port, fresh=True)
+                url = self.endpoints.url(bootstrap_host, bootstrap_port, fresh=True)
                 if url is None:
                     return None
         return None
