@@ -74,3 +74,42 @@ def test_a_wildcard_address_is_read_at_the_host_the_bootstrap_server_was_reached
     seen = handoff.reached_via("192.168.7.7")
     assert seen.layout is not None and seen.layout.session == "192.168.7.7:4000"
     assert seen.draft is not None and seen.draft.session == "192.168.7.7:4000" and seen.layout.kv_address == 0
+
+
+def test_a_decode_node_that_asks_before_the_prefill_registered_gets_its_requests_whole() -> None:
+    """The hand-off endpoint race: a prefill scheduler registers its hand-off URL with its bootstrap
+    server (SGLang's, with hook 7's route, served for real here) only after both started. A decode node
+    that looks it up before finds none (404: None, nothing cached, so the request arrives whole) and the
+    prefill stages nothing meanwhile (hook 7 stages only once its stager is ``ready``); the registration
+    (retried until the server answers) sets ``ready``, and the next look-up finds the URL."""
+    import asyncio
+    import socket
+    import threading
+
+    from aiohttp import web
+
+    from sglang_oasis import sglang_hooks as hooks
+    from sglang_oasis.disaggregation.side_channel import EndpointDirectory, register_handoffs
+
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    server = type("BootstrapServer", (), {"app": web.Application()})()
+    hooks.remote_fetch_routes(lambda s: None, server)
+    loop = asyncio.new_event_loop()
+    runner = web.AppRunner(server.app)
+    loop.run_until_complete(runner.setup())
+    loop.run_until_complete(web.TCPSite(runner, "127.0.0.1", port).start())
+    threading.Thread(target=loop.run_forever, daemon=True).start()
+    try:
+        directory, ready = EndpointDirectory(), threading.Event()
+        assert directory.url("127.0.0.1", port) is None and directory.known("127.0.0.1", port) is None
+        url = "http://127.0.0.1:9"
+        register = threading.Thread(target=register_handoffs, args=("127.0.0.1", port, 0, 1, url, ready))
+        register.start()
+        register.join(timeout=30)
+        assert ready.is_set()
+        assert directory.url("127.0.0.1", port) == url == directory.known("127.0.0.1", port)
+    finally:
+        asyncio.run_coroutine_threadsafe(runner.cleanup(), loop).result(timeout=10)
+        loop.call_soon_threadsafe(loop.stop)
