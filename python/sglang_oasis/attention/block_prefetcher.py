@@ -1,7 +1,8 @@
 """The work of one prefetch-pipeline job: for one layer of a batch, predict (score the block summaries
-with the predicting query, or with ``--oasis-selector codes`` its attention over the coded keys), select (top-K per KV head), plan (capped delta against the resident
-working set) and transfer (copy the admitted blocks from the host tier into their slots; a block that
-just filled up is copied from the active blocks, on the device).
+with the predicting query, or with ``--oasis-selector codes`` its attention over the coded keys), select
+(top-K per KV head), plan (capped delta against the resident working set) and transfer (copy the
+admitted blocks from the host tier into their slots; a block that just filled up is copied from the
+active blocks, on the device).
 
 ``Selector`` builds the ``SelectionJob`` in the foreground, ``PrefetchPipeline`` runs
 ``BlockPrefetcher.run`` (in the background unless ``--oasis-prefetch sync``), and the selector folds the

@@ -23,16 +23,16 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
 
-def code_bytes_per_page(num_layers: int, block_size: int, num_kv_heads: int, head_dim: int) -> int:
-    """Device bytes of one host page's codes over every layer."""
-    return num_layers * block_size * num_kv_heads * (head_dim // PER_BYTE)
-
-
 class KeyCodeStore:
     def __init__(
-        self, summaries: BlockSummaryStore, num_layers: int, num_pages: int, num_kv_heads: int, head_dim: int,
+        self,
+        summaries: BlockSummaryStore,
+        num_layers: int,
+        num_pages: int,
+        num_kv_heads: int,
+        head_dim: int,
         device: torch.device | str,
-    ) -> None:  # fmt: skip
+    ) -> None:
         if head_dim % PER_BYTE:
             raise ValueError(f"--oasis-selector codes: head_dim {head_dim} is not a multiple of {PER_BYTE}")
         self.summaries = summaries
@@ -41,16 +41,13 @@ class KeyCodeStore:
         self.codes = torch.zeros(shape, dtype=torch.uint8, device=device)
         self.coded = torch.full((num_layers, num_pages), -1, dtype=torch.int64)  # host: the job's plan
 
-    @property
-    def nbytes(self) -> int:
-        return self.codes.numel()
-
     def ensure(self, layer: int, pages: torch.Tensor, kv_pool: MHATokenToKVPool) -> int:
         """Code the full ``pages`` (host page ids, any shape) not coded at their current epoch; returns
         how many were coded."""
         pages = pages.flatten().to(torch.int64).unique()
         epochs = self.summaries.epoch[pages]
-        stale = pages[self.coded[layer, pages] != epochs]
+        changed = self.coded[layer, pages] != epochs
+        stale = pages[changed]
         if not len(stale):
             return 0
         block = self.block_size
@@ -61,7 +58,7 @@ class KeyCodeStore:
         on_device = stale.to(device)
         kmin, kmax = self.summaries.lookup(layer, on_device)
         self.codes[layer, on_device] = encode_key_codes(keys, kmin, kmax)
-        self.coded[layer, stale] = self.summaries.epoch[stale]
+        self.coded[layer, stale] = epochs[changed]
         return len(stale)
 
     def block_mass(
