@@ -13,6 +13,8 @@ runs of the same shape with other prompts (default 1; the figures at the top lev
 - ``sparse_captured``: the same with ``--oasis-decode-step captured``;
 - ``sparse_codes``: ``sparse_eager`` with ``--oasis-selector codes`` (blocks ranked by their 2-bit key
   codes' attention mass; not in the default ``--modes``);
+- ``sparse_codes_prefilter``: ``sparse_codes`` scoring only each KV head's ``--code-candidates`` (4) x K
+  best blocks by the summaries' bound (``--oasis-code-candidates``; not in the default ``--modes``);
 - ``dense_floor``: the dense server with ``--floor-input-len`` (16) token prompts: a step with almost no
   context to attend, i.e. what every mode's step costs besides attention (projections, MLP, sampling,
   the scheduler). No attention can make a step cheaper than this; ``attention_ratio_<mode>`` = (its TPOT
@@ -47,7 +49,7 @@ from common import machine_info, print_table
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.server_process import ServerProcess, child_env
 
-MODES = ("dense", "sparse_eager", "sparse_captured", "sparse_codes", "dense_floor")
+MODES = ("dense", "sparse_eager", "sparse_captured", "sparse_codes", "sparse_codes_prefilter", "dense_floor")
 FIELDS = ("mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms", "output_throughput", "completed")
 
 
@@ -57,7 +59,9 @@ def server_args(mode: str, model: Path, args: argparse.Namespace) -> list[str]:
     if mode in ("dense", "dense_floor"):
         return [*common, "--oasis-mode", "dense", "--max-total-tokens", str(tokens)]
     step = "captured" if mode == "sparse_captured" else "eager"
-    codes = ["--oasis-selector", "codes"] if mode == "sparse_codes" else []
+    codes = ["--oasis-selector", "codes"] if mode.startswith("sparse_codes") else []
+    if mode == "sparse_codes_prefilter":
+        codes += ["--oasis-code-candidates", str(args.code_candidates)]
     return [*common, "--oasis-top-k", str(args.top_k), "--oasis-host-kv-tokens", str(tokens),
             "--oasis-decode-step", step, *codes]  # fmt: skip
 
@@ -101,7 +105,10 @@ def main() -> int:
     parser.add_argument("--top-k", type=int, default=32)
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--dtype", default="float32")
-    parser.add_argument("--modes", default=",".join(mode for mode in MODES if mode != "sparse_codes"))
+    parser.add_argument(
+        "--modes", default=",".join(mode for mode in MODES if not mode.startswith("sparse_codes"))
+    )
+    parser.add_argument("--code-candidates", type=int, default=4, help="sparse_codes_prefilter's m (m x K)")
     parser.add_argument("--warmup-runs", type=int, default=1, help="untimed runs first (other prompts)")
     parser.add_argument("--floor-input-len", type=int, default=16, help="dense_floor's prompt length")
     args = parser.parse_args()

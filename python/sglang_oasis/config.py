@@ -154,6 +154,15 @@ class OasisConfig:
             "choices": SELECTORS,
         },
     )
+    code_candidates: int = field(
+        default=0,
+        metadata={
+            "help": "With --oasis-selector codes: a request with more than m x top-K full blocks codes and "
+            "scores only each KV head's m x top-K best blocks by the min/max summaries' bound (m is this "
+            "value), instead of every full block: the selection's cost follows top-K, not the context. "
+            "0: every full block is scored.",
+        },
+    )
     evaluation_only: bool = field(
         default=False,
         metadata={
@@ -349,7 +358,13 @@ class OasisConfig:
             )
         if not 0 < self.fetch_ratio <= 1:
             raise OasisConfigError(f"{_option('fetch_ratio')}: must be in (0, 1], got {self.fetch_ratio}")
-        for name in ("sink_blocks", "prefill_window", "recall_sample_every", "remote_fetch_max_staged_mib"):
+        for name in (
+            "sink_blocks",
+            "prefill_window",
+            "recall_sample_every",
+            "remote_fetch_max_staged_mib",
+            "code_candidates",
+        ):
             if getattr(self, name) < 0:
                 raise OasisConfigError(f"{_option(name)}: must be >= 0, got {getattr(self, name)}")
         if not 0 <= self.recall_target < 1:
@@ -363,6 +378,8 @@ class OasisConfig:
             )
         if self.oracle:
             self._check_oracle()
+        if self.code_candidates and self.selector != "codes":
+            raise OasisConfigError(f"{_option('code_candidates')}: needs --oasis-selector codes")
         if self.selector == "codes" and self.decode_step == "captured":
             raise OasisConfigError(
                 f"{_option('selector')} codes: the captured step scores the min/max summaries only; "

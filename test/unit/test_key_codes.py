@@ -65,6 +65,37 @@ def test_coded_mass_equals_the_reference_with_awkward_sizes() -> None:
     assert torch.equal(alone[0], got[2])  # a request's scores do not depend on its batch
 
 
+def test_candidate_mass_equals_the_reference_and_scores_only_candidates() -> None:
+    """``--oasis-code-candidates``: each KV head's softmax over its own candidate blocks (different per
+    head, rows padded with -1) equals the float64 definition, and no other block scores; a row whose
+    candidates are all its full blocks scores as without candidates."""
+    generator = torch.Generator().manual_seed(1)
+    pages, block, kv_heads, group, dim = 17, 3, 3, 2, 8
+    keys = torch.randn(pages, block, kv_heads, dim, generator=generator)
+    kmin, kmax = boxes(keys)
+    codes = encode_key_codes(keys, kmin, kmax)
+    query = torch.randn(3, kv_heads * group, dim, generator=generator)
+    page_ids = torch.stack([torch.randperm(pages, generator=generator)[:9] for _ in range(3)])
+    full = torch.tensor([9, 6, 4])
+    candidates = torch.full((3, kv_heads, 5), -1)
+    for head in range(kv_heads):
+        candidates[0, head] = torch.randperm(9, generator=generator)[:5]
+        candidates[1, head, :2] = torch.randperm(6, generator=generator)[:2]
+    candidates[2, :, :4] = torch.arange(4)
+    got = coded_block_mass(query, kmin, kmax, codes, page_ids, full, 0.5, candidates)
+    expected = coded_block_mass_reference(query, kmin, kmax, keys, page_ids, full, 0.5, candidates)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    for row, count in ((0, 5), (1, 2)):
+        scored = got[row] > 0
+        assert torch.equal(scored.sum(-1), torch.full((kv_heads,), count))
+        for head in range(kv_heads):
+            wanted = set(candidates[row, head, :count].tolist())
+            assert set(scored[head].nonzero().flatten().tolist()) == wanted
+    torch.testing.assert_close(got.sum(-1), torch.full((3, kv_heads), float(group)))
+    whole = coded_block_mass(query[2:], kmin, kmax, codes, page_ids[2:], full[2:], 0.5)
+    torch.testing.assert_close(got[2], whole[0])
+
+
 def test_corner_keys_give_the_exact_attention_mass() -> None:
     """Keys at their box's corners (each channel its block's min or max) code exactly: the mass is the
     query's true attention mass per block."""
@@ -120,13 +151,19 @@ def test_the_store_codes_a_page_once_per_epoch() -> None:
     assert torch.equal(store.codes[1, 4], encode_key_codes(by_page[4:5], *boxes(by_page[4:5]))[0])
 
 
-def test_through_the_backend_the_next_working_set_is_the_coded_mass_top_k() -> None:
+@pytest.mark.parametrize("candidates", [0, 2])
+def test_through_the_backend_the_next_working_set_is_the_coded_mass_top_k(candidates: int) -> None:
     """An eager decode step with ``--oasis-selector codes`` (no cap, K = 6 of 18-62 blocks): each request's
     next working set per KV head holds the top-K blocks of its query's mass over its coded keys in
-    SGLang's pool, this step's token included; the summaries' bound would have chosen others."""
+    SGLang's pool, this step's token included; the summaries' bound would have chosen others. With
+    ``--oasis-code-candidates 2`` the mass is each head's softmax over its 12 best blocks by the bound
+    alone, and only those blocks' pages are coded (besides the admission's)."""
     config, _, _ = harness.configs("k_sparse_uncapped")
-    oasis = harness.admitted(dataclasses.replace(config, selector="codes"), {}, {})
+    config = dataclasses.replace(config, selector="codes", code_candidates=candidates)
+    oasis = harness.admitted(config, {}, {})
     assert oasis.tier.codes is not None
+    store = oasis.tier.codes.coded[harness.SPARSE_LAYER]
+    coded = set((store >= 0).nonzero().flatten().tolist())  # by the admission's selection
     harness.eager_step(oasis, 0)
     oasis.selector.finish_pending()
     q = harness.step_inputs(0)[0]
@@ -137,10 +174,12 @@ def test_through_the_backend_the_next_working_set_is_the_coded_mass_top_k() -> N
         pages = (req_to_token[req, 0 : full * harness.BLOCK : harness.BLOCK].long() // harness.BLOCK)[None]
         by_page = pool.k[harness.SPARSE_LAYER].view(-1, harness.BLOCK, harness.KV_HEADS, q.shape[-1])
         kmin, kmax = boxes(by_page)
-        mass = coded_block_mass_reference(
-            q[row : row + 1], kmin, kmax, by_page, pages, torch.tensor([full]), harness.SCALE
-        )[0]
         bound = score_blocks(q[row : row + 1], kmin[pages[0]], kmax[pages[0]])[0]
+        chosen = bound.topk(2 * 6).indices[None] if candidates else None  # [1, H, 12]
+        mass = coded_block_mass_reference(
+            q[row : row + 1], kmin, kmax, by_page, pages, torch.tensor([full]), harness.SCALE, chosen
+        )[0]
+        coded |= set(pages[0].tolist() if chosen is None else pages[0][chosen.flatten()].tolist())
         held = ws.slot_block[
             oasis.tier.slot(req), harness.SPARSE_LAYER
         ]  # [H, slots]: logical block ids, -1 empty
@@ -149,6 +188,7 @@ def test_through_the_backend_the_next_working_set_is_the_coded_mass_top_k() -> N
             assert set(held[head][held[head] >= 0].tolist()) == expected, (req, head)
             differs += expected != set(bound[head].topk(6).indices.tolist())
     assert differs > 0
+    assert set((store >= 0).nonzero().flatten().tolist()) == coded
     harness.stop(oasis)
 
 
@@ -166,5 +206,9 @@ def test_what_cannot_serve_codes_is_refused() -> None:
     assert not OasisConfig(selector="codes").oracle  # a serving mode, not the evaluation-only oracle
     with pytest.raises(OasisConfigError, match=r"--oasis-selector codes: .*--oasis-decode-step eager"):
         OasisConfig(selector="codes", decode_step="captured")
+    with pytest.raises(OasisConfigError, match=r"--oasis-code-candidates: needs --oasis-selector codes"):
+        OasisConfig(code_candidates=4)
+    with pytest.raises(OasisConfigError, match=r"--oasis-code-candidates: must be >= 0"):
+        OasisConfig(selector="codes", code_candidates=-1)
     with pytest.raises(ValueError, match="head_dim 6"):
         KeyCodeStore(SimpleNamespace(block_size=4), 1, 2, 1, 6, "cpu")  # type: ignore[arg-type]

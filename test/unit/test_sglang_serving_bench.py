@@ -13,7 +13,9 @@ from bench_sglang_serving import MODES, server_args, server_groups
 
 
 def test_sparse_servers_differ_only_in_the_decode_step() -> None:
-    args = argparse.Namespace(num_prompts=4, input_len=3000, output_len=128, dtype="float32", top_k=32)
+    args = argparse.Namespace(
+        num_prompts=4, input_len=3000, output_len=128, dtype="float32", top_k=32, code_candidates=4
+    )
     argv = {mode: server_args(mode, Path("/m"), args) for mode in MODES}
     assert argv["dense"][argv["dense"].index("--oasis-mode") + 1] == "dense"
     assert "--oasis-top-k" not in argv["dense"] and "--oasis-decode-step" not in argv["dense"]
@@ -24,6 +26,7 @@ def test_sparse_servers_differ_only_in_the_decode_step() -> None:
     assert eager[eager.index("--oasis-top-k") + 1] == "32"
     codes = argv["sparse_codes"]  # the eager step with the codes selector
     assert codes == [*eager, "--oasis-selector", "codes"]
+    assert argv["sparse_codes_prefilter"] == [*codes, "--oasis-code-candidates", "4"]
     # every server holds the whole run's KV: 4 x (3000 + 128) tokens and a margin
     for mode, tokens in (("dense", "--max-total-tokens"), ("sparse_eager", "--oasis-host-kv-tokens")):
         assert int(argv[mode][argv[mode].index(tokens) + 1]) >= 4 * 3128
@@ -32,6 +35,12 @@ def test_sparse_servers_differ_only_in_the_decode_step() -> None:
 
 
 def test_the_floor_runs_on_the_dense_server_started_once() -> None:
-    groups = [["dense", "dense_floor"], ["sparse_eager"], ["sparse_captured"], ["sparse_codes"]]
+    groups = [
+        ["dense", "dense_floor"],
+        ["sparse_eager"],
+        ["sparse_captured"],
+        ["sparse_codes"],
+        ["sparse_codes_prefilter"],
+    ]
     assert server_groups(list(MODES)) == groups
     assert server_groups(["dense_floor", "sparse_captured"]) == [["dense_floor"], ["sparse_captured"]]

@@ -105,9 +105,11 @@ class BlockPrefetcher:
         sink_blocks: int,
         num_kv_heads: int,
         codes: KeyCodeStore | None = None,
+        code_candidates: int = 0,
     ) -> None:
         self.working_sets = working_sets
         self.codes = codes  # --oasis-selector codes: blocks ranked by their coded keys' attention mass
+        self.code_candidates = code_candidates  # --oasis-code-candidates (0: every full block coded)
         self.summaries = summaries
         self.active = active
         self.kv_pool = kv_pool
@@ -198,13 +200,7 @@ class BlockPrefetcher:
             elif self.codes is not None:  # --oasis-selector codes: the decoded keys' attention mass
                 scores, coded = self._coded_mass(job, over, valid)
             else:
-                kmin, kmax = self.summaries.kmin[job.layer_id], self.summaries.kmax[job.layer_id]
-                device = kmin.device
-                queries, pages = (
-                    job.queries[over][:, None].to(device),
-                    job.pages[over].to(device, non_blocking=True),
-                )
-                scores = ops.score_paged_blocks(queries, kmin, kmax, pages)[:, 0].cpu()  # [n, H, N]
+                scores = self._bound(job, over)
             if job.pinned is not None:  # the window's blocks outrank every summary score
                 pinned = job.pinned[over]
                 forced = torch.zeros((*scores.shape[:-1], num_blocks + 1), dtype=torch.bool)
@@ -220,17 +216,41 @@ class BlockPrefetcher:
             priority[over] = scores.masked_fill(sinks, float("inf"))
         return selected, priority, int(over.sum()), coded
 
+    def _bound(self, job: SelectionJob, over: torch.Tensor) -> torch.Tensor:
+        """``[n, H, N]``: the ``over`` rows' blocks scored by the min/max summaries' bound for their
+        predicting query (Quest's score)."""
+        kmin, kmax = self.summaries.kmin[job.layer_id], self.summaries.kmax[job.layer_id]
+        device = kmin.device
+        queries, pages = job.queries[over][:, None].to(device), job.pages[over].to(device, non_blocking=True)
+        return ops.score_paged_blocks(queries, kmin, kmax, pages)[:, 0].cpu()
+
     def _coded_mass(
         self, job: SelectionJob, over: torch.Tensor, valid: torch.Tensor
     ) -> tuple[torch.Tensor, int]:
         """``[n, H, N]``: the ``over`` rows' blocks scored by the attention mass of their predicting query
         over their full blocks' coded keys (``key_code_store.py``), pages coded first where needed (how
-        many: the second value)."""
+        many: the second value). With ``--oasis-code-candidates m``, a row with more than m x K full blocks
+        codes and scores each KV head's m x K best by the summaries' bound alone (others score 0)."""
         codes = cast("KeyCodeStore", self.codes)
-        pages = job.pages[over]
-        coded = codes.ensure(job.layer_id, pages[valid[over]], self.kv_pool)
+        pages, full, valid = job.pages[over], job.full[over], valid[over]
+        candidates = None
+        if self.code_candidates:
+            counts = torch.minimum(full, self.code_candidates * job.top_k[over])  # [n]
+            if bool((counts < full).any()):
+                candidates = self._candidates(self._bound(job, over), valid, counts)
+        flat = None if candidates is None else candidates.flatten(1)  # [n, H * C]
+        needed = pages[valid] if flat is None else pages.gather(1, flat.clamp(min=0))[flat >= 0]
+        coded = codes.ensure(job.layer_id, needed, self.kv_pool)
         scale = job.scale or job.queries.shape[-1] ** -0.5
-        return codes.block_mass(job.layer_id, job.queries[over], pages, job.full[over], scale).cpu(), coded
+        return codes.block_mass(job.layer_id, job.queries[over], pages, full, scale, candidates).cpu(), coded
+
+    @staticmethod
+    def _candidates(bound: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``[n, H, max(counts)]``: each row's ``counts[row]`` best full blocks per KV head by ``bound``
+        ``[n, H, N]``, -1 past a row's count."""
+        scores = bound.masked_fill(~valid[:, None, :], float("-inf"))
+        ranked = scores.argsort(dim=-1, descending=True, stable=True)[..., : int(counts.max())]
+        return ranked.masked_fill(torch.arange(ranked.shape[-1]) >= counts[:, None, None], -1)
 
     def _copy_from_active(self, job: SelectionJob, plan: TransferPlan, fresh: torch.Tensor) -> torch.Tensor:
         """Copy the loads of blocks that just filled up and are still in the active blocks from there

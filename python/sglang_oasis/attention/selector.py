@@ -86,6 +86,7 @@ class Selector:
             config.sink_blocks,
             self.num_kv_heads,
             tier.codes,
+            config.code_candidates,
         )
         self.caps = FetchCaps(config, int(kv_pool.layer_num))
         # the captured decode step's results not folded into the host's tables yet (graphed_step.py)

@@ -62,12 +62,25 @@ class KeyCodeStore:
         return len(stale)
 
     def block_mass(
-        self, layer: int, queries: torch.Tensor, pages: torch.Tensor, full: torch.Tensor, scale: float
+        self,
+        layer: int,
+        queries: torch.Tensor,
+        pages: torch.Tensor,
+        full: torch.Tensor,
+        scale: float,
+        candidates: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """``[bs, kv_heads, N]``: each request's full blocks' attention mass for its query ``[bs, q_heads,
-        dim]`` over its decoded keys (``coded_block_mass``); blocks beyond ``full`` score 0."""
+        """``[bs, kv_heads, N]``: each request's full blocks' (or each KV head's ``candidates``') attention
+        mass for its query ``[bs, q_heads, dim]`` over their decoded keys (``coded_block_mass``); blocks
+        beyond ``full`` and outside the candidates score 0."""
         summaries, device = self.summaries, self.codes.device
         return coded_block_mass(
-            queries.to(device), summaries.kmin[layer], summaries.kmax[layer], self.codes[layer],
-            pages.to(device), full, scale,
-        )  # fmt: skip
+            queries.to(device),
+            summaries.kmin[layer],
+            summaries.kmax[layer],
+            self.codes[layer],
+            pages.to(device),
+            full,
+            scale,
+            None if candidates is None else candidates.to(device),
+        )

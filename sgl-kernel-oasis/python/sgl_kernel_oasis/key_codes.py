@@ -69,9 +69,10 @@ def coded_block_mass(
     pages: torch.Tensor,
     full: torch.Tensor,
     scale: float,
+    candidates: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Each full block's share of a query's attention over the decoded keys of its request's full
-    blocks, summed over each KV head's query heads.
+    blocks (or of each KV head's ``candidates`` alone), summed over each KV head's query heads.
 
     Args:
         query: ``[batch, num_q_heads, head_dim]``.
@@ -80,9 +81,12 @@ def coded_block_mass(
         pages: ``[batch, N]``: the page of each request's logical block.
         full: ``[batch]``: each request's full blocks (at most N; its blocks beyond score 0).
         scale: the attention's logit scale.
+        candidates: ``[batch, kv_heads, C]`` logical blocks (below ``full``; -1 pads a row, by as many
+            for every head): each KV head's softmax runs over its candidates' keys alone and its other
+            blocks score 0. None: every full block is every head's candidate.
 
     Returns:
-        ``[batch, kv_heads, N]`` float32 (each row's masses sum to the group size over its full blocks).
+        ``[batch, kv_heads, N]`` float32 (each row's masses sum to the group size over its candidates).
 
     Each request is computed on its own blocks alone, so its scores do not depend on the batch (the same
     greedy output in any batch).
@@ -90,18 +94,27 @@ def coded_block_mass(
     batch, num_q_heads, head_dim = query.shape
     num_kv_heads = kmin.shape[1]
     group = num_q_heads // num_kv_heads
+    heads = torch.arange(num_kv_heads, device=query.device)[:, None]
     out = torch.zeros((batch, num_kv_heads, pages.shape[1]), dtype=torch.float32, device=query.device)
     for row in range(batch):
         n = int(full[row])
-        if n == 0:
+        if candidates is None:
+            chosen = torch.arange(n, device=query.device).expand(num_kv_heads, n)
+        else:
+            chosen = candidates[row, :, : int((candidates[row, 0] >= 0).sum())].to(torch.int64)
+        if chosen.shape[1] == 0:
             continue
-        page = pages[row, :n].to(torch.int64)
-        keys = decode_key_codes(codes[page], kmin[page], kmax[page])  # [n, B, H, D]
-        keys = keys.permute(2, 3, 0, 1).reshape(num_kv_heads, head_dim, -1)  # [H, D, n * B]
+        page = pages[row].to(torch.int64)[chosen]  # [H, C]
+        count = page.numel()  # each (head, candidate) a one-head block
+        keys = decode_key_codes(
+            codes[page, :, heads].view(count, -1, 1, codes.shape[-1]),
+            kmin[page, heads].view(count, 1, head_dim),
+            kmax[page, heads].view(count, 1, head_dim),
+        ).view(num_kv_heads, -1, head_dim)  # [H, C * B, D]
         q = query[row].float().view(num_kv_heads, group, head_dim)
-        logits = torch.matmul(q, keys) * scale  # [H, G, n * B]
-        mass = logits.softmax(dim=-1).view(num_kv_heads, group, n, -1).sum(dim=(1, 3))
-        out[row, :, :n] = mass
+        logits = torch.matmul(q, keys.transpose(1, 2)) * scale  # [H, G, C * B]
+        mass = logits.softmax(dim=-1).view(num_kv_heads, group, chosen.shape[1], -1).sum(dim=(1, 3))
+        out[row].scatter_(1, chosen, mass)
     return out
 
 
@@ -113,9 +126,11 @@ def coded_block_mass_reference(
     pages: torch.Tensor,
     full: torch.Tensor,
     scale: float,
+    candidates: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``coded_block_mass`` from the uncoded ``keys`` (``[num_pages, block_size, kv_heads, head_dim]``),
-    rounding each channel to its level in plain arithmetic: the definition, one query head at a time."""
+    rounding each channel to its level in plain arithmetic: the definition, one query head at a time
+    (a head's softmax over its candidate blocks' keys alone when ``candidates`` is given)."""
     batch, num_q_heads, head_dim = query.shape
     num_kv_heads = kmin.shape[1]
     group = num_q_heads // num_kv_heads
@@ -133,7 +148,9 @@ def coded_block_mass_reference(
         decoded = lo + level * width / LEVELS  # [n, B, H, D]
         for head in range(num_q_heads):
             kv = head // group
-            flat = decoded[:, :, kv].reshape(-1, head_dim)  # [n * B, D]
+            blocks = list(range(n)) if candidates is None else candidates[row, kv].tolist()
+            blocks = [block for block in blocks if block >= 0]
+            flat = decoded[blocks, :, kv].reshape(-1, head_dim)  # [C * B, D]
             weights = torch.softmax(flat @ query[row, head].double() * scale, dim=0)
-            out[row, kv, :n] += weights.view(n, -1).sum(dim=1).float()
+            out[row, kv, blocks] += weights.view(len(blocks), -1).sum(dim=1).float()
     return out
