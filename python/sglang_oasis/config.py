@@ -145,7 +145,7 @@ class OasisConfig:
             "key of a full block also kept in the device tier to 2 bits per channel within its block's min/max "
             "box (head_dim / 4 bytes per token and KV head, as much again as bf16 summaries), and blocks ranked "
             "by the predicting query's softmax over those keys (an estimate of each block's attention mass, not "
-            "the summaries' bound); eager decode step, no remote partial fetching (a PD decode node's keys "
+            "the summaries' bound); no remote partial fetching (a PD decode node's keys "
             "stay on the prefill node). 'oracle' "
             "(evaluation only: needs --oasis-evaluation-only): each step's own query's exact attention mass "
             "picks its top-K blocks per KV head (it computes dense attention's scores to choose), the best "
@@ -157,7 +157,7 @@ class OasisConfig:
     code_candidates: int = field(
         default=0,
         metadata={
-            "help": "With --oasis-selector codes: a request with more than m x top-K full blocks codes and "
+            "help": "With --oasis-selector codes: a request with more than m x top-K full blocks "
             "scores only each KV head's m x top-K best blocks by the min/max summaries' bound (m is this "
             "value), instead of every full block: the selection's cost follows top-K, not the context. "
             "0: every full block is scored.",
@@ -380,11 +380,6 @@ class OasisConfig:
             self._check_oracle()
         if self.code_candidates and self.selector != "codes":
             raise OasisConfigError(f"{_option('code_candidates')}: needs --oasis-selector codes")
-        if self.selector == "codes" and self.decode_step == "captured":
-            raise OasisConfigError(
-                f"{_option('selector')} codes: the captured step scores the min/max summaries only; "
-                "--oasis-decode-step eager"
-            )
         if self.recall_target and self.recall_sample_every == 0:
             raise OasisConfigError(
                 f"{_option('recall_target')}: needs recall samples; --oasis-recall-sample-every is 0"

@@ -150,7 +150,7 @@ INDUCTOR_CACHE_ENV = "TORCHINDUCTOR_CACHE_DIR"
 def cpu_decode_step(argv: Sequence[str], config: OasisConfig) -> OasisConfig:
     """The CPU default of ``--oasis-decode-step`` (sparse mode): ``captured`` where it wins (its TPOT
     0.69-0.93x the eager step's, docs/results.md), or ``$SGLANG_OASIS_CPU_DECODE_STEP``; none where the
-    option is given, with ``--oasis-adaptive-cap`` or ``--oasis-selector oracle``/``codes`` (which the captured step
+    option is given, with ``--oasis-adaptive-cap`` or ``--oasis-selector oracle`` (which the captured step
     refuses) or with no fetch cap (``--oasis-fetch-ratio 1``: its fixed shape then copies a whole working
     set per head every step, 1.68x dense against the eager step's ~1.3x). Its compiles (``compile_plan``)
     go to a cache that outlives reboots (``$TORCHINDUCTOR_CACHE_DIR``, unless set: torch's under the
@@ -160,9 +160,7 @@ def cpu_decode_step(argv: Sequence[str], config: OasisConfig) -> OasisConfig:
             "--oasis-decode-step captured with --oasis-fetch-ratio 1: the fixed shape copies a whole working set "
             "per KV head every step (1.68x dense's TPOT measured, the eager step ~1.3x); a fetch cap is faster"
         )
-    eager_only = (
-        config.adaptive_cap or config.oracle or config.selector == "codes"
-    )  # the captured step refuses
+    eager_only = config.adaptive_cap or config.oracle  # the captured step refuses
     if given(argv, "--oasis-decode-step") or eager_only or config.fetch_ratio >= 1:
         return config
     step = os.environ.get(DECODE_STEP_ENV) or "captured"
@@ -268,7 +266,7 @@ def check_untested_cuda(argv: Sequence[str], sglang_argv: Sequence[str], config:
     there, and only where it is written (``serving_gates.py``: the backend asks the same); the decode step
     in SGLang's CUDA graphs is the captured one unless ``--oasis-decode-step`` is given."""
     graphs = not given(sglang_argv, "--disable-cuda-graph")
-    if graphs and not given(argv, "--oasis-decode-step") and config.selector != "codes":
+    if graphs and not given(argv, "--oasis-decode-step"):
         config = dataclasses.replace(config, decode_step="captured")
     serving = Serving(
         "cuda", tp_size=model_ranks(sglang_argv), cuda_graphs=graphs,

@@ -142,7 +142,7 @@ def test_the_cpu_default_decode_step_is_captured_unless_told(
         assert cpu_decode_step(argv, OasisConfig()).decode_step == "eager"
     assert cpu_decode_step([], OasisConfig(adaptive_cap=True)).decode_step == "eager"
     assert cpu_decode_step([], OasisConfig(fetch_ratio=1.0)).decode_step == "eager"  # no cap: eager wins
-    assert cpu_decode_step([], OasisConfig(selector="codes")).decode_step == "eager"  # captured: bound only
+    assert cpu_decode_step([], OasisConfig(selector="codes")).decode_step == "captured"  # coded_selection.py
     oracle = OasisConfig(selector="oracle", evaluation_only=True)  # its attention replaces the eager step's
     assert cpu_decode_step([], oracle).decode_step == "eager"
     monkeypatch.setenv(DECODE_STEP_ENV, "eager")
@@ -274,7 +274,6 @@ def test_a_pd_decode_server_on_cpu_backs_up_retracted_requests_in_plain_tensors(
             ["--oasis-selector", "codes", "--disaggregation-mode", "decode"],
             "--oasis-remote-fetch false",
         ),
-        (["--oasis-selector", "codes", "--oasis-decode-step", "captured"], "--oasis-decode-step eager"),
         (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm"),
         (["--speculative-draft-model-path", "/x"], "--speculative-draft-model-path needs --oasis-lookahead"),
         (["--oasis-lookahead", "eagle3", "--model-path", "/x"], "needs --speculative-draft-model-path"),

@@ -26,6 +26,7 @@ import pytest
 import torch
 from sglang.srt.model_executor.forward_batch_info import ForwardMode
 
+from sgl_kernel_oasis.key_codes import encode_key_codes
 from sglang_oasis.attention.decode_program import COUNTS, LayerState, StepPlan, StepShape, decode_layer
 from sglang_oasis.attention.oasis_backend import OasisAttnBackend
 from sglang_oasis.attention.sync_guard import HostSyncError, SyncGuard, fake_run
@@ -72,7 +73,7 @@ def admitted(config: OasisConfig, own_k: dict[int, int], pins: dict[int, list[in
     oasis.set_batch(reqs, admission=True)
     slots = oasis.batch.slots
     oasis.intake.catch_up(oasis.batch, SPARSE_LAYER, torch.tensor(CONTEXTS))
-    oasis.summarised[oasis.batch.req_index, SPARSE_LAYER] = torch.tensor(CONTEXTS)  # as an extend records it
+    oasis.intake.mark(oasis.batch.req_index, SPARSE_LAYER, torch.tensor(CONTEXTS))  # as an extend records it
     generator = torch.Generator().manual_seed(1)
     oasis.selector.select(oasis.batch, SPARSE_LAYER, torch.randn(len(reqs), Q_HEADS, DIM, generator=generator),
                           list(CONTEXTS))  # fmt: skip
@@ -189,6 +190,25 @@ def assert_same_state(eager: OasisAttnBackend, captured: OasisAttnBackend) -> No
     assert torch.equal(pool_one.k[SPARSE_LAYER][BLOCK:], pool_two.k[SPARSE_LAYER][BLOCK:])
 
 
+def assert_same_codes(eager: OasisAttnBackend, captured: OasisAttnBackend, step: int) -> None:
+    """``--oasis-selector codes``: after ``step``, every full block of every request is coded, the eager
+    step's codes (its selection jobs') and the captured step's (its program's) alike."""
+    if eager.tier.codes is None or captured.tier.codes is None:
+        return
+    table = eager.req_to_token_pool.req_to_token
+    for req, context in zip(REQS, CONTEXTS, strict=True):
+        full = (context + 1 + step) // BLOCK
+        pages = table[req, 0 : full * BLOCK : BLOCK].long() // BLOCK
+        ours, theirs = (
+            eager.tier.codes.codes[SPARSE_LAYER, pages],
+            captured.tier.codes.codes[SPARSE_LAYER, pages],
+        )
+        assert torch.equal(ours, theirs), (req, step)
+        keys = eager.token_to_kv_pool.k[SPARSE_LAYER].view(-1, BLOCK, KV_HEADS, DIM)[pages]
+        kmin, kmax = keys.amin(dim=1), keys.amax(dim=1)
+        assert torch.equal(theirs, encode_key_codes(keys, kmin, kmax)), (req, step)
+
+
 CASES = {
     # K < N with a cap of 2 blocks per head and step (K = 8), one sink block
     "k_sparse_capped": (dict(top_k=8, fetch_ratio=0.25, sink_blocks=1), {}, {}),
@@ -200,6 +220,14 @@ CASES = {
     "pinned": (dict(top_k=8, sink_blocks=1, prefill_window=16), {}, {2: [3, 7], 3: [10]}),
     # K covers every block: nothing to select, every block resident (the eager step's shortcut)
     "k_covering": (dict(top_k=80), {}, {}),
+    # --oasis-selector codes: every full block scored by its coded keys (coded_selection.py)
+    "codes": (dict(top_k=6, selector="codes", sink_blocks=1), {}, {}),
+    # the same over each head's 2 x K best blocks by the bound, each row its own K (2 / 4 / 6), a pin
+    "codes_candidates": (
+        dict(top_k=4, selector="codes", code_candidates=2, recall_max_top_k=6, prefill_window=16),
+        {1: 2, 3: 6},
+        {2: [5]},
+    ),
 }
 
 
@@ -222,6 +250,7 @@ def test_captured_step_equals_eager_step(case: str) -> None:
         out, counts = captured_step(captured, step)
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
         assert_same_state(eager, captured)
+        assert_same_codes(eager, captured, step)
         totals += counts.sum(dim=0)
     eager.selector.finish_pending()  # the last step's job is folded in at the next wait
     after = eager.stats.snapshot()
@@ -262,8 +291,9 @@ def _with_one_item(*args: Any) -> Any:
     return out, counts
 
 
-def test_captured_step_has_no_host_sync() -> None:
-    config, own_k, pins = configs("k_sparse_capped")
+@pytest.mark.parametrize("case", ["k_sparse_capped", "codes_candidates"])
+def test_captured_step_has_no_host_sync(case: str) -> None:
+    config, own_k, pins = configs(case)
     captured = admitted(config, own_k, pins)
     for step in range(3):
         inputs = captured_inputs(captured, step)  # the host plan may sync; the step may not
@@ -285,11 +315,12 @@ def test_eager_step_is_what_the_guard_catches() -> None:
     stop(eager)
 
 
-def test_compiled_step_captures_whole_once_per_bucket() -> None:
+@pytest.mark.parametrize("case", ["k_sparse_capped", "codes_candidates"])
+def test_compiled_step_captures_whole_once_per_bucket(case: str) -> None:
     """fullgraph: no graph break; one graph per batch bucket across steps and layers (the views of
     layer 0 and layer 1 have the same strides); outputs equal to the eager program's."""
     graphs, compiled = counted_program()
-    config, own_k, pins = configs("k_sparse_capped")
+    config, own_k, pins = configs(case)
     eager, captured = admitted(config, own_k, pins), admitted(config, own_k, pins)
     for step in range(6):
         for layer_id in (0, SPARSE_LAYER):

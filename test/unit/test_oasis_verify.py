@@ -117,7 +117,7 @@ def test_draft_row_query_selects_the_next_working_set() -> None:
     held = backend.working_sets.slot_block[0, 0, 0].tolist()
     assert held == [2], f"the draft row should select block 2, the working set holds {held}"
     # The real row's key (position seq_len) is in the summaries, the draft's (seq_len + 1) is not yet.
-    assert int(backend.summarised[0, 0]) == seq_len + 1
+    assert int(backend.intake.summarised[0, 0]) == seq_len + 1
 
 
 def test_verify_rows_attend_causally_over_the_whole_context_when_k_covers_it() -> None:
@@ -212,7 +212,7 @@ def test_a_remotely_fetched_arrival_starts_from_the_prefill_selection(mode: Forw
 
     arrive(0)
     assert not backend.batch.admission, "no dense first step for the fetched request"
-    assert backend.summarised[0, 0] == prompt and backend.working_sets.covered[0, 0] == 4
+    assert backend.intake.summarised[0, 0] == prompt and backend.working_sets.covered[0, 0] == 4
     assert sorted(backend.working_sets.slot_block[0, 0, 0].tolist()) == [1, 3]
     assert backend.pinned[0, 0, 0].tolist() == [3], "the prefill window's pins arrive with the hand-off"
     assert torch.equal(backend.pd.admission_pins(0, prompt), pinned)

@@ -176,6 +176,29 @@ def test_where_things_are_names_files_that_exist() -> None:
     assert unnamed == [], "modules design.md's table does not name"
 
 
+# A piece of shared state -> how a write to it reads in the source, and the one runtime file that writes it
+# (everyone else calls the owner's methods: KVIntake.mark/restart, Selector.prompts_extended,
+# BlockSummaryStore.update/recycle; docs/design.md's "Who writes what").
+STATE_WRITERS = {
+    "summarised": (r"summarised\[[^\]]*\]\s*=(?!=)", "attention/kv_intake.py"),
+    "prompt_len": (r"prompt_len(\[[^\]]*\]\s*=(?!=)|\.update\(|\.pop\(|\.clear\()", "attention/selector.py"),
+    "summary epochs": (r"\bepoch\[[^\]]*\]\s*[-+]?=(?!=)", "memory/summary_store.py"),
+}
+
+
+def test_each_piece_of_shared_state_has_one_writer() -> None:
+    package = ROOT / "python/sglang_oasis"
+    sources = {str(path.relative_to(package)): path.read_text() for path in package.rglob("*.py")}
+    for state, (pattern, owner) in STATE_WRITERS.items():
+        writers = sorted(name for name, text in sources.items() if re.search(pattern, text))
+        assert writers == [owner], f"{state} is written in {writers}"
+    design = (ROOT / "docs/design.md").read_text()
+    assert all(
+        f"`{owner.split('/')[-1]}`" in design.split("## Who writes what", 1)[1]
+        for _, owner in STATE_WRITERS.values()
+    )
+
+
 def test_no_attention_file_is_a_god_object() -> None:
     """The oasis backend is an adapter over parts in their own files; none grows past ~300 lines."""
     sizes = {

@@ -193,12 +193,13 @@ class BlockPrefetcher:
         selected = valid[:, None, :].expand(-1, self.num_kv_heads, -1).clone()
         priority = torch.zeros(selected.shape)
         over = job.full > job.top_k + self.sink_blocks
-        coded = 0
+        # every row's full blocks coded, scored here or not: the captured step codes only what fills
+        coded = 0 if self.codes is None else self.codes.ensure(job.layer_id, job.pages[valid], self.kv_pool)
         if bool(over.any()):
             if job.prior is not None:
                 scores = job.prior[over]  # [n, H, N]
             elif self.codes is not None:  # --oasis-selector codes: the decoded keys' attention mass
-                scores, coded = self._coded_mass(job, over, valid)
+                scores = self._coded_mass(job, over, valid)
             else:
                 scores = self._bound(job, over)
             if job.pinned is not None:  # the window's blocks outrank every summary score
@@ -224,13 +225,11 @@ class BlockPrefetcher:
         queries, pages = job.queries[over][:, None].to(device), job.pages[over].to(device, non_blocking=True)
         return ops.score_paged_blocks(queries, kmin, kmax, pages)[:, 0].cpu()
 
-    def _coded_mass(
-        self, job: SelectionJob, over: torch.Tensor, valid: torch.Tensor
-    ) -> tuple[torch.Tensor, int]:
+    def _coded_mass(self, job: SelectionJob, over: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
         """``[n, H, N]``: the ``over`` rows' blocks scored by the attention mass of their predicting query
-        over their full blocks' coded keys (``key_code_store.py``), pages coded first where needed (how
-        many: the second value). With ``--oasis-code-candidates m``, a row with more than m x K full blocks
-        codes and scores each KV head's m x K best by the summaries' bound alone (others score 0)."""
+        over their full blocks' coded keys (``key_code_store.py``). With ``--oasis-code-candidates m``, a
+        row with more than m x K full blocks scores each KV head's m x K best by the summaries' bound
+        alone (others score 0)."""
         codes = cast("KeyCodeStore", self.codes)
         pages, full, valid = job.pages[over], job.full[over], valid[over]
         candidates = None
@@ -238,11 +237,8 @@ class BlockPrefetcher:
             counts = torch.minimum(full, self.code_candidates * job.top_k[over])  # [n]
             if bool((counts < full).any()):
                 candidates = self._candidates(self._bound(job, over), valid, counts)
-        flat = None if candidates is None else candidates.flatten(1)  # [n, H * C]
-        needed = pages[valid] if flat is None else pages.gather(1, flat.clamp(min=0))[flat >= 0]
-        coded = codes.ensure(job.layer_id, needed, self.kv_pool)
         scale = job.scale or job.queries.shape[-1] ** -0.5
-        return codes.block_mass(job.layer_id, job.queries[over], pages, full, scale, candidates).cpu(), coded
+        return codes.block_mass(job.layer_id, job.queries[over], pages, full, scale, candidates).cpu()
 
     @staticmethod
     def _candidates(bound: torch.Tensor, valid: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:

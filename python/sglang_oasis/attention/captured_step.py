@@ -64,7 +64,6 @@ class StepParts(Protocol):
     sparse_layers: list[int]
     selector: Selector
     intake: KVIntake
-    summarised: torch.Tensor
     strict: StrictMode | None
     recall: RecallProbe
 
@@ -116,8 +115,8 @@ class CapturedStep:
         # Every row's KV in the local host tier? (remote partial fetching: until a request's remaining
         # blocks are read, its passes run eagerly, reading what its working sets need)
         self.local: Callable[[BatchView], bool] = lambda batch: True
-        # [request rows, layers]: positions whose keys are in the summaries (``KVIntake.summarised``)
-        self.summarised: torch.Tensor | None = None
+        # The step folds its token into every sparse layer's summaries: they are summarised up to ``upto``
+        self.summarised: Callable[[BatchView, torch.Tensor], None] = lambda batch, upto: None
         # Keys committed since the last summary update into every sparse layer's summaries (``KVIntake.catch_up``)
         self.catch_up: Callable[[BatchView, torch.Tensor], None] = lambda batch, upto: None
 
@@ -138,8 +137,10 @@ class CapturedStep:
         selector = backend.selector
         step.finish_pending, step.before_select = selector.finish_pending, selector.before_select
         step.account = selector.account
-        step.summarised, step.probe = backend.summarised, backend.recall
-        step.catch_up = lambda batch, upto: backend.intake.catch_up_layers(batch, backend.sparse_layers, upto)
+        intake, layers = backend.intake, backend.sparse_layers
+        step.summarised = lambda batch, upto: intake.mark(batch.req_index, layers, upto)
+        step.probe = backend.recall
+        step.catch_up = lambda batch, upto: intake.catch_up_layers(batch, layers, upto)
         remote = selector.prefetcher.remote  # remote partial fetching (a PD decode node)
         step.covers = lambda: backend.strict is None and selector.faults.prompt_len is None and (
             remote is None or remote.tp_size == 1  # under TP the ranks' blocks arrive apart: eager
@@ -220,8 +221,7 @@ class CapturedStep:
             bucket(bs, self.batch_buckets), bucket(full, self.block_buckets), drafts, tree, recall,
         )  # fmt: skip
         self.slots.prefixes.record(batch.slots, plan.pages[:bs, :full], seq_lens // block, summaries.epoch)
-        if self.summarised is not None:  # the step folds its token into every sparse layer's summaries
-            self.summarised[batch.req_index[:, None], torch.tensor(self.sparse_layers)] = seq_lens[:, None]
+        self.summarised(batch, seq_lens)
         self.plan, self.rows, self.planned = self.upload(plan, batch), bs, Planned(batch, seq_lens, plan)
         torch._dynamo.maybe_mark_dynamic(self.plan.pages, 1)  # one graph for every block bucket
         self.layers_done = 0

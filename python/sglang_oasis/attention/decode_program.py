@@ -41,6 +41,7 @@ import torch
 
 from sgl_kernel_oasis import ops
 from sglang_oasis.attention import recall_program
+from sglang_oasis.attention.coded_selection import code_blocks, coded_scores
 from sglang_oasis.attention.decode_ops import INT64_MAX, Copies, at_most, attend, copy_blocks, fold_summaries
 from sglang_oasis.attention.layer_state import LayerState
 from sglang_oasis.attention.step_plan import StepPlan, StepShape
@@ -97,6 +98,8 @@ def attend_and_plan(
         state.host_k.index_put_((drafts,), k_rows[:, 1:].flatten(0, 1).to(state.host_k.dtype))
         state.host_v.index_put_((drafts,), v_rows[:, 1:].flatten(0, 1).to(state.host_v.dtype))
     fold_summaries(state, locs, k_rows[:, 0].to(state.kmin.dtype), block)
+    if state.codes is not None:  # --oasis-selector codes: the token's block's keys coded (and the one before)
+        code_blocks(state, plan, block)
     new_rows = (
         slots[:, None] * span + (position[:, None] + torch.arange(rows, device=device)) % span
     )  # [bs, R]
@@ -144,6 +147,8 @@ def attend_and_plan(
     over = (full > capacity)[:, None, None]
     # Triton's kernel on CUDA (in the graph; no sync, a grid from the shapes), the reference on CPU
     scores = ops.score_paged_blocks(query[:, None], state.kmin, state.kmax, plan.pages)[:, 0]  # [bs, H, N]
+    if shape.code_candidates is not None:  # --oasis-selector codes: the candidates' coded attention mass
+        scores = coded_scores(shape, state, plan.pages, query, scores, in_range, top_k, scale)
     pins = state.pinned[slots]
     pinned = torch.zeros((bs, heads, num_blocks + 1), dtype=torch.bool, device=device)
     pinned = pinned.scatter(-1, torch.where(pins >= 0, pins, num_blocks), True)[..., :num_blocks]

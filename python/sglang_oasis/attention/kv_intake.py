@@ -39,7 +39,19 @@ class KVIntake:
                   upto: torch.Tensor) -> None:  # fmt: skip
         """Fold the keys at host ``locations`` in; the batch's requests are summarised up to ``upto``."""
         self.summaries.update(layer_id, locations, keys.reshape(len(locations), self.num_kv_heads, -1))
-        self.summarised[batch.req_index, layer_id] = upto
+        self.mark(batch.req_index, layer_id, upto)
+
+    def mark(self, reqs: torch.Tensor, layers: int | list[int], upto: torch.Tensor) -> None:
+        """Request rows ``reqs`` are summarised up to ``upto`` (a position each) at ``layers``."""
+        if isinstance(layers, int):
+            self.summarised[reqs, layers] = upto
+        else:
+            self.summarised[reqs[:, None], torch.tensor(layers)] = upto[:, None]
+
+    def restart(self, req: int, position: int = 0) -> None:
+        """Request row ``req``'s keys from ``position`` on are not summarised at any layer (its next
+        ``catch_up`` folds them in)."""
+        self.summarised[req] = position
 
     def extend(
         self, batch: BatchView, layer_id: int, seq_lens: torch.Tensor, extend_lens: list[int], locations: torch.Tensor,

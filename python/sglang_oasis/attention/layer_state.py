@@ -34,6 +34,7 @@ class LayerState(NamedTuple):
     # the recall probe's (a recall-sample pass): its streak [slots] int64 and last sample [slots, 2, H]
     recall_streak: torch.Tensor | None = None
     recall: torch.Tensor | None = None
+    codes: torch.Tensor | None = None  # --oasis-selector codes' [pages, B, H, D / 4] uint8
 
     @classmethod
     def of(cls, tier: DeviceTier, kv_pool: MHATokenToKVPool, layer: int) -> LayerState:
@@ -45,5 +46,5 @@ class LayerState(NamedTuple):
             summaries.kmax[layer], ws.k[:, layer], ws.v[:, layer], t["slot_block"][:, layer],
             t["last_selected"][:, layer], t["covered"][:, layer], t["top_k"][:, layer], t["pinned"][:, layer],
             active.k[layer], active.v[layer], t["active_start"][:, layer], t["active_end"][:, layer],
-            t["recall_streak"][:, layer], t["recall"][:, layer],
+            t["recall_streak"][:, layer], t["recall"][:, layer], None if tier.codes is None else tier.codes.codes[layer],
         )  # fmt: skip

@@ -100,12 +100,11 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
             config.recall_target, config.max_top_k,
         )  # fmt: skip
         self.intake = KVIntake(tier, self.attention, pool, len(self.req_to_token_pool.req_to_token))
-        self.summarised = self.intake.summarised
-        self.pd = PDNode(config, self.slots, self.selector, pool, self.summarised, self.stats, self.failures)
+        self.pd = PDNode(config, self.slots, self.selector, pool, self.intake, self.stats, self.failures)
         self.batch = BatchView.empty()
         self.step = 0
         self.pd.start(args)  # remote partial fetching under PD disaggregation
-        self.retractions = Retractions(self.slots, self.selector, self.attention, self.recall, self.summarised,
+        self.retractions = Retractions(self.slots, self.selector, self.attention, self.recall, self.intake,
                                        self.stats, self.sparse_layers, lambda: self.step, self.pd)  # fmt: skip
         captured = config.decode_step == "captured"  # captured_step.py; CUDA graphs: graph_hooks.py
         self.captured = CapturedStep.for_backend(self, model_runner) if captured else None
@@ -152,7 +151,7 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
         admission: bool | torch.Tensor = mode.is_extend() and not mode.is_target_verify()
         if admission:
             self._admit(reqs, generations, prefix_lens or [0] * len(reqs))
-            self.selector.prompt_len.update(zip(reqs, seq_lens, strict=True))
+            self.selector.prompts_extended(reqs, seq_lens)
             self.recall.restart(reqs)
             if keys:  # retracted requests re-prefilled: they go on where they were (retraction.py)
                 admission = ~self.retractions.resume_extend(reqs, generations, seq_lens, keys, self.step)
@@ -214,7 +213,7 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
                 self.batch, layer_id, seq_lens_cpu, extend_lens, forward_batch.out_cache_loc, k, v
             )
         else:  # nothing new to fold in (KVIntake.extend records it otherwise)
-            self.summarised[self.batch.req_index, layer_id] = seq_lens_cpu
+            self.intake.mark(self.batch.req_index, layer_id, seq_lens_cpu)
         q_rows = q.view(-1, layer.tp_q_head_num, layer.qk_head_dim)
         assert forward_batch.extend_seq_lens is not None  # SGLang's ForwardBatch: None outside extends
         last = torch.cumsum(forward_batch.extend_seq_lens, 0) - 1  # last new token of each request

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from sglang_oasis.attention.kv_intake import KVIntake
 from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.attention.selector import Selector
 from sglang_oasis.attention.transfer_failures import TransferFailures
@@ -47,7 +48,7 @@ class PDNode:
         slots: RequestSlots,
         selector: Selector,
         kv_pool: MHATokenToKVPool,
-        summarised: torch.Tensor,
+        intake: KVIntake,
         stats: OasisStats,
         failures: TransferFailures,
     ) -> None:
@@ -60,7 +61,7 @@ class PDNode:
         self.req_to_token_pool = slots.req_pool
         self.kv_pool = self.token_to_kv_pool = kv_pool
         self.dense_layers = frozenset(config.dense_layers)
-        self.summarised = summarised  # [req rows, layers] positions whose keys are in the summaries
+        self.intake = intake  # the summarised positions' owner
         self.stats = stats
         self.failures = failures
         self.block_size = slots.block_size
@@ -157,7 +158,7 @@ class PDNode:
             self.stats.add("arrived_requests")
             slot = self.slots.claim(req, generation)  # no window here (a hand-off may bring pins)
             prompt = seq_lens[row] - (0 if verify else 1)
-            self.selector.prompt_len[req] = prompt
+            self.selector.prompts_extended([req], [prompt])
             fetched = self.remote.take_arrival(req, generation) if self.remote else None
             if fetched is not None and fetched.num_tokens == prompt:
                 self.start_from_handoff(req, generation, slot, fetched, step)
@@ -166,14 +167,14 @@ class PDNode:
                 message = f"oasis: request row {req} arrived with {fetched.num_tokens} staged tokens for a {prompt}-token prompt"
                 logger.error(message)
                 self.failures.report(req, generation, message)
-            self.summarised[req] = 0
+            self.intake.restart(req)
             dense_step[row] = True
         return dense_step
 
     def start_from_handoff(self, req: int, generation: int, slot: int, arrival: Arrival, step: int) -> None:
         """Working sets = the prefill node's first selection (its blocks were read at admission, or
         arrived with the whole KV; then its summaries are caught up from the pool at this step)."""
-        self.summarised[req] = arrival.num_tokens if arrival.summaries_read else 0
+        self.intake.restart(req, arrival.num_tokens if arrival.summaries_read else 0)
         full = arrival.selection.shape[2]
         slots = torch.tensor([slot], dtype=torch.int64)
         block = self.block_size

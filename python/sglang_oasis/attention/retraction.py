@@ -44,6 +44,7 @@ from typing import TYPE_CHECKING, NamedTuple
 import torch
 
 from sglang_oasis.attention.batch_view import BatchView, extend_prefix_lens, extend_seq_lens
+from sglang_oasis.attention.kv_intake import KVIntake
 from sglang_oasis.attention.pd_node import PDNode
 from sglang_oasis.attention.recall_probe import RecallProbe
 from sglang_oasis.attention.request_slots import RequestSlots
@@ -78,13 +79,13 @@ class SavedSelection(NamedTuple):
 class Retractions:
     def __init__(
         self, slots: RequestSlots, selector: Selector, attention: SparseAttention, recall: RecallProbe,
-        summarised: torch.Tensor, stats: OasisStats, sparse_layers: list[int], step: Callable[[], int],
+        intake: KVIntake, stats: OasisStats, sparse_layers: list[int], step: Callable[[], int],
         pd: PDNode,
     ) -> None:  # fmt: skip
         self.slots, self.selector, self.attention, self.recall, self.pd = slots, selector, attention, recall, pd  # fmt: skip
         self.tier = slots.tier
         self.working_sets = slots.working_sets
-        self.summarised = summarised  # [req rows, layers] positions whose keys are in the summaries
+        self.intake = intake  # the summarised positions' owner
         self.stats = stats
         self.req_pool, self.kv_pool = attention.req_to_token_pool, attention.kv_pool
         self.layers = sparse_layers  # the backend's (its layers but ``--oasis-dense-layers``)
@@ -195,13 +196,13 @@ class Retractions:
             logger.info("oasis: request %s resumed at step %d with %d tokens from its kept %s", key, step,
                         committed, "hand-off" if isinstance(saved, Arrival) else "selection state")  # fmt: skip
             if isinstance(saved, Arrival):  # its hand-off, as its first step here would have taken it
-                self.selector.prompt_len[req] = committed
+                self.selector.prompts_extended([req], [committed])
                 self.pd.start_from_handoff(req, generation, slot, saved, step)
-                self.summarised[req] = 0  # the hand-off's summaries went to its old pages: caught up
+                self.intake.restart(req)  # the hand-off's summaries went to its old pages: caught up
                 continue
             self._restore(saved, req, generation, slot, step)
             self._load(torch.tensor([slot]), torch.tensor([req]), self.layers)
-            self.summarised[req] = 0  # caught up from the restored pages at this step (exact min/max)
+            self.intake.restart(req)  # caught up from the restored pages at this step (exact min/max)
             self.attention.load_tail(req, slot, self.layers, committed, 0 if verify else 1)
 
     # --- re-prefill: the KV is recomputed by an extend ----------------------------------------------
@@ -290,7 +291,7 @@ class Retractions:
         sets.top_k[slot] = saved.top_k
         self.tier.pinned[slot] = saved.pinned
         if saved.prompt_len is not None:
-            self.selector.prompt_len[req] = saved.prompt_len
+            self.selector.prompts_extended([req], [saved.prompt_len])
         self.recall.resume(req, generation, slot, saved.probe)
 
     def _load(self, slots: torch.Tensor, reqs: torch.Tensor, layers: list[int]) -> None:

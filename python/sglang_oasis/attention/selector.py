@@ -76,7 +76,7 @@ class Selector:
         self.stats = stats
         self.failures = failures
         self.faults = faults
-        self.prompt_len: dict[int, int] = {}  # request row -> tokens after its last extend
+        self.prompt_len: dict[int, int] = {}  # request row -> tokens after its last extend (its one writer)
         self.pipeline: PrefetchPipeline[JobResult] = PrefetchPipeline(config.prefetch == "async", device)
         self.prefetcher = BlockPrefetcher(
             self.working_sets,
@@ -94,6 +94,10 @@ class Selector:
         # called with (batch, layer, seq_lens) before a selection changes the working sets (retraction.py;
         # layer None: every layer, before a captured pass)
         self.before_select: Callable[[BatchView, int | None, list[int]], None] | None = None
+
+    def prompts_extended(self, reqs: list[int], lengths: list[int]) -> None:
+        """Request rows ``reqs`` hold ``lengths`` tokens after an extend (fault injection picks them so)."""
+        self.prompt_len.update(zip(reqs, lengths, strict=True))
 
     def select(
         self,

@@ -22,6 +22,9 @@ class StepShape(NamedTuple):
     fetch_ratio: float  # per-head cap = ceil(ratio x the row's K); >= 1: no cap
     copies: int  # M: the copies per KV head and step the graph has room for
     padding_slot: int  # request slot padding rows (and masked copies) write into
+    # --oasis-selector codes: each head's m x K best blocks by the bound are scored by their coded keys
+    # (m = --oasis-code-candidates; 0: every full block); None: the bound alone (the summaries selector)
+    code_candidates: int | None = None
 
     @classmethod
     def of(cls, config: OasisConfig, span: int, slots_per_head: int, padding_slot: int) -> StepShape:
@@ -31,8 +34,9 @@ class StepShape(NamedTuple):
             copies = slots_per_head
         else:
             copies = min(slots_per_head, math.ceil(config.fetch_ratio * config.max_top_k) + 1)
+        codes = config.code_candidates if config.selector == "codes" else None
         return cls(config.block_size, span, config.sink_blocks, config.max_top_k, float(config.fetch_ratio),
-                   copies, padding_slot)  # fmt: skip
+                   copies, padding_slot, codes)  # fmt: skip
 
 
 class StepPlan(NamedTuple):

@@ -144,8 +144,7 @@ class DecodeFetcher:
         for name, value in admitted.reads._asdict().items():
             stats.add(f"remote_{name}", value)
         stats.add("remote_draft_bytes", admitted.draft_bytes)
-        summaries = self.backend.summaries
-        summaries.epoch[admitted.local_pages[admitted.cached_blocks :]] += 1  # these pages now hold other KV
+        self.backend.summaries.recycle(admitted.local_pages[admitted.cached_blocks :])
         return True
 
     def take_arrival(self, slot: int, generation: int) -> Arrival | None:

@@ -56,6 +56,11 @@ class BlockSummaryStore:
             locations = locations.cpu().to(torch.int64)  # an eager step's (a captured pass's: host already)
             self.epoch[locations[locations % self.block_size == 0] // self.block_size] += 1
 
+    def recycle(self, pages: torch.Tensor) -> None:
+        """``pages`` now hold other KV, written without ``update`` (a PD arrival's pages, read from the
+        prefill node): bump their epochs, so records made of them before no longer match."""
+        self.epoch[pages] += 1
+
     def lookup(self, layer: int, pages: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(kmin, kmax)`` of the given pages: each ``[len(pages), kv_heads, head_dim]``."""
         return self.kmin[layer, pages], self.kmax[layer, pages]

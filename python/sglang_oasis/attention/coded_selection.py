@@ -1,0 +1,75 @@
+"""``--oasis-selector codes`` inside the captured decode step (``decode_program.py``): fixed shapes, no
+host sync; the eager step's forms are ``KeyCodeStore.ensure`` and ``BlockPrefetcher._coded_mass``.
+
+- ``code_blocks``: every step codes each row's last two full blocks (this step's token may have filled
+  the last; a verify pass's accepted drafts the one before), from the host tier's keys and the
+  summaries' boxes. A full block's codes never change (the same keys in the same box), so coding it
+  again writes what is there. Every eager selection, admissions included, codes its rows' full blocks
+  not coded at their epoch (``KeyCodeStore.ensure``), so between the two every full block is coded.
+- ``coded_scores``: each KV head's candidates (its ``m x K`` best blocks by the bound, every full block
+  with m = 0) scored by the query's softmax over their decoded keys; the other blocks score 0.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from sgl_kernel_oasis.key_codes import decode_key_codes, encode_key_codes
+from sglang_oasis.attention.decode_ops import at_most
+from sglang_oasis.attention.layer_state import LayerState
+from sglang_oasis.attention.step_plan import StepPlan, StepShape
+
+
+def code_blocks(state: LayerState, plan: StepPlan, block: int) -> None:
+    """Write the codes of each row's last two full blocks (after this step's key joined its page's
+    summary; a row with fewer codes its first page, SGLang's padding page for padding rows)."""
+    codes = state.codes
+    assert codes is not None
+    bs, device = plan.slots.shape[0], plan.slots.device
+    last = plan.seq_lens // block - 1
+    logical = torch.stack([last, last - 1], dim=1).clamp(min=0)  # [bs, 2]
+    pages = plan.pages.gather(1, logical).flatten()  # [bs * 2]
+    tokens = (pages[:, None] * block + torch.arange(block, device=device)).flatten()
+    keys = state.host_k[tokens].view(bs * 2, block, *state.host_k.shape[1:])
+    kmin, kmax = state.kmin[pages], state.kmax[pages]
+    codes.index_put_((pages,), encode_key_codes(keys, kmin, kmax))
+
+
+def coded_scores(
+    shape: StepShape,
+    state: LayerState,
+    pages: torch.Tensor,
+    query: torch.Tensor,
+    bound: torch.Tensor,
+    in_range: torch.Tensor,
+    top_k: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``[bs, H, N]``: the blocks' coded attention mass for ``query`` ``[bs, q_heads, D]`` over each KV
+    head's candidates, chosen by ``bound`` ``[bs, H, N]`` among the full blocks (``in_range``); a row
+    has ``min(full, m x its K)`` candidates, as ``BlockPrefetcher._candidates`` gives them."""
+    codes = state.codes
+    assert codes is not None and shape.code_candidates is not None
+    bs, heads, num_blocks = bound.shape
+    full = in_range[:, 0].sum(dim=-1)  # [bs]
+    m = shape.code_candidates
+    width = num_blocks if m == 0 else at_most(m * shape.max_top_k, num_blocks)
+    count = full if m == 0 else torch.minimum(full, m * top_k)
+    ranked = bound.masked_fill(~in_range, float("-inf")).topk(width, dim=-1).indices  # [bs, H, W]
+    valid = torch.arange(width, device=bound.device) < count[:, None, None]
+    page = pages.gather(1, ranked.flatten(1)).view(bs, heads, width)
+    head = torch.arange(heads, device=bound.device)[None, :, None]
+    dim = query.shape[-1]
+    blocks = bs * heads * width  # each (row, head, candidate) a one-head block
+    keys = decode_key_codes(
+        codes[page, :, head].view(blocks, -1, 1, codes.shape[-1]),
+        state.kmin[page, head].view(blocks, 1, dim),
+        state.kmax[page, head].view(blocks, 1, dim),
+    ).view(bs, heads, -1, dim)  # [bs, H, W * B, D]
+    q = query.float().view(bs, heads, -1, dim)  # [bs, H, G, D]
+    logits = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [bs, H, G, W * B]
+    per_key = valid[..., None].expand(-1, -1, -1, shape.block_size).flatten(2)[:, :, None, :]
+    logits = logits.masked_fill(~per_key, torch.finfo(torch.float32).min)
+    mass = logits.softmax(dim=-1).view(bs, heads, q.shape[2], width, -1).sum(dim=(2, 4))
+    scores = torch.zeros((bs, heads, num_blocks), dtype=torch.float32, device=bound.device)
+    return scores.scatter(-1, ranked, mass.masked_fill(~valid, 0.0))
