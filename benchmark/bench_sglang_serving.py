@@ -15,6 +15,7 @@ runs of the same shape with other prompts (default 1; the figures at the top lev
   codes' attention mass; not in the default ``--modes``);
 - ``sparse_codes_prefilter``: ``sparse_codes`` scoring only each KV head's ``--code-candidates`` (4) x K
   best blocks by the summaries' bound (``--oasis-code-candidates``; not in the default ``--modes``);
+- ``sparse_codes_captured``: ``sparse_codes_prefilter`` on the captured step (not in the default);
 - ``dense_floor``: the dense server with ``--floor-input-len`` (16) token prompts: a step with almost no
   context to attend, i.e. what every mode's step costs besides attention (projections, MLP, sampling,
   the scheduler). No attention can make a step cheaper than this; ``attention_ratio_<mode>`` = (its TPOT
@@ -49,7 +50,15 @@ from common import machine_info, print_table
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.server_process import ServerProcess, child_env
 
-MODES = ("dense", "sparse_eager", "sparse_captured", "sparse_codes", "sparse_codes_prefilter", "dense_floor")
+MODES = (
+    "dense",
+    "sparse_eager",
+    "sparse_captured",
+    "sparse_codes",
+    "sparse_codes_prefilter",
+    "sparse_codes_captured",
+    "dense_floor",
+)
 FIELDS = ("mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms", "output_throughput", "completed")
 
 
@@ -58,9 +67,9 @@ def server_args(mode: str, model: Path, args: argparse.Namespace) -> list[str]:
     common = ["--model-path", str(model), "--dtype", args.dtype, "--context-length", str(args.input_len + args.output_len + 256)]  # fmt: skip
     if mode in ("dense", "dense_floor"):
         return [*common, "--oasis-mode", "dense", "--max-total-tokens", str(tokens)]
-    step = "captured" if mode == "sparse_captured" else "eager"
+    step = "captured" if mode in ("sparse_captured", "sparse_codes_captured") else "eager"
     codes = ["--oasis-selector", "codes"] if mode.startswith("sparse_codes") else []
-    if mode == "sparse_codes_prefilter":
+    if mode in ("sparse_codes_prefilter", "sparse_codes_captured"):
         codes += ["--oasis-code-candidates", str(args.code_candidates)]
     return [*common, "--oasis-top-k", str(args.top_k), "--oasis-host-kv-tokens", str(tokens),
             "--oasis-decode-step", step, *codes]  # fmt: skip

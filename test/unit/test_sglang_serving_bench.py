@@ -27,6 +27,8 @@ def test_sparse_servers_differ_only_in_the_decode_step() -> None:
     codes = argv["sparse_codes"]  # the eager step with the codes selector
     assert codes == [*eager, "--oasis-selector", "codes"]
     assert argv["sparse_codes_prefilter"] == [*codes, "--oasis-code-candidates", "4"]
+    prefilter = argv["sparse_codes_prefilter"]
+    assert argv["sparse_codes_captured"] == [a if a != "eager" else "captured" for a in prefilter]
     # every server holds the whole run's KV: 4 x (3000 + 128) tokens and a margin
     for mode, tokens in (("dense", "--max-total-tokens"), ("sparse_eager", "--oasis-host-kv-tokens")):
         assert int(argv[mode][argv[mode].index(tokens) + 1]) >= 4 * 3128
@@ -41,6 +43,7 @@ def test_the_floor_runs_on_the_dense_server_started_once() -> None:
         ["sparse_captured"],
         ["sparse_codes"],
         ["sparse_codes_prefilter"],
+        ["sparse_codes_captured"],
     ]
     assert server_groups(list(MODES)) == groups
     assert server_groups(["dense_floor", "sparse_captured"]) == [["dense_floor"], ["sparse_captured"]]
