@@ -101,15 +101,24 @@ class HostTier(NamedTuple):
     tokens: int  # --oasis-host-kv-tokens: their full KV, in whole blocks, plus SGLang's padding block
 
 
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
 def host_tier(
-    device_kv_tokens: int, context: int, output: int, top_k: int, block_size: int, concurrency: int
-) -> HostTier:
+    device_kv_tokens: int, context: int, output: int, top_k: int, block_size: int, concurrency: int,
+    codes_per_token: float = 0.0,
+) -> HostTier:  # fmt: skip
     """The sparse server's host tier for as many requests as its device tier can run with it (at most
-    ``concurrency``, at least one): the summaries take one token's KV bytes per host block and each
-    request's working sets and active blocks ``(top_k + 1) x block_size`` tokens' worth (their index maps,
-    <1%, are left out, so the device tier may run one request fewer, never more)."""
+    ``concurrency``, at least one): the summaries take one token's KV bytes per host block, the key codes
+    (``--oasis-selector codes``) ``codes_per_token`` tokens' KV bytes per host token, and each request's
+    working sets and active blocks ``(top_k + 1) x block_size`` tokens' worth (their index maps, <1%, are
+    left out, so the device tier may run one request fewer, never more)."""
     per_request = (-(-(context + output) // block_size) + 1) * block_size
-    fits = (device_kv_tokens * block_size - block_size) // ((top_k + 1) * block_size**2 + per_request)
+    per_host_token = 1 + codes_per_token * block_size  # in 1 / block_size tokens' KV
+    fits = int(
+        (device_kv_tokens * block_size - block_size * per_host_token)
+        // ((top_k + 1) * block_size**2 + per_request * per_host_token)
+    )
     count = max(1, min(concurrency, fits))
     return HostTier(count, count * per_request + block_size)
 
@@ -260,10 +269,18 @@ def run_context(
         "--context-length", str(min(positions, context + output + 512)),
         *(["--tp-size", str(args.tp_size)] if args.tp_size > 1 else []),
     ]  # fmt: skip
-    host = host_tier(args.device_kv_tokens, context, output, args.top_k, args.block_size, max(levels))
+    # key codes: head_dim / 4 bytes per token and KV head, against 2 x head_dim x the dtype's bytes of KV
+    codes, per_token = [], 0.0
+    if args.code_candidates is not None:
+        codes = ["--oasis-selector", "codes", "--oasis-code-candidates", str(args.code_candidates)]
+        per_token = 1 / (8 * DTYPE_BYTES[args.dtype])
+    host = host_tier(
+        args.device_kv_tokens, context, output, args.top_k, args.block_size, max(levels), per_token
+    )
     oasis_args = [
         *common, "--oasis-top-k", str(args.top_k), "--oasis-block-size", str(args.block_size),
         "--oasis-device-kv-tokens", str(args.device_kv_tokens), "--oasis-host-kv-tokens", str(host.tokens),
+        *codes,
     ]  # fmt: skip
     print(f"[bench_capacity] {context}: sparse server, host tier {host.tokens} tokens ...", flush=True)
     with ServerProcess(oasis_args, log_path=logs / f"oasis-{context}.log") as server:
@@ -347,6 +364,11 @@ def main() -> int:
         "--device-kv-tokens", type=int, default=16384, help="the sparse server's device budget, in tokens"
     )
     parser.add_argument("--top-k", type=int, default=32)
+    parser.add_argument(
+        "--code-candidates", type=int, default=None,
+        help="the sparse server selects with --oasis-selector codes and --oasis-code-candidates this; "
+        "its host tier is sized with the codes' device bytes counted",
+    )  # fmt: skip
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument(
         "--concurrency",

@@ -537,13 +537,15 @@ class _AdmissionGate:
     def poll(self) -> int:  # a KVPoll value
         from sglang.srt.disaggregation.base.conn import KVPoll
 
+        from sglang_oasis.disaggregation.decode_admission import Origin
+
         state = int(self.poller.poll())
         arrival = _arrival(self.req) if state == KVPoll.Success else None
         if arrival is None:
             return state
         slot, host, port, room = arrival
         generation = int(self.generations[slot])
-        if not self.remote.admission_done(slot, generation, host, port, room, self.session):
+        if not self.remote.admission_done(slot, generation, Origin(host, port, room, self.session)):
             return int(KVPoll.Transferring)
         error = self.remote.admission_error(slot, generation)
         if error is None:
@@ -591,6 +593,7 @@ def fetch_admission_blocks(
     arrival = None if remote is None else _arrival(req)
     if remote is None or arrival is None:  # no fetching here: the prefill node sent it whole
         return
+    from sglang_oasis.disaggregation.decode_admission import Origin
     from sglang_oasis.disaggregation.side_channel import RemoteFetchError
 
     slot, host, port, room = arrival
@@ -601,7 +604,7 @@ def fetch_admission_blocks(
     if sharing:  # at the first arrival, on every rank alike (its checkpoint agrees over the ranks)
         _share_only_whole(queue.tree_cache, remote)
     try:
-        staged = remote.admit(slot, generation, host, port, room, _session(decode_req))
+        staged = remote.admit(slot, generation, Origin(host, port, room, _session(decode_req)))
     except Exception as error:  # the request fails, the server goes on
         if not isinstance(error, RemoteFetchError):
             logger.exception("oasis: admitting request %s failed", req.rid)

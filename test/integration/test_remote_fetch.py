@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from sgl_kernel_oasis import build_block_summaries
+from sglang_oasis.disaggregation.decode_admission import Origin
 from sglang_oasis.disaggregation.prefill_stager import PrefillStager
 from sglang_oasis.disaggregation.remote_fetch import RemotePartialFetcher
 from sglang_oasis.disaggregation.staging import KVStagingArea, StagedKVLayout
@@ -593,7 +594,7 @@ def test_a_release_never_waits_for_a_slow_handoff(monkeypatch: pytest.MonkeyPatc
     tier = DecodeTier(MooncakeEndpoint())
     remote = _decode_fetcher(tier)
     remote.endpoints._urls[("127.0.0.1", 7001)] = stager.url
-    assert not remote.admission_done(3, 0, "127.0.0.1", 7001, 51)
+    assert not remote.admission_done(3, 0, Origin("127.0.0.1", 7001, 51))
     job = remote.admissions._admitting[3].job
     time.sleep(0.3)  # the job is in the hand-off's GET
     remote.release_slot(3, ("127.0.0.1", 7001, 51))

@@ -150,5 +150,20 @@ def test_host_tier_holds_what_the_device_tier_can_run(
     assert requests == concurrency or not fits(requests + 1)
 
 
+def test_host_tier_counts_the_key_codes_device_bytes() -> None:
+    """``--code-candidates``: float32 codes take 1/32 of a token's KV per host token (16 of 512 bytes per
+    KV head), half a token per block of 16, beside the summaries' one: fewer requests fit."""
+    context, block, top_k, device = 4096, 16, 16, 16384
+    per_request = (-(-(context + 32) // block) + 1) * block
+    host = host_tier(device, context, 32, top_k, block, 64, 1 / 32)
+
+    def fits(count: int) -> bool:
+        host_tokens = count * per_request + block
+        return host_tokens / block * 1.5 + count * (top_k + 1) * block <= device
+
+    assert fits(host.requests) and not fits(host.requests + 1)
+    assert host.requests < host_tier(device, context, 32, top_k, block, 64).requests
+
+
 def test_host_tier_gives_one_request_when_none_fits() -> None:
     assert host_tier(512, 4096, 32, 32, 16, 32) == (1, 4144 + 16)

@@ -192,6 +192,26 @@ def test_through_the_backend_the_next_working_set_is_the_coded_mass_top_k(candid
     harness.stop(oasis)
 
 
+def test_keys_folded_in_late_are_coded_at_once() -> None:
+    """A request whose keys reach the summaries late (a PD arrival, a resumed retracted request: its
+    summarised position restarted) has its full blocks coded by the catch-up itself, since the captured
+    step codes only the blocks its own tokens fill."""
+    config, _, _ = harness.configs("k_sparse_uncapped")
+    oasis = harness.admitted(dataclasses.replace(config, selector="codes"), {}, {})
+    codes, layer = oasis.tier.codes, harness.SPARSE_LAYER
+    assert codes is not None
+    req, context = harness.REQS[2], harness.CONTEXTS[2]
+    table = oasis.req_to_token_pool.req_to_token
+    pages = table[req, 0 : context // harness.BLOCK * harness.BLOCK : harness.BLOCK].long() // harness.BLOCK
+    oasis.tier.summaries.recycle(pages)  # its pages hold other KV now: every code stale
+    assert not bool((codes.coded[layer, pages] == oasis.tier.summaries.epoch[pages]).any())
+    oasis.intake.restart(req)
+    oasis.set_batch([req])
+    oasis.intake.catch_up(oasis.batch, layer, torch.tensor([context]))
+    assert torch.equal(codes.coded[layer, pages], oasis.tier.summaries.epoch[pages])
+    harness.stop(oasis)
+
+
 def test_codes_take_their_bytes_from_the_device_budget() -> None:
     config = OasisConfig(selector="codes", device_kv_tokens=100_000)
     shape = TierShape.of(config, num_layers=30, num_kv_heads=3, head_dim=64, element_bytes=2, host_pages=1000)

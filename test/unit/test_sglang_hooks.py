@@ -29,6 +29,7 @@ import torch
 
 from sglang_oasis import sglang_hooks as hooks
 from sglang_oasis.config import OasisConfig
+from sglang_oasis.disaggregation.decode_admission import Origin
 from sglang_oasis.server_process import child_env
 
 CPU_ENGINE_CHECK = Path(__file__).with_name("sglang_hooks_cpu_engine.py")
@@ -447,10 +448,8 @@ def test_hook_7_decode_pollers() -> None:
         def admission_error(self, slot: int, generation: int) -> str | None:
             return self.errors.get(slot)
 
-        def admission_done(
-            self, slot: int, generation: int, host: str, port: int, room: int, session: str
-        ) -> bool:
-            self.asked.append((slot, generation, host, port, room, session))
+        def admission_done(self, slot: int, generation: int, origin: Origin) -> bool:
+            self.asked.append((slot, generation, *origin))
             return slot in self.over
 
     def entry(slot: int, state: KVPoll, host: str = "127.0.0.1", finished: bool = False) -> Any:

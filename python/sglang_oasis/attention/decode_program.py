@@ -37,6 +37,8 @@ on the prefill node, fault injection, the adaptive cap, strict mode, tails the a
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from sgl_kernel_oasis import ops
@@ -82,15 +84,58 @@ def attend_and_plan(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, Copies]:  # fmt: skip
     """``decode_layer`` but its copies, which it returns."""
-    block, span = shape.block_size, shape.span
-    slots, seq_lens, locs, tree = plan.slots, plan.seq_lens, plan.locs, plan.tree
-    bs, heads, device = slots.shape[0], state.kmin.shape[1], slots.device  # every tensor on one device
-    position = seq_lens - 1
-    rows = 1 if tree is None else tree.shape[1]
-    k_rows, v_rows = (k[:, None], v[:, None]) if tree is None else (k, v)  # [bs, R, H, D]
+    k_rows, v_rows = (k[:, None], v[:, None]) if plan.tree is None else (k, v)  # [bs, R, H, D]
+    ring = store_token(shape, state, plan, k_rows, v_rows)
+    blocks, covered = state.slot_block[plan.slots], state.covered[plan.slots]  # before the plan changes them
+    out = attend_working_sets(shape, state, plan, q, blocks, covered, ring, scale)
+    query = q if plan.tree is None else q[:, -1]  # the selection's (a verify pass: the last draft row's)
+    recall = probe_recall(shape, state, plan, q, blocks, covered, scale)
+    choice = select_blocks(shape, state, plan, query, scale)
+    delta = plan_delta(shape, state, plan, blocks, covered, choice)
+    copies, counts = plan_copies(shape, plan, covered, ring, choice, delta)
+    return out, torch.cat([counts, recall], dim=1), copies
 
-    # 1. This step's token (a verify pass: row 0's): the host tier, its page's summary (restarted at the
-    #    page's first token), the active blocks' ring; a verify pass's drafts: the host tier, the ring.
+
+class Ring(NamedTuple):
+    """Where a pass's tokens went in the active blocks' ring: their ring rows ``[bs, R]`` and each row's
+    active range ``[start, end)`` after them."""
+
+    rows: torch.Tensor
+    start: torch.Tensor
+    end: torch.Tensor
+
+
+class Choice(NamedTuple):
+    """A selection for the next step: the blocks each KV head should hold ``[bs, H, N]``, their load
+    priority, which rows had more full blocks than their working sets hold ``[bs, 1, 1]``, their full
+    blocks ``[bs]`` and K ``[bs]``."""
+
+    selected: torch.Tensor
+    priority: torch.Tensor
+    over: torch.Tensor
+    full: torch.Tensor
+    top_k: torch.Tensor
+
+
+class Delta(NamedTuple):
+    """``plan_delta``'s answer: per head, which ranks take a load ``[bs, H, ranks]``, into which
+    working-set slot and of which block; the loads deferred by the cap ``[bs]`` and per head ``count``."""
+
+    take: torch.Tensor
+    dest: torch.Tensor
+    new_blocks: torch.Tensor
+    deferred: torch.Tensor
+    count: torch.Tensor
+
+
+def store_token(
+    shape: StepShape, state: LayerState, plan: StepPlan, k_rows: torch.Tensor, v_rows: torch.Tensor
+) -> Ring:
+    """1. This step's token (a verify pass: row 0's): the host tier, its page's summary (restarted at the
+    page's first token), with codes the blocks' codes, the active blocks' ring; a verify pass's drafts:
+    the host tier, the ring."""
+    block, span, slots, locs = shape.block_size, shape.span, plan.slots, plan.locs
+    position, rows = plan.seq_lens - 1, k_rows.shape[1]
     state.host_k.index_put_((locs,), k_rows[:, 0].to(state.host_k.dtype))
     state.host_v.index_put_((locs,), v_rows[:, 0].to(state.host_v.dtype))
     if plan.draft_locs is not None:
@@ -98,11 +143,9 @@ def attend_and_plan(
         state.host_k.index_put_((drafts,), k_rows[:, 1:].flatten(0, 1).to(state.host_k.dtype))
         state.host_v.index_put_((drafts,), v_rows[:, 1:].flatten(0, 1).to(state.host_v.dtype))
     fold_summaries(state, locs, k_rows[:, 0].to(state.kmin.dtype), block)
-    if state.codes is not None:  # --oasis-selector codes: the token's block's keys coded (and the one before)
+    if state.codes is not None:  # --oasis-selector codes: the rows' last two full blocks coded
         code_blocks(state, plan, block)
-    new_rows = (
-        slots[:, None] * span + (position[:, None] + torch.arange(rows, device=device)) % span
-    )  # [bs, R]
+    new_rows = slots[:, None] * span + (position[:, None] + torch.arange(rows, device=slots.device)) % span
     state.active_k.index_put_((new_rows.flatten(),), k_rows.flatten(0, 1).to(state.active_k.dtype))
     state.active_v.index_put_((new_rows.flatten(),), v_rows.flatten(0, 1).to(state.active_v.dtype))
     start, end = state.active_start[slots], state.active_end[slots]
@@ -112,39 +155,66 @@ def attend_and_plan(
     start = torch.maximum(torch.where(joins, start, position), end - span)
     state.active_start.index_put_((slots,), start)
     state.active_end.index_put_((slots,), end)
+    return Ring(new_rows, start, end)
 
-    # 2. Attention: every slot of each KV head's working set (in block order, empty ones masked), the
-    #    active tail (positions covered * B .. position), this step's token.
-    covered = state.covered[slots]
-    blocks = state.slot_block[slots]  # [bs, H, S]
+
+def attend_working_sets(
+    shape: StepShape,
+    state: LayerState,
+    plan: StepPlan,
+    q: torch.Tensor,
+    blocks: torch.Tensor,
+    covered: torch.Tensor,
+    ring: Ring,
+    scale: float,
+) -> torch.Tensor:
+    """2. Attention: every slot of each KV head's working set (in block order, empty ones masked), the
+    active tail (positions covered * B .. position), this step's token (a verify pass: the tree's rows)."""
+    block, span, slots, tree = shape.block_size, shape.span, plan.slots, plan.tree
+    bs, device, position = slots.shape[0], slots.device, plan.seq_lens - 1
     tail_positions = (covered * block)[:, None] + torch.arange(span - 1, device=device)
-    tail_rows = torch.cat([slots[:, None] * span + tail_positions % span, new_rows], dim=1)
+    tail_rows = torch.cat([slots[:, None] * span + tail_positions % span, ring.rows], dim=1)
     committed = tail_positions < position[:, None]
     if tree is None:
         tail_valid = torch.cat([committed, torch.ones((bs, 1), dtype=torch.bool, device=device)], dim=1)
     else:  # [bs, R, T + R]
-        tail_valid = torch.cat([committed[:, None, :].expand(-1, rows, -1), tree], dim=2)
-    out = attend(state, q, slots, blocks, tail_rows, tail_valid, scale)
-    query = q if tree is None else q[:, -1]  # the selection's (a verify pass: the last draft row's)
+        tail_valid = torch.cat([committed[:, None, :].expand(-1, tree.shape[1], -1), tree], dim=2)
+    return attend(state, q, slots, blocks, tail_rows, tail_valid, scale)
 
-    # 2b. The recall probe, before the selection takes its K: a sample (the real token's query), and a
-    #     target's growth as blocks fill up (``recall_program.py``).
-    recall = torch.zeros((bs, 3), dtype=torch.int64, device=device)
+
+def probe_recall(
+    shape: StepShape,
+    state: LayerState,
+    plan: StepPlan,
+    q: torch.Tensor,
+    blocks: torch.Tensor,
+    covered: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """2b. The recall probe, before the selection takes its K: a sample (the real token's query), and a
+    target's growth as blocks fill up (``recall_program.py``); ``[bs, 3]``, COUNTS' last three."""
+    recall = torch.zeros((plan.slots.shape[0], 3), dtype=torch.int64, device=plan.slots.device)
     if plan.sampled is not None:
-        real = q if tree is None else q[:, 0]
+        real = q if plan.tree is None else q[:, 0]
         recall = recall_program.sample(shape, state, plan, real, blocks, covered, scale)
     if plan.target is not None:  # its growths count with the sample's (column 1)
         recall[:, 1] += recall_program.keep_holding_every_block(shape, state, plan, blocks, covered)
+    return recall
 
-    # 3. Selection for the next step (``BlockPrefetcher._choose``): rows with more full blocks than their
-    #    working sets hold keep their sinks, their pinned blocks and their top-K by summary score.
-    num_blocks = plan.pages.shape[1]
+
+def select_blocks(
+    shape: StepShape, state: LayerState, plan: StepPlan, query: torch.Tensor, scale: float
+) -> Choice:
+    """3. Selection for the next step (``BlockPrefetcher._choose``): rows with more full blocks than their
+    working sets hold keep their sinks, their pinned blocks and their top-K by score (the summaries'
+    bound, or with codes the candidates' coded attention mass)."""
+    slots, device = plan.slots, plan.slots.device
+    bs, heads, num_blocks = slots.shape[0], state.kmin.shape[1], plan.pages.shape[1]
     index = torch.arange(num_blocks, device=device)
-    full = seq_lens // block
+    full = plan.seq_lens // shape.block_size
     in_range = (index[None, :] < full[:, None])[:, None, :].expand(-1, heads, -1)  # [bs, H, N]
     top_k = state.top_k[slots]
-    capacity = top_k + shape.sink_blocks
-    over = (full > capacity)[:, None, None]
+    over = (full > top_k + shape.sink_blocks)[:, None, None]
     # Triton's kernel on CUDA (in the graph; no sync, a grid from the shapes), the reference on CPU
     scores = ops.score_paged_blocks(query[:, None], state.kmin, state.kmax, plan.pages)[:, 0]  # [bs, H, N]
     if shape.code_candidates is not None:  # --oasis-selector codes: the candidates' coded attention mass
@@ -162,9 +232,22 @@ def attend_and_plan(
     chosen = torch.zeros((bs, heads, num_blocks), dtype=torch.bool, device=device).scatter(-1, best, within_k)
     selected = torch.where(over, (chosen | sinks) & in_range, in_range)
     priority = torch.where(over, scores.masked_fill(sinks, float("inf")), 0.0)
+    return Choice(selected, priority, over, full, top_k)
 
-    # 4. The capped delta plan (``WorkingSetPool.plan_selections``, fixed shapes: every rank kept, the
-    #    ones past each head's count masked).
+
+def plan_delta(
+    shape: StepShape,
+    state: LayerState,
+    plan: StepPlan,
+    blocks: torch.Tensor,
+    covered: torch.Tensor,
+    choice: Choice,
+) -> Delta:
+    """4. The capped delta plan (``WorkingSetPool.plan_selections``, fixed shapes: every rank kept, the
+    ones past each head's count masked); writes the working sets' tables."""
+    slots, selected, device = plan.slots, choice.selected, plan.slots.device
+    bs, heads, num_blocks = selected.shape
+    index = torch.arange(num_blocks, device=device)
     last = state.last_selected[slots]
     occupied = blocks != EMPTY
     holds_selected = occupied & selected.gather(-1, blocks.clamp(0, num_blocks - 1))
@@ -173,9 +256,8 @@ def attend_and_plan(
     missing = selected & ~resident
     fresh = index[None, None, :] >= covered[:, None, None]  # filled up since the last selection
     capped = missing & ~fresh
-    rank = stable_ranks(torch.where(capped, -priority, float("inf")))
-    cap = _fetch_cap(shape, top_k)
-    admitted = capped & (rank < cap[:, None, None])
+    rank = stable_ranks(torch.where(capped, -choice.priority, float("inf")))
+    admitted = capped & (rank < _fetch_cap(shape, choice.top_k)[:, None, None])
     deferred = (capped & ~admitted).sum(dim=(1, 2))
     missing = missing & (fresh | admitted)
     victim_key = torch.where(occupied, last * BLOCK_ID_SPAN + blocks, -1)
@@ -188,26 +270,41 @@ def attend_and_plan(
     blocks = blocks.scatter(-1, dest, torch.where(take, new_blocks, blocks.gather(-1, dest)))
     now_selected = (blocks != EMPTY) & selected.gather(-1, blocks.clamp(0, num_blocks - 1))
     spare = (blocks != EMPTY) & ~now_selected  # a working set shrunk below its slots gives them back
+    capacity = choice.top_k + shape.sink_blocks
     excess = (blocks != EMPTY).sum(dim=-1, keepdim=True) - capacity[:, None, None]
     dropped = spare & (stable_ranks(torch.where(spare, last * BLOCK_ID_SPAN + blocks, INT64_MAX)) < excess)
     blocks = blocks.masked_fill(dropped, EMPTY)
     last = last.masked_fill(dropped, EMPTY)
     state.slot_block.index_put_((slots,), blocks)
     state.last_selected.index_put_((slots,), torch.where(now_selected, plan.step, last))
-    state.covered.index_put_((slots,), full)
+    state.covered.index_put_((slots,), choice.full)
+    return Delta(take, dest, new_blocks, deferred, count)
 
-    # 5. The copies: the first M ranks of each head (the cap keeps a decode step's loads below M); a block
-    #    that just filled up comes from the active blocks, the others from the host tier.
-    copies = min(shape.copies, ranks)
-    take, dest, new_blocks = take[..., :copies], dest[..., :copies], new_blocks[..., :copies]
+
+def plan_copies(
+    shape: StepShape, plan: StepPlan, covered: torch.Tensor, ring: Ring, choice: Choice, delta: Delta
+) -> tuple[Copies, torch.Tensor]:
+    """5. The copies: the first M ranks of each head (the cap keeps a decode step's loads below M); a block
+    that just filled up comes from the active blocks, the others from the host tier. Returns them and
+    COUNTS' first six per row."""
+    block, slots, device = shape.block_size, plan.slots, plan.slots.device
+    bs, heads = choice.selected.shape[:2]
+    copies = min(shape.copies, delta.take.shape[-1])
+    take, dest, new_blocks = (
+        delta.take[..., :copies],
+        delta.dest[..., :copies],
+        delta.new_blocks[..., :copies],
+    )
     row = torch.arange(bs, device=device)[:, None, None]
     head = torch.arange(heads, device=device)[None, :, None]
     offsets = torch.arange(block, device=device)
     host_tokens = (plan.pages[row, new_blocks] * block)[..., None] + offsets  # [bs, H, M, B]
-    per_slot = span // block
+    per_slot = shape.span // block
     ring_tokens = ((slots[:, None, None] * per_slot + new_blocks % per_slot) * block)[..., None] + offsets
     just_filled = new_blocks >= covered[:, None, None]
-    in_ring = (start[:, None, None] <= new_blocks * block) & ((new_blocks + 1) * block <= end[:, None, None])
+    in_ring = (ring.start[:, None, None] <= new_blocks * block) & (
+        (new_blocks + 1) * block <= ring.end[:, None, None]
+    )
     from_active = take & just_filled & in_ring
     planned = Copies(
         torch.where(take, slots[:, None, None], shape.padding_slot), head.expand(bs, -1, copies),
@@ -215,9 +312,10 @@ def attend_and_plan(
         shape.padding_slot,
     )  # fmt: skip
     per_row = (take, take & just_filled, from_active)  # COUNTS' order
-    counts = torch.stack([*(c.sum(dim=(1, 2)) for c in per_row), deferred, over[:, 0, 0].to(torch.int64),
-                          (count.squeeze(-1) > copies).sum(dim=1), *recall.unbind(1)], dim=1)  # fmt: skip
-    return out, counts, planned
+    counts = torch.stack([*(c.sum(dim=(1, 2)) for c in per_row), delta.deferred,
+                          choice.over[:, 0, 0].to(torch.int64), (delta.count.squeeze(-1) > copies).sum(dim=1)],
+                         dim=1)  # fmt: skip
+    return planned, counts
 
 
 def _fetch_cap(shape: StepShape, top_k: torch.Tensor) -> torch.Tensor:

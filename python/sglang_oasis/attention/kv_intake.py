@@ -27,6 +27,7 @@ class KVIntake:
         self, tier: DeviceTier, attention: SparseAttention, kv_pool: MHATokenToKVPool, request_rows: int
     ) -> None:
         self.summaries = tier.summaries
+        self.codes = tier.codes  # --oasis-selector codes
         self.active = tier.active
         self.attention = attention
         self.kv_pool = kv_pool
@@ -101,3 +102,8 @@ class KVIntake:
                 )
                 keys = self.kv_pool.get_key_buffer(layer_id)[locations]
             self.summaries.update(layer_id, locations, keys)
+        if self.codes is not None:  # the full blocks folded in late, coded now: a captured step codes only
+            block = self.summaries.block_size  # the blocks its own tokens fill
+            full = seq_lens // block * block
+            locations = self.attention.pool_locs(reqs, starts // block * block, full)
+            self.codes.ensure(layer_id, locations[::block] // block, self.kv_pool)

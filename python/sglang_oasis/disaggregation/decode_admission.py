@@ -11,7 +11,7 @@ import urllib.error
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, NamedTuple, Protocol
 
 import torch
 
@@ -28,6 +28,17 @@ if TYPE_CHECKING:
 # the tensor-parallel rank ``SGLANG_OASIS_INJECT_ON_RANK`` names only, if set).
 ADMISSION_FAILURE_ENV = "SGLANG_OASIS_INJECT_ADMISSION_FAILURE"
 ADMISSION_WORKERS = 4  # admissions read at once (hand-off and Mooncake reads, off the scheduler thread)
+
+
+class Origin(NamedTuple):
+    """Where a transferred request came from: its prefill node's bootstrap address and room, and this
+    node's SGLang transfer session (named to the prefill node, which then stages this node's requests:
+    ``PrefillStager.fetch``)."""
+
+    host: str
+    port: int
+    room: int
+    session: str | None = None
 
 
 @dataclass
@@ -132,21 +143,11 @@ class DecodeAdmissions:
             return None
         return pending.job.done()
 
-    def start(
-        self,
-        slot: int,
-        generation: int,
-        bootstrap_host: str,
-        bootstrap_port: int,
-        room: int,
-        session: str | None,
-    ) -> bool:
+    def start(self, slot: int, generation: int, origin: Origin) -> bool:
         """Starts the admission of the request in ``slot`` on an admission worker; True if it is over
         already."""
         claim = _Claim()
-        job = self._admitter.submit(
-            self._read_admission, slot, bootstrap_host, bootstrap_port, room, session, claim
-        )
+        job = self._admitter.submit(self._read_admission, slot, origin, claim)
         with self._lock:
             self._admitting[slot] = _Admission(generation, job, claim)
         return job.done()
@@ -190,19 +191,12 @@ class DecodeAdmissions:
                 admitted = None
         return began, admitted
 
-    def _read_admission(
-        self,
-        slot: int,
-        bootstrap_host: str,
-        bootstrap_port: int,
-        room: int,
-        session: str | None,
-        claim: _Claim,
-    ) -> _Admitted | None:
+    def _read_admission(self, slot: int, origin: Origin, claim: _Claim) -> _Admitted | None:
         """The admission worker's job: the hand-off, then the admission blocks and summaries into the
         request's pages (allocated by SGLang, its alone until it is freed: ``release_slot`` waits once the
         job has claimed them)."""
-        found = self._get_handoff(bootstrap_host, bootstrap_port, room, session)
+        room = origin.room
+        found = self._get_handoff(origin)
         if found is None:
             return None
         url, handoff = found
@@ -276,9 +270,8 @@ class DecodeAdmissions:
         fetcher.release(slot)  # all present: nothing to read later
         return reads.admission_bytes
 
-    def _get_handoff(
-        self, bootstrap_host: str, bootstrap_port: int, room: int, session: str | None
-    ) -> tuple[str, Handoff] | None:
+    def _get_handoff(self, origin: Origin) -> tuple[str, Handoff] | None:
+        bootstrap_host, bootstrap_port, room, session = origin
         url = self.endpoints.url(bootstrap_host, bootstrap_port)
         if url is None:
             return None

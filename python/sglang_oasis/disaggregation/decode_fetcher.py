@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
-from sglang_oasis.disaggregation.decode_admission import Arrival, DecodeAdmissions
+from sglang_oasis.disaggregation.decode_admission import Arrival, DecodeAdmissions, Origin
 from sglang_oasis.disaggregation.handoff import pool_buffers
 from sglang_oasis.disaggregation.remote_fetch import RemotePartialFetcher, RemoteRequest
 from sglang_oasis.disaggregation.side_channel import EndpointDirectory, open_url
@@ -87,43 +87,26 @@ class DecodeFetcher:
             slots = set(self._staged) | set(self.arrivals)
         return len(slots | self.admissions.slots() | set(self.fetcher.requests))
 
-    def admission_done(
-        self,
-        slot: int,
-        generation: int,
-        bootstrap_host: str,
-        bootstrap_port: int,
-        room: int,
-        session: str | None = None,
-    ) -> bool:
-        """Starts the admission of the request in ``slot`` on the admission worker (once); True when it
-        is over (read, or failed: ``admit`` then raises). ``session``: this node's SGLang transfer session,
-        named to the prefill node, which then stages this node's requests (``PrefillStager.fetch``).
-        Called by SGLang's transfer queue's poll on the scheduler thread; never waits."""
+    def admission_done(self, slot: int, generation: int, origin: Origin) -> bool:
+        """Starts the admission of the request in ``slot`` (from ``origin``) on the admission worker
+        (once); True when it is over (read, or failed: ``admit`` then raises). Called by SGLang's transfer
+        queue's poll on the scheduler thread; never waits."""
         done = self.admissions.done(slot, generation)
         if done is not None:
             return done
         self.release_slot(slot)  # the slot's previous request, if its release is still pending
-        return self.admissions.start(slot, generation, bootstrap_host, bootstrap_port, room, session)
+        return self.admissions.start(slot, generation, origin)
 
     def admission_error(self, slot: int, generation: int) -> str | None:
         """Why the admission of the request in ``slot`` failed, once its job is over; None while it runs,
         after it succeeded, or for a request with no admission here."""
         return self.admissions.error(slot, generation)
 
-    def admit(
-        self,
-        slot: int,
-        generation: int,
-        bootstrap_host: str,
-        bootstrap_port: int,
-        room: int,
-        session: str | None = None,
-    ) -> bool:
+    def admit(self, slot: int, generation: int, origin: Origin) -> bool:
         """Admits the request in ``slot``: its hand-off and its admission blocks and summaries (read by
         the admission worker; waits for it if ``admission_done`` did not see it over). Returns False for
         a request that arrived whole; raises ``RemoteFetchError`` if it cannot be admitted."""
-        self.admission_done(slot, generation, bootstrap_host, bootstrap_port, room, session)
+        self.admission_done(slot, generation, origin)
         admitted = self.admissions.take(slot)  # raises the job's RemoteFetchError
         if admitted is None:
             return False

@@ -4,10 +4,12 @@ summaries (``--oasis-selector codes``; ``sgl_kernel_oasis.key_codes``).
     codes[layer, page, token, head, :] = the page's token's key, 2 bits per channel within the page's
                                           min/max box (``head_dim / 4`` bytes)
 
-A page is coded once it is full (its keys and its box no longer change), the first time a selection
-needs it: the selection job reads its keys from the host tier and its box from the summaries.
-``coded[layer, page]`` is the summaries' epoch of the page when it was coded (-1: never): a recycled
-page (a new epoch, ``summary_store.py``) is coded again. The selection job is the store's one writer.
+A page is coded once it is full (its keys and its box no longer change): by every selection of its
+request (``ensure``: its keys read from the host tier, its box from the summaries), by a catch-up that
+folds its keys in late (``KVIntake.catch_up``), and in a captured step by the program that filled it
+(``coded_selection.py``: codes only, a full page's codes being what ``ensure`` would write).
+``coded[layer, page]`` is the summaries' epoch of the page when ``ensure`` coded it (-1: never): a
+recycled page (a new epoch, ``summary_store.py``) is coded again.
 """
 
 from __future__ import annotations
