@@ -119,13 +119,14 @@ class Choice(NamedTuple):
 
 class Delta(NamedTuple):
     """``plan_delta``'s answer: per head, which ranks take a load ``[bs, H, ranks]``, into which
-    working-set slot and of which block; the loads deferred by the cap ``[bs]`` and per head ``count``."""
+    working-set slot and of which block; the loads deferred by the cap ``[bs]`` and the blocks missing per
+    head ``[bs, H, 1]``."""
 
     take: torch.Tensor
     dest: torch.Tensor
     new_blocks: torch.Tensor
     deferred: torch.Tensor
-    count: torch.Tensor
+    missing: torch.Tensor
 
 
 def store_token(
@@ -313,7 +314,7 @@ def plan_copies(
     )  # fmt: skip
     per_row = (take, take & just_filled, from_active)  # COUNTS' order
     counts = torch.stack([*(c.sum(dim=(1, 2)) for c in per_row), delta.deferred,
-                          choice.over[:, 0, 0].to(torch.int64), (delta.count.squeeze(-1) > copies).sum(dim=1)],
+                          choice.over[:, 0, 0].to(torch.int64), (delta.missing.squeeze(-1) > copies).sum(dim=1)],
                          dim=1)  # fmt: skip
     return planned, counts
 
