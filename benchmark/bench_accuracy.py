@@ -306,10 +306,13 @@ def per_context(values: Sequence[int], contexts: Sequence[int]) -> dict[int, int
     return dict(zip(contexts, values, strict=True))
 
 
-def device_kv_tokens(host_tokens: int, top_k: int, slots: int) -> int:
-    """A device budget (tokens of KV) holding the summaries of ``host_tokens`` (one token per block) and
-    ``slots`` requests' working sets of K + 2 blocks, 10% to spare, in whole 1024s."""
-    need = math.ceil(host_tokens / BLOCK) + slots * (top_k + 2) * BLOCK
+def device_kv_tokens(host_tokens: int, top_k: int, slots: int, codes: bool = False) -> int:
+    """A device budget (tokens of KV) holding the summaries of ``host_tokens`` (one token per block), with
+    ``codes`` their key codes (at most a 16th of a token's KV per token: 2 bits of a 16-bit channel), and
+    ``slots`` requests' working sets of K + 2 blocks plus the captured step's padding slot, 10% to spare,
+    in whole 1024s."""
+    need = math.ceil(host_tokens / BLOCK) + (slots + 1) * (top_k + 2) * BLOCK
+    need += math.ceil(host_tokens / 16) if codes else 0
     return math.ceil(1.1 * need / 1024) * 1024
 
 
@@ -323,7 +326,8 @@ def server_argv(config: ServerConfig, base: Sequence[str], host_tokens: int, slo
     if config.reserve is None:
         return [*base, "--max-total-tokens", str(host_tokens), *config.args]
     sizes = ["--oasis-host-kv-tokens", str(host_tokens)]
-    sizes += ["--oasis-device-kv-tokens", str(device_kv_tokens(host_tokens, config.reserve, slots))]
+    codes = "codes" in config.args and config.args[config.args.index("codes") - 1] == "--oasis-selector"
+    sizes += ["--oasis-device-kv-tokens", str(device_kv_tokens(host_tokens, config.reserve, slots, codes))]
     cold = [] if "--oasis-warm-start" in config.args else ["--oasis-warm-start", "false"]
     return [*base, *sizes, *cold, *config.args]
 

@@ -360,8 +360,12 @@ def test_server_argv_sizes_the_pools() -> None:
     assert sparse[6:8] == ["--oasis-warm-start", "false"]  # admission figures that do not depend on timing
     warm = server_configs([32], ["warm=--oasis-top-k 32 --oasis-warm-start true"])[-1]
     assert server_argv(warm, base, 32768, 5).count("--oasis-warm-start") == 1
-    # summaries of 32768 tokens (2048) + 5 working sets of 34 blocks of 16 (2720), 10% more (5245), in 1024s
-    assert device_kv_tokens(32768, 32, 5) == 6144 >= 1.1 * (2048 + 5 * 34 * BLOCK)
+    # summaries of 32768 tokens (2048) + 5 working sets of 34 blocks of 16 and the captured step's padding
+    # slot (3264), 10% more (5843), in 1024s; key codes add at most a 16th of a token per token (2048)
+    assert device_kv_tokens(32768, 32, 5) == 6144 >= 1.1 * (2048 + 6 * 34 * BLOCK)
+    assert device_kv_tokens(32768, 32, 5, codes=True) == 8192 >= 1.1 * (2048 + 6 * 34 * BLOCK + 2048)
+    codes = server_configs([16], ["c=--oasis-top-k 16 --oasis-selector codes"])[-1]
+    assert server_argv(codes, base, 32768, 5)[5] == str(device_kv_tokens(32768, 16, 5, codes=True))
 
 
 def test_per_context_counts() -> None:
