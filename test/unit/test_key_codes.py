@@ -47,14 +47,22 @@ def test_codes_give_each_key_back_within_half_a_level(dim: int) -> None:
     torch.testing.assert_close(decode_key_codes(encode_key_codes(corners, kmin, kmax), kmin, kmax), corners)
 
 
-def test_coded_mass_equals_the_reference_with_awkward_sizes() -> None:
-    generator = torch.Generator().manual_seed(0)
-    pages, block, kv_heads, group, dim = 13, 5, 2, 3, 12
+def coded_pages(
+    seed: int, pages: int, block: int, kv_heads: int, group: int, dim: int, batch: int, blocks: int
+) -> tuple[torch.Tensor, ...]:
+    """Random keys of ``pages`` pages, their boxes and codes, ``batch`` queries and each a random
+    ``blocks`` of the pages: ``(keys, kmin, kmax, codes, query, page_ids)``."""
+    generator = torch.Generator().manual_seed(seed)
     keys = torch.randn(pages, block, kv_heads, dim, generator=generator)
     kmin, kmax = boxes(keys)
-    codes = encode_key_codes(keys, kmin, kmax)
-    query = torch.randn(4, kv_heads * group, dim, generator=generator)
-    page_ids = torch.stack([torch.randperm(pages, generator=generator)[:7] for _ in range(4)])
+    query = torch.randn(batch, kv_heads * group, dim, generator=generator)
+    page_ids = torch.stack([torch.randperm(pages, generator=generator)[:blocks] for _ in range(batch)])
+    return keys, kmin, kmax, encode_key_codes(keys, kmin, kmax), query, page_ids
+
+
+def test_coded_mass_equals_the_reference_with_awkward_sizes() -> None:
+    kv_heads, group = 2, 3
+    keys, kmin, kmax, codes, query, page_ids = coded_pages(0, 13, 5, kv_heads, group, 12, batch=4, blocks=7)
     full = torch.tensor([7, 0, 3, 1])
     got = coded_block_mass(query, kmin, kmax, codes, page_ids, full, 0.37)
     expected = coded_block_mass_reference(query, kmin, kmax, keys, page_ids, full, 0.37)
@@ -69,13 +77,9 @@ def test_candidate_mass_equals_the_reference_and_scores_only_candidates() -> Non
     """``--oasis-code-candidates``: each KV head's softmax over its own candidate blocks (different per
     head, rows padded with -1) equals the float64 definition, and no other block scores; a row whose
     candidates are all its full blocks scores as without candidates."""
-    generator = torch.Generator().manual_seed(1)
-    pages, block, kv_heads, group, dim = 17, 3, 3, 2, 8
-    keys = torch.randn(pages, block, kv_heads, dim, generator=generator)
-    kmin, kmax = boxes(keys)
-    codes = encode_key_codes(keys, kmin, kmax)
-    query = torch.randn(3, kv_heads * group, dim, generator=generator)
-    page_ids = torch.stack([torch.randperm(pages, generator=generator)[:9] for _ in range(3)])
+    kv_heads, group = 3, 2
+    keys, kmin, kmax, codes, query, page_ids = coded_pages(1, 17, 3, kv_heads, group, 8, batch=3, blocks=9)
+    generator = torch.Generator().manual_seed(2)
     full = torch.tensor([9, 6, 4])
     candidates = torch.full((3, kv_heads, 5), -1)
     for head in range(kv_heads):

@@ -84,16 +84,34 @@ def attend_and_plan(
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor, Copies]:  # fmt: skip
     """``decode_layer`` but its copies, which it returns."""
+    layer = LayerPass(shape, state, plan)
     k_rows, v_rows = (k[:, None], v[:, None]) if plan.tree is None else (k, v)  # [bs, R, H, D]
-    ring = store_token(shape, state, plan, k_rows, v_rows)
-    blocks, covered = state.slot_block[plan.slots], state.covered[plan.slots]  # before the plan changes them
-    out = attend_working_sets(shape, state, plan, q, blocks, covered, ring, scale)
+    ring = store_token(layer, k_rows, v_rows)
+    held = Held(state.slot_block[plan.slots], state.covered[plan.slots])  # before the plan changes them
+    out = attend_working_sets(layer, q, held, ring, scale)
     query = q if plan.tree is None else q[:, -1]  # the selection's (a verify pass: the last draft row's)
-    recall = probe_recall(shape, state, plan, q, blocks, covered, scale)
-    choice = select_blocks(shape, state, plan, query, scale)
-    delta = plan_delta(shape, state, plan, blocks, covered, choice)
-    copies, counts = plan_copies(shape, plan, covered, ring, choice, delta)
+    recall = probe_recall(layer, q, held, scale)
+    choice = select_blocks(layer, query, scale)
+    delta = plan_delta(layer, held, choice)
+    copies, counts = plan_copies(layer, held, ring, choice, delta)
     return out, torch.cat([counts, recall], dim=1), copies
+
+
+class LayerPass(NamedTuple):
+    """What every section of a layer's step reads: the compile-time shape, the layer's state, the pass's
+    plan."""
+
+    shape: StepShape
+    state: LayerState
+    plan: StepPlan
+
+
+class Held(NamedTuple):
+    """The batch's working sets as the pass found them: each slot's blocks ``[bs, H, S]`` (EMPTY where
+    free) and full blocks covered by the last selection ``[bs]``."""
+
+    blocks: torch.Tensor
+    covered: torch.Tensor
 
 
 class Ring(NamedTuple):
@@ -129,12 +147,11 @@ class Delta(NamedTuple):
     missing: torch.Tensor
 
 
-def store_token(
-    shape: StepShape, state: LayerState, plan: StepPlan, k_rows: torch.Tensor, v_rows: torch.Tensor
-) -> Ring:
+def store_token(layer: LayerPass, k_rows: torch.Tensor, v_rows: torch.Tensor) -> Ring:
     """1. This step's token (a verify pass: row 0's): the host tier, its page's summary (restarted at the
     page's first token), with codes the blocks' codes, the active blocks' ring; a verify pass's drafts:
     the host tier, the ring."""
+    shape, state, plan = layer
     block, span, slots, locs = shape.block_size, shape.span, plan.slots, plan.locs
     position, rows = plan.seq_lens - 1, k_rows.shape[1]
     state.host_k.index_put_((locs,), k_rows[:, 0].to(state.host_k.dtype))
@@ -160,18 +177,13 @@ def store_token(
 
 
 def attend_working_sets(
-    shape: StepShape,
-    state: LayerState,
-    plan: StepPlan,
-    q: torch.Tensor,
-    blocks: torch.Tensor,
-    covered: torch.Tensor,
-    ring: Ring,
-    scale: float,
+    layer: LayerPass, q: torch.Tensor, held: Held, ring: Ring, scale: float
 ) -> torch.Tensor:
     """2. Attention: every slot of each KV head's working set (in block order, empty ones masked), the
     active tail (positions covered * B .. position), this step's token (a verify pass: the tree's rows)."""
-    block, span, slots, tree = shape.block_size, shape.span, plan.slots, plan.tree
+    shape, state, plan = layer
+    (blocks, covered), block, span = held, shape.block_size, shape.span
+    slots, tree = plan.slots, plan.tree
     bs, device, position = slots.shape[0], slots.device, plan.seq_lens - 1
     tail_positions = (covered * block)[:, None] + torch.arange(span - 1, device=device)
     tail_rows = torch.cat([slots[:, None] * span + tail_positions % span, ring.rows], dim=1)
@@ -183,17 +195,10 @@ def attend_working_sets(
     return attend(state, q, slots, blocks, tail_rows, tail_valid, scale)
 
 
-def probe_recall(
-    shape: StepShape,
-    state: LayerState,
-    plan: StepPlan,
-    q: torch.Tensor,
-    blocks: torch.Tensor,
-    covered: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
+def probe_recall(layer: LayerPass, q: torch.Tensor, held: Held, scale: float) -> torch.Tensor:
     """2b. The recall probe, before the selection takes its K: a sample (the real token's query), and a
     target's growth as blocks fill up (``recall_program.py``); ``[bs, 3]``, COUNTS' last three."""
+    (shape, state, plan), (blocks, covered) = layer, held
     recall = torch.zeros((plan.slots.shape[0], 3), dtype=torch.int64, device=plan.slots.device)
     if plan.sampled is not None:
         real = q if plan.tree is None else q[:, 0]
@@ -203,12 +208,11 @@ def probe_recall(
     return recall
 
 
-def select_blocks(
-    shape: StepShape, state: LayerState, plan: StepPlan, query: torch.Tensor, scale: float
-) -> Choice:
+def select_blocks(layer: LayerPass, query: torch.Tensor, scale: float) -> Choice:
     """3. Selection for the next step (``BlockPrefetcher._choose``): rows with more full blocks than their
     working sets hold keep their sinks, their pinned blocks and their top-K by score (the summaries'
     bound, or with codes the candidates' coded attention mass)."""
+    shape, state, plan = layer
     slots, device = plan.slots, plan.slots.device
     bs, heads, num_blocks = slots.shape[0], state.kmin.shape[1], plan.pages.shape[1]
     index = torch.arange(num_blocks, device=device)
@@ -236,16 +240,10 @@ def select_blocks(
     return Choice(selected, priority, over, full, top_k)
 
 
-def plan_delta(
-    shape: StepShape,
-    state: LayerState,
-    plan: StepPlan,
-    blocks: torch.Tensor,
-    covered: torch.Tensor,
-    choice: Choice,
-) -> Delta:
+def plan_delta(layer: LayerPass, held: Held, choice: Choice) -> Delta:
     """4. The capped delta plan (``WorkingSetPool.plan_selections``, fixed shapes: every rank kept, the
     ones past each head's count masked); writes the working sets' tables."""
+    (shape, state, plan), (blocks, covered) = layer, held
     slots, selected, device = plan.slots, choice.selected, plan.slots.device
     bs, heads, num_blocks = selected.shape
     index = torch.arange(num_blocks, device=device)
@@ -283,11 +281,12 @@ def plan_delta(
 
 
 def plan_copies(
-    shape: StepShape, plan: StepPlan, covered: torch.Tensor, ring: Ring, choice: Choice, delta: Delta
+    layer: LayerPass, held: Held, ring: Ring, choice: Choice, delta: Delta
 ) -> tuple[Copies, torch.Tensor]:
     """5. The copies: the first M ranks of each head (the cap keeps a decode step's loads below M); a block
     that just filled up comes from the active blocks, the others from the host tier. Returns them and
     COUNTS' first six per row."""
+    shape, plan, covered = layer.shape, layer.plan, held.covered
     block, slots, device = shape.block_size, plan.slots, plan.slots.device
     bs, heads = choice.selected.shape[:2]
     copies = min(shape.copies, delta.take.shape[-1])
