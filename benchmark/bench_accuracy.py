@@ -725,7 +725,8 @@ def run_server(
     sparse = plan.server.top_k is not None
     started = time.monotonic()
     try:
-        with ServerProcess(argv, log_path=logs / f"{name}.log") as server:
+        # a captured server compiles its programs before ready: minutes with a cold torch cache
+        with ServerProcess(argv, log_path=logs / f"{name}.log", ready_timeout_s=1800) as server:
             before = server.oasis_stats() if sparse else {}
             for (task, context), group in groups.items():
                 replies = run_group(server.url, group, concurrency, [o for _, o in todo])
