@@ -95,7 +95,7 @@ def backend(top_k: int, context: int, batch: int, captured: str | None) -> Oasis
     oasis.set_batch(reqs, admission=True)
     contexts = torch.full((batch,), context)
     oasis.intake.catch_up(oasis.batch, 1, contexts)
-    oasis.summarised[oasis.batch.req_index, 1] = contexts
+    oasis.intake.mark(oasis.batch.req_index, 1, contexts)
     oasis.selector.select(oasis.batch, 1, torch.randn(batch, Q_HEADS, DIM), [context] * batch)
     oasis.selector.finish_pending()
     first = context - context % BLOCK  # the partial block, as an extend stores it
