@@ -8,7 +8,7 @@ prefill rank of the same number.
   its own head's summaries (half the model's) and admission blocks. The decode radix cache is on: the
   ranks agree on whether a finished request's KV is whole (``DecodeFetcher.on_every_rank``).
 - An admission that fails on decode rank 1 only (injected) fails its request once, on both ranks (the
-  ranks' transfer polls are all-reduced: ``sglang_hooks._AdmissionGate``), while the requests beside it
+  ranks' transfer polls are all-reduced: ``decode_queue.AdmissionGate``), while the requests beside it
   answer as before; nothing stays held on either node's ranks and the pair serves on.
 
 One server at a time, as in ``test_sparse_tensor_parallel.py``: the reference's server answers and stops

@@ -1,6 +1,6 @@
 """Sparse mode under tensor parallelism (issue 41): ``--tp-size 2`` on the tiny Qwen3 (2 KV heads: one per
 rank). Each rank selects, loads and attends for its own KV head; the ranks agree on every failed request
-(``sglang_hooks.agree_on_failures``) and their counters are aggregated (``stats.aggregate``).
+(``transfer_failures.agree_on_failures``) and their counters are aggregated (``stats.aggregate``).
 
 - K covering every block (the per-request ``oasis_top_k``): TP 2 sparse answers as TP 2 dense token for
   token, without lookahead and with the NGRAM and EAGLE-3 lookaheads' draft rows.

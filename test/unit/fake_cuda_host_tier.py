@@ -20,8 +20,8 @@ from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 from sglang.srt.server_args import ServerArgs
 
-from sglang_oasis import sglang_hooks as hooks
 from sglang_oasis.config import OasisConfig
+from sglang_oasis.memory import host_kv_pool
 from sglang_oasis.memory.device_tier import DeviceTier
 from sglang_oasis.memory.host_kv_pool import PinnedHostKVPool
 from sglang_oasis.models.default_model import prepare_default_model
@@ -60,14 +60,14 @@ def main() -> None:
     )
     with FakeCuda() as cuda, runtime_context.use_context(context), readings[0], readings[1]:
         dense_bytes = KVCacheConfigurator._profile_available_bytes(conf, PRE_MODEL_LOAD_GIB)  # SGLang alone
-        measured = hooks.GpuKVBytes()  # what register() shares between the two hooks
-        host_bytes = hooks.host_tier_budget(
+        measured = host_kv_pool.GpuKVBytes()  # what register() shares between the two hooks
+        host_bytes = host_kv_pool.host_tier_bytes(
             config, measured, KVCacheConfigurator._profile_available_bytes, conf, PRE_MODEL_LOAD_GIB
         )
         kept = measured._bytes.get(id(conf))
         before = cuda.device_bytes
         # the pool itself, at a size this machine can hold (its sizing is above)
-        pool = hooks.host_tier_pool(
+        pool = host_kv_pool.build_pool(
             measured, KVCacheConfigurator._build_mha_kv_pool, conf, max_total_num_tokens=4096,
             mha_pool_class=MHATokenToKVPool,
         )  # fmt: skip
@@ -77,7 +77,7 @@ def main() -> None:
         tier = DeviceTier.for_pool(pool, config, None, requests, "cuda")
         refused = ""
         try:
-            hooks.host_tier_pool(
+            host_kv_pool.build_pool(
                 measured, KVCacheConfigurator._build_mha_kv_pool, conf, max_total_num_tokens=64,
                 mha_pool_class=PinnedHostKVPool,
             )  # fmt: skip

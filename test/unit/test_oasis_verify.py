@@ -21,6 +21,7 @@ from sglang_oasis import sglang_hooks as hooks
 from sglang_oasis.attention.decode_program import decode_layer
 from sglang_oasis.attention.oasis_backend import OasisAttnBackend
 from sglang_oasis.attention.request_options import retraction_keys
+from sglang_oasis.attention.retraction import keep_retracted
 from sglang_oasis.attention.sync_guard import SyncGuard
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.sglang_contract import RETRACT_LISTENER
@@ -577,7 +578,7 @@ def test_a_new_request_with_a_retracted_requests_rid_answers_as_alone() -> None:
         rid="same", kv=SimpleNamespace(req_pool_idx=0), origin_input_ids=[0] * prompt, output_ids=[0] * (steps + 1),
         sampling_params=SimpleNamespace(custom_params=None), finished=lambda: False,
     )  # fmt: skip
-    hooks._keep_retracted(backend.req_to_token_pool, retracted, backed_up=False)  # hook 8 at the release
+    keep_retracted(backend.req_to_token_pool, retracted, backed_up=False)  # hook 8 at the release
     backend.req_to_token_pool.req_generation[0] += 1  # SGLang freed the row; the request is aborted
     assert backend.stats.snapshot()["retracted_requests"] == 1
 

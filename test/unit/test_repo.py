@@ -208,7 +208,6 @@ OVER_CAP = {
     "config.py:OasisConfig": 504,
     "config.py:__post_init__": 73,
     "launch_server.py": 683,
-    "sglang_hooks.py": 965,
     "attention/selector.py:Selector": 257,
     "attention/selector.py:select": 85,
     "attention/sparse_attention.py:SparseAttention": 263,

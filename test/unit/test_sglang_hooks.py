@@ -27,9 +27,12 @@ import numpy as np
 import pytest
 import torch
 
+from sglang_oasis import sglang_contract as contract
 from sglang_oasis import sglang_hooks as hooks
 from sglang_oasis.config import OasisConfig
+from sglang_oasis.disaggregation import send_plan
 from sglang_oasis.disaggregation.decode_admission import Origin
+from sglang_oasis.disaggregation.send_plan import SendPlans
 from sglang_oasis.server_process import child_env
 
 CPU_ENGINE_CHECK = Path(__file__).with_name("sglang_hooks_cpu_engine.py")
@@ -130,7 +133,7 @@ def _tensor_parallel_rank(rank: int, init: str, out: Any) -> None:
     """One of two ranks of ``test_hook_4_under_tensor_parallelism`` (a real gloo group)."""
     import torch.distributed as dist
 
-    from sglang_oasis.attention.request_ledger import RequestFigures
+    from sglang_oasis.attention.request_ledger import RequestFigures, sum_over_ranks
     from sglang_oasis.attention.transfer_failures import TransferFailures
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
@@ -152,7 +155,7 @@ def _tensor_parallel_rank(rank: int, init: str, out: Any) -> None:
     hooks.abort_failed_transfers(lambda s, b, r: None, scheduler, NS(reqs=[]), None)
     aborted = {req.rid: req.to_finish.message for req in reqs if req.to_finish is not None}
     mine = RequestFigures(decode_steps=5, decode_blocks_loaded=10 + rank, recall_samples=2, recall_sum=1.5)
-    summed = hooks.sum_over_ranks(scheduler, [mine, None])
+    summed = sum_over_ranks(scheduler, [mine, None])
     out.put((rank, aborted, summed))
     dist.destroy_process_group()
 
@@ -228,31 +231,52 @@ def test_hook_6_cpu_disaggregation(monkeypatch: pytest.MonkeyPatch) -> None:
 # Hook 7 (remote partial fetching under PD disaggregation): one test per target.
 
 
+class FakeStager:
+    """A prefill node's stager as the send plans see it: decode sessions known to fetch, a staging cap
+    of ``room`` prompts, and what was staged or handed over (``disaggregation/send_plan.py``)."""
+
+    def __init__(self, known: set[str], room: int = 10) -> None:
+        self.ready, self.known, self.room = threading.Event(), known, room
+        self.ready.set()
+        self.staged: list[tuple[int, ...]] = []
+        self.handed: list[int] = []
+        self.counted: dict[str, int] = defaultdict(int)
+        stats = NS(add=lambda name, n=1: self.counted.__setitem__(name, self.counted[name] + n))
+        self.sends = SendPlans(self, stats)  # type: ignore[arg-type]
+
+    def fetch(self, sessions: Any) -> bool:
+        return bool(set(sessions)) and set(sessions) <= self.known
+
+    def reserve(self, room: int, tokens: int) -> bool:
+        self.room -= 1
+        return self.room >= 0
+
+    def stage(self, room: int, *stage: int) -> None:
+        self.staged.append((room, *stage))
+
+    def hand_over_whole(self, room: int, *stage: int) -> None:
+        self.handed.append(room)
+
+
 def test_hook_7_prefill_send_kv_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
-    """The handshake: a request is staged only when every decode session it goes to has asked for a
-    hand-off before; the others go whole (with a hand-off of their first selection, which a fetching
-    decode node asks for, and so introduces itself)."""
+    """The hook hands each send to the stager's plans (its room, destinations and prompt, at the last
+    chunk its slot, tokens and the decode node's cached prefix): staged only when every decode session
+    it goes to has asked for a hand-off before; the others go whole, with a hand-off of their first
+    selection (which a fetching decode node asks for, and so introduces itself). SGLang's send runs for
+    every request, and the stager goes on SGLang's KV manager, nothing on its sender."""
     from sglang.srt.disaggregation import prefill
     from sglang.srt.disaggregation.mooncake.conn import MooncakeKVManager
 
     assert_params(hooks.PREFILL_SEND_TARGET, ["self", "req", "last_chunk", "end_idx"])
-    # What the hook hands to the request's sender is read where SGLang's send reads it.
+    # What the hook hands to the stager is read where SGLang's send reads it.
     send_source = source_of(prefill.SchedulerDisaggregationPrefillMixin._send_kv_chunk)
     assert "req.extend_end" in send_source and "req.disagg_decode_prefix_len" in send_source
     # A request's destinations: the decode nodes' transfer sessions, known before its first send.
     assert "self.transfer_infos[room][mooncake_session_id] = (" in source_of(MooncakeKVManager)
 
-    counted: dict[str, int] = defaultdict(int)
-    handed: list[int] = []
-    known = {"10.0.0.2:17000"}
-    stager = NS(
-        ready=threading.Event(), fetch=lambda sessions: bool(set(sessions)) and set(sessions) <= known,
-        reserve=lambda room, tokens: True, hand_over_whole=lambda room, *stage: handed.append(room),
-        backend=NS(stats=NS(add=lambda name, n=1: counted.__setitem__(name, counted[name] + n))),
-    )  # fmt: skip
-    stager.ready.set()
+    stager = FakeStager({"10.0.0.2:17000"})
     monkeypatch.setattr(hooks, "_pd_part", lambda scheduler, name: stager if name == "stager" else None)
-    monkeypatch.setattr(hooks, "_is_mooncake_sender", lambda sender: True)
+    monkeypatch.setattr(send_plan, "is_mooncake_sender", lambda sender: True)
 
     def send(room: int, sessions: list[str]) -> Any:
         sender = NS(bootstrap_room=room, kv_mgr=NS(transfer_infos={room: dict.fromkeys(sessions)}))
@@ -263,20 +287,15 @@ def test_hook_7_prefill_send_kv_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
         assert sent == [req]  # SGLang's send runs, for every request
         return sender
 
-    fetching, unknown, mixed = (
-        send(1, ["10.0.0.2:17000"]),
-        send(2, ["10.0.0.3:17000"]),
-        send(3, [*known, "x:1"]),
-    )
-    assert getattr(fetching, hooks.STAGER_ATTRIBUTE) is stager and fetching._oasis_stage == (3, 40, 16)
-    assert getattr(fetching.kv_mgr, hooks.STAGER_ATTRIBUTE) is stager  # for test_hook_7_peer_registration
-    for whole in (unknown, mixed):
-        assert (
-            whole._oasis_whole
-            and not hasattr(whole, hooks.STAGER_ATTRIBUTE)
-            and not hasattr(whole, "_oasis_stage")
-        )
-    assert handed == [2, 3] and counted == {"staging_unknown_decoder_sends": 2}
+    fetching = send(1, ["10.0.0.2:17000"])
+    for room, sessions in ((2, ["10.0.0.3:17000"]), (3, ["10.0.0.2:17000", "x:1"])):  # unknown, mixed
+        send(room, sessions)
+    staged = stager.sends.get(1)
+    assert staged is not None and not staged.whole and staged.stage == (3, 40, 16)
+    assert getattr(fetching.kv_mgr, contract.STAGER_ATTRIBUTE) is stager  # for test_hook_7_peer_registration
+    assert vars(fetching).keys() == {"bootstrap_room", "kv_mgr"}  # nothing of ours on SGLang's sender
+    assert stager.sends.get(2) is None and stager.sends.get(3) is None  # handed over whole: done
+    assert stager.handed == [2, 3] and stager.counted == {"staging_unknown_decoder_sends": 2}
 
 
 def test_hook_7_send_last_page_only() -> None:
@@ -290,24 +309,22 @@ def test_hook_7_send_last_page_only() -> None:
     assert "self.curr_idx == self.num_kv_indices" in source_of(CommonKVSender._prepare_send_indices)
     assert callable(CommonKVManager.record_failure) and callable(CommonKVManager.update_status)
 
-    staged: list[tuple[Any, ...]] = []
-    sender = NS(
-        **{hooks.STAGER_ATTRIBUTE: NS(stage=lambda *args: staged.append(args))},
-        _oasis_stage=(5, 40, 16),
-        bootstrap_room=9,
-    )
+    stager = FakeStager({"d:1"})
+    stager.sends.decide(9, ["d:1"], 40, "r9")
+    stager.sends.last_chunk(9, 5, 40, 16)
+    sender = NS(kv_mgr=NS(**{contract.STAGER_ATTRIBUTE: stager}), bootstrap_room=9)
 
     def chunk(kv: list[int], index_slice: slice, last: bool) -> Any:
         original = lambda s, k, *a: (k, index_slice, last, False)  # noqa: E731
         return hooks.send_last_page_only(original, sender, np.asarray(kv, dtype=np.int32))
 
     kv, sl, last, skip = chunk([10, 11], slice(0, 2), False)
-    assert len(kv) == 0 and sl == slice(2, 2) and not last and not skip and staged == []
+    assert len(kv) == 0 and sl == slice(2, 2) and not last and not skip and stager.staged == []
     kv, sl, last, skip = chunk([], slice(2, 2), True)  # a last chunk without new pages
     assert kv.tolist() == [11] and sl == slice(1, 2) and last and not skip, (kv, sl)
-    assert staged == [(9, 5, 40, 16)]
+    assert stager.staged == [(9, 5, 40, 16)] and stager.sends.get(9) is None
 
-    plain = NS(bootstrap_room=3)  # not staged: untouched
+    plain = NS(kv_mgr=sender.kv_mgr, bootstrap_room=3)  # not staged: untouched
     out = hooks.send_last_page_only(lambda s, k, *a: (k, slice(0, 2), True, False), plain, np.asarray([1, 2]))
     assert out[0].tolist() == [1, 2] and out[1] == slice(0, 2)
 
@@ -317,10 +334,15 @@ def test_hook_7_send_last_page_only() -> None:
     def broken(*args: Any) -> None:
         raise RuntimeError("no memory")
 
-    kv_mgr = NS(record_failure=failures.__setitem__, update_status=lambda r, s: statuses.append((r, s)))
-    failing = NS(
-        **{hooks.STAGER_ATTRIBUTE: NS(stage=broken)}, _oasis_stage=(1, 2, 0), bootstrap_room=4, kv_mgr=kv_mgr
+    stager.stage = broken  # type: ignore[method-assign]
+    stager.sends.decide(4, ["d:1"], 2, "r4")
+    stager.sends.last_chunk(4, 1, 2, 0)
+    kv_mgr = NS(
+        **{contract.STAGER_ATTRIBUTE: stager},
+        record_failure=failures.__setitem__,
+        update_status=lambda r, s: statuses.append((r, s)),
     )
+    failing = NS(bootstrap_room=4, kv_mgr=kv_mgr)
     out = hooks.send_last_page_only(lambda s, k, *a: (k, slice(0, 1), True, False), failing, np.asarray([7]))
     assert out[3] is True and "no memory" in failures[4] and statuses == [(4, KVPoll.Failed)]
 
@@ -385,7 +407,7 @@ def test_hook_7_peer_registration() -> None:
 
     assert hooks.forget_reregistered_sessions(publish, kv_mgr, "10.0.0.2:17000", NS()) is None
     assert calls == ["register 10.0.0.2:17000"]
-    setattr(kv_mgr, hooks.STAGER_ATTRIBUTE, stager)  # what hook 7's prefill send sets
+    setattr(kv_mgr, contract.STAGER_ATTRIBUTE, stager)  # what hook 7's prefill send sets
     hooks.forget_reregistered_sessions(publish, kv_mgr, "10.0.0.2:17000", NS())
     assert calls[1:] == ["register 10.0.0.2:17000", "forget 10.0.0.2:17000"]
 
@@ -490,7 +512,9 @@ def test_hook_7_decode_free() -> None:
     assert_params(hooks.DECODE_FREE_TARGET, ["self", "req"])
     assert "tree_cache.req_to_token_pool.free(req)" in source_of(release_kv_cache)
     freed: list[tuple[int, Any]] = []
-    pool = NS(free_slots=[], **{hooks.FREED_ROW_LISTENER: lambda row, address: freed.append((row, address))})
+    pool = NS(
+        free_slots=[], **{contract.FREED_ROW_LISTENER: lambda row, address: freed.append((row, address))}
+    )
     for host, row in (("10.0.0.5", 7), (FAKE_BOOTSTRAP_HOST, 8), (None, 9)):
         request = NS(kv=NS(req_pool_idx=row, holds_kv=True), bootstrap_host=host, bootstrap_port=8998,
                      bootstrap_room=1234)  # fmt: skip
@@ -524,18 +548,21 @@ def test_hook_7_complete_before_backup() -> None:
             calls.append(f"complete {row}")
             return whole
 
-        pool = NS(**{hooks.BEFORE_BACKUP_LISTENER: complete})
+        pool = NS(**{contract.BEFORE_BACKUP_LISTENER: complete})
         request = NS(kv=NS(req_pool_idx=3), rid="r")
         answer = hooks.complete_before_backup(backup, request, None, pool, None, "cpu_tensor")
         assert answer is whole and calls == expected
 
     kept: list[tuple[Any, ...]] = []
     pool = NS(
-        **{hooks.BEFORE_BACKUP_LISTENER: lambda row: True, hooks.RETRACT_LISTENER: lambda *a: kept.append(a)}
+        **{
+            contract.BEFORE_BACKUP_LISTENER: lambda row: True,
+            contract.RETRACT_LISTENER: lambda *a: kept.append(a),
+        }
     )
     request = NS(kv=NS(req_pool_idx=3), rid="r", origin_input_ids=[1, 2, 3], output_ids=[4])
     assert hooks.complete_before_backup(backup, request, None, pool, None, "cpu_tensor") is True
-    key = getattr(request, hooks.RETRACTION_KEY)  # stamped on the request object: its rid, made unique
+    key = getattr(request, contract.RETRACTION_KEY)  # stamped on the request object: its rid, made unique
     assert key.startswith("r#") and kept == [(3, key, 4, True)], kept
     # Retracted again (SGLang resumed it and retracted it before a step): the same key, so the state its
     # first retraction kept is found (before, a new key orphaned it and the resume started afresh).
@@ -543,7 +570,7 @@ def test_hook_7_complete_before_backup() -> None:
     assert kept[1] == (3, key, 4, True)
     other = NS(kv=NS(req_pool_idx=3), rid="r", origin_input_ids=[1, 2, 3], output_ids=[4])
     hooks.complete_before_backup(backup, other, None, pool, None, "cpu_tensor")
-    assert getattr(other, hooks.RETRACTION_KEY) != key  # another request object with the same rid
+    assert getattr(other, contract.RETRACTION_KEY) != key  # another request object with the same rid
 
 
 def test_hook_8_keep_before_release() -> None:
@@ -557,7 +584,7 @@ def test_hook_8_keep_before_release() -> None:
 
     kept: list[tuple[Any, ...]] = []
     released: list[str] = []
-    pool = NS(**{hooks.RETRACT_LISTENER: lambda *a: kept.append(a)})
+    pool = NS(**{contract.RETRACT_LISTENER: lambda *a: kept.append(a)})
     requests = [
         NS(kv=NS(req_pool_idx=5), rid=f"r{finished}", origin_input_ids=[1, 2], output_ids=[3, 4],
            finished=lambda finished=finished: finished)
@@ -568,8 +595,8 @@ def test_hook_8_keep_before_release() -> None:
             lambda **kw: released.append(kw["req"].rid), req=request, req_to_token_pool=pool
         )
     unfinished, finished = requests
-    key = getattr(unfinished, hooks.RETRACTION_KEY)
-    assert key.startswith("rFalse#") and not hasattr(finished, hooks.RETRACTION_KEY)
+    key = getattr(unfinished, contract.RETRACTION_KEY)
+    assert key.startswith("rFalse#") and not hasattr(finished, contract.RETRACTION_KEY)
     assert kept == [(5, key, 4, False)] and released == ["rFalse", "rTrue"], (kept, released)
 
 
@@ -591,7 +618,7 @@ def test_hook_9_carry_request_params(monkeypatch: pytest.MonkeyPatch) -> None:
         NS(rid=rid, sampling_params=NS(custom_params=p))
         for rid, p in (("a", {"oasis_top_k": 8}), ("b", None))
     ]
-    setattr(reqs[1], hooks.RETRACTION_KEY, "b#1")
+    setattr(reqs[1], contract.RETRACTION_KEY, "b#1")
     built = hooks.carry_request_params(lambda cls, batch, runner: "built", ForwardBatch, NS(reqs=reqs), None)
     assert built == "built" and batch_params(["b", "a", "c"]) == [None, {"oasis_top_k": 8}, None]
     assert retraction_keys(["b", "a", "c"]) == ["b#1", None, None]
@@ -736,6 +763,8 @@ def test_hooks_15_and_16_targets() -> None:
     from sglang.srt.mem_cache import kv_cache_configurator as module
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
+    from sglang_oasis.memory import host_kv_pool
+
     assert_params(hooks.POOL_BUILD_TARGET, ["self", "max_total_num_tokens", "mha_pool_class", "quant_method"])
     assert_params(hooks.POOL_BUDGET_TARGET, ["self", "pre_model_load_memory"])
     source = source_of(module)
@@ -749,13 +778,18 @@ def test_hooks_15_and_16_targets() -> None:
         built.append(kwargs)
         return "sglang's pool"
 
-    measured = hooks.GpuKVBytes()
-    pool = hooks.host_tier_pool(
+    measured = host_kv_pool.GpuKVBytes()
+    pool = host_kv_pool.build_pool(
         measured, build, cpu, max_total_num_tokens=64, mha_pool_class=MHATokenToKVPool
     )
     assert pool == "sglang's pool"
     assert built == [{"max_total_num_tokens": 64, "mha_pool_class": MHATokenToKVPool, "quant_method": None}]
-    assert hooks.host_tier_budget(OasisConfig(), measured, lambda configurator, memory: 123, cpu, 5) == 123
+    assert (
+        host_kv_pool.host_tier_bytes(OasisConfig(), measured, lambda configurator, memory: 123, cpu, 5) == 123
+    )
     draft = NS(is_draft_worker=True, device="cuda")  # the EAGLE-3 draft's pool stays SGLang's, on the GPU
-    assert hooks.host_tier_budget(OasisConfig(), measured, lambda configurator, memory: 123, draft, 5) == 123
+    assert (
+        host_kv_pool.host_tier_bytes(OasisConfig(), measured, lambda configurator, memory: 123, draft, 5)
+        == 123
+    )
     assert measured.take(cpu) is None and measured.take(draft) is None

@@ -7,8 +7,8 @@ and bytes its decode read from the host tier (working-set loads, tails, dense la
 catch-up: what ``decode_bytes_host_to_device`` counts), the blocks its first working sets loaded at its
 extend (a recall target loads at decode what a larger fixed K loads there), and the recall its sampled
 steps held. The backend's parts add them here by request row as they add the server's counters; hook 10
-(``sglang_hooks.report_request_figures``) hands a finished request's figures to SGLang's output
-streamer, so ``/generate`` answers carry them as ``meta_info["oasis"][0]``.
+(``sglang_hooks.report_request_figures``) extends SGLang's output streamer (``streamer_with_figures``)
+to hand a finished request's figures on, so ``/generate`` answers carry them as ``meta_info["oasis"][0]``.
 
 A row's owner is the request the latest forward pass ran in it (``begin``). Selection jobs finish one
 step late, so their loads are attributed by the (row, generation) they were launched for; the loads of
@@ -19,9 +19,16 @@ not in its figures (they are in the server's counters).
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
-from typing import Any
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import asdict, astuple, dataclass
+from typing import TYPE_CHECKING, Any
+
+from sglang_oasis.sglang_contract import FIGURES_KEY
+
+if TYPE_CHECKING:
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.managers.scheduler import Scheduler
+    from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
 
 KEEP = 4096  # requests whose figures are kept until taken (the oldest go first)
 
@@ -119,3 +126,54 @@ class RequestLedger:
         if owner is None or (generation is not None and owner[0] != generation):
             return None
         return self._figures.get(owner[1])
+
+
+def streamer_with_figures(
+    base: type[SchedulerOutputStreamer], scheduler: Scheduler, ledger: Callable[[], RequestLedger | None]
+) -> type[SchedulerOutputStreamer]:
+    """SGLang's output streamer class ``base``, extended (``has_additional_customized_info``, SGLang's way
+    to add per-request output fields) to send each finished request's figures (``ledger()``'s, the
+    scheduler's backend's; under tensor parallelism summed over the ranks, ``sum_over_ranks``) with its
+    last output as ``meta_info["oasis"] = [figures]``; an unfinished one's chunks carry ``[]``."""
+
+    def build_additional_customized_info(
+        streamer: SchedulerOutputStreamer, reqs: list[Req]
+    ) -> dict[str, list]:
+        found = ledger()
+        figures = [
+            found.take_figures(str(req.rid)) if found is not None and req.finished() else None for req in reqs
+        ]
+        if int(getattr(scheduler, "tp_size", 1)) > 1 and any(req.finished() for req in reqs):
+            figures = sum_over_ranks(scheduler, figures)
+        return {FIGURES_KEY: [[] if entry is None else [entry.report()] for entry in figures]}
+
+    namespace = {
+        "__slots__": (),
+        "has_additional_customized_info": True,
+        "build_additional_customized_info": build_additional_customized_info,
+    }
+    return type("OasisOutputStreamer", (base,), namespace)
+
+
+def sum_over_ranks(scheduler: Scheduler, figures: list[RequestFigures | None]) -> list[RequestFigures | None]:
+    """Each request's figures summed over the tensor-parallel ranks (each rank loads its own KV heads'
+    blocks): one all-reduce over the ranks' CPU group, which every rank's streamer makes for the same
+    finished requests at the same step. A request with figures on no rank stays None."""
+    import torch
+    import torch.distributed as dist
+
+    width = len(astuple(RequestFigures()))
+    rows = torch.tensor(
+        [[1.0, *astuple(entry)] if entry is not None else [0.0] * (width + 1) for entry in figures],
+        dtype=torch.float64,
+    ).reshape(len(figures), width + 1)
+    dist.all_reduce(rows, group=scheduler.tp_cpu_group)
+    out: list[RequestFigures | None] = []
+    for present, *values in rows.tolist():
+        if present == 0:
+            out.append(None)
+            continue
+        summed = RequestFigures(*(type(v)(x) for v, x in zip(astuple(RequestFigures()), values, strict=True)))
+        summed.decode_steps = round(summed.decode_steps / present)  # every rank counts the same steps
+        out.append(summed)
+    return out

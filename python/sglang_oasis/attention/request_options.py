@@ -95,6 +95,16 @@ def read_options(params: Sequence[Any] | None, config: OasisConfig, disaggregate
     return RequestOptions(top_k, target, errors)
 
 
+def disaggregated() -> bool:
+    """Whether this server is either node of a PD pair (SGLang's runtime context, in any process)."""
+    try:
+        from sglang.srt.runtime_context import get_disagg
+
+        return str(get_disagg().disaggregation_mode) in ("prefill", "decode")
+    except Exception:  # no context published in this process: the scheduler checks again
+        return False
+
+
 def check(custom_params: Any, config: OasisConfig, disaggregated: bool) -> tuple[int, float] | None:
     """The top-K and recall target a request's ``custom_params`` sets (None: it sets neither). Raises
     ``ValueError`` ("oasis: bad custom_params: ...", naming the key) for anything this server refuses."""

@@ -37,6 +37,7 @@ waits is never resumed): the oldest go first.
 from __future__ import annotations
 
 import logging
+import uuid
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import TYPE_CHECKING, NamedTuple
@@ -53,11 +54,13 @@ from sglang_oasis.attention.selector import Selector
 from sglang_oasis.attention.sparse_attention import SparseAttention
 from sglang_oasis.disaggregation.decode_admission import Arrival
 from sglang_oasis.memory.working_set import EMPTY, TransferPlan
-from sglang_oasis.sglang_contract import RETRACT_LISTENER
+from sglang_oasis.sglang_contract import RETRACT_LISTENER, RETRACTION_KEY
 from sglang_oasis.stats import OasisStats
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
+    from sglang.srt.managers.schedule_batch import Req
+    from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
 
 logger = logging.getLogger(__name__)
@@ -311,3 +314,23 @@ class Retractions:
                 sets.load(plan, one, layer, pages[None], k_buffer, v_buffer)
                 loads = plan.num_loads
                 self.stats.add_loads(loads, [(req, generation, loads)], sets.bytes_per_block, at_decode=True)
+
+
+def keep_retracted(req_to_token_pool: ReqToTokenPool, req: Req, backed_up: bool) -> None:
+    """Tell the pool's retraction listener (the oasis backend) that ``req`` is retracted: its row, a key
+    stamped on the request object (hook 9 hands it to the backend when the request comes back; a new
+    request reusing the rid has none), the tokens its resume will hold (prompt and output), and whether its
+    KV was backed up."""
+    keep = getattr(req_to_token_pool, RETRACT_LISTENER, None)
+    row = getattr(getattr(req, "kv", None), "req_pool_idx", None)
+    if keep is None or row is None:
+        return
+    # This request object's key, not its (client-chosen) rid; the same at every retraction of it: one
+    # retracted again before it took a step (SGLang resumed it and retracted it at once) still finds
+    # the state its first retraction kept.
+    key = getattr(req, RETRACTION_KEY, None) or f"{req.rid}#{uuid.uuid4().hex[:16]}"
+    setattr(req, RETRACTION_KEY, key)
+    try:
+        keep(int(row), key, len(req.origin_input_ids) + len(req.output_ids), backed_up)
+    except Exception:  # it resumes with a new admission then, as without the hook
+        logger.exception("oasis: keeping retracted request %s's selection state failed", req.rid)

@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from sglang_oasis.disaggregation.handoff import Handoff, draft_kv_pool, pool_buffers
+from sglang_oasis.disaggregation.send_plan import SendPlans
 from sglang_oasis.disaggregation.side_channel import HandoffServer, register_handoffs
 from sglang_oasis.disaggregation.staging import KVStagingArea, StagedKVLayout
 from sglang_oasis.disaggregation.transfer_engine import MooncakeEndpoint
@@ -68,6 +69,7 @@ class PrefillStager:
         self._slow_rooms: set[int] = set()
         self._fetching: set[str] = set()  # decode sessions that asked for a hand-off: they fetch
         self._lock = threading.Lock()
+        self.sends = SendPlans(self, backend.stats)  # what each request's send was decided to be
         self._server = HandoffServer(self, host)
         self.url = self._server.url
         # Requests are staged only once decode nodes can find the hand-offs; until then they go whole.
@@ -120,6 +122,7 @@ class PrefillStager:
             expired = [room for room, (_, at) in self._handoffs.items() if now - at > self.ttl_s]
             for room in [room for room, (_, at) in self._reserved.items() if now - at > self.ttl_s]:
                 del self._reserved[room]  # admitted, never staged (aborted before its last chunk)
+        self.sends.expire(self.ttl_s, now)
         for room in expired:
             logger.warning(
                 "oasis: staged KV of bootstrap room %d expired unreleased after %.0f s", room, self.ttl_s
@@ -205,6 +208,7 @@ class PrefillStager:
             found = self._handoffs.pop(room, None) is not None
             self._slow_rooms.discard(room)
             self._reserved.pop(room, None)
+        self.sends.forget(room)
         self.staging.release(str(room))
         self.staging.release(f"{room}/draft")
         self.backend.stats.set("staged_bytes", self.staging.nbytes)

@@ -143,6 +143,35 @@ class EndpointDirectory:
         return url
 
 
+def serve_endpoints(app: Any) -> None:
+    """Add ``ENDPOINT_ROUTE`` to the prefill's bootstrap server (its aiohttp ``app``, hook 7): ``PUT``
+    registers an engine rank's hand-off URL (``register_handoffs``), ``GET ?engine_rank=`` looks it up
+    (404 until that rank registered: the decode node then takes the request whole). Callers must be
+    ``authorized``: the URL hands out staged KV."""
+    from aiohttp import web
+
+    endpoints: dict[int, dict[str, object]] = {}  # engine (tensor-parallel) rank -> its URL, --tp-size
+
+    async def handle(request: web.Request) -> web.Response:
+        if not authorized(request.headers, request.remote):
+            return web.json_response(
+                {"error": f"forbidden: this deployment needs its {TOKEN_HEADER}"}, status=403
+            )
+        if request.method == "PUT":
+            data = await request.json()
+            endpoints[int(data["engine_rank"])] = {
+                "url": str(data["url"]),
+                "tp_size": int(data.get("tp_size", 1)),
+            }
+            return web.json_response({})
+        endpoint = endpoints.get(int(request.query.get("engine_rank", 0)))
+        if endpoint is None:
+            return web.json_response({"error": "this prefill node does not stage KV"}, status=404)
+        return web.json_response(endpoint)
+
+    app.router.add_route("*", ENDPOINT_ROUTE, handle)
+
+
 def register_handoffs(
     host: str, bootstrap_port: int, engine_rank: int, tp_size: int, url: str, ready: threading.Event
 ) -> None:

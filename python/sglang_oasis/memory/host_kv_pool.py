@@ -15,10 +15,22 @@ K and V its two halves, each ``[size + page_size, KV heads, head_dim]``. Never r
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
 import torch
 from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool
 
-from sglang_oasis.memory import pinned_host
+from sglang_oasis.memory import host_tier, pinned_host
+
+if TYPE_CHECKING:
+    from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
+    from sglang.srt.mem_cache.memory_pool import KVCache
+
+    from sglang_oasis.config import OasisConfig
+
+logger = logging.getLogger(__name__)
 
 
 class PinnedHostKVPool(MHATokenToKVPool):
@@ -55,3 +67,62 @@ class PinnedHostKVPool(MHATokenToKVPool):
         return bool(buffers) and all(
             isinstance(b, torch.Tensor) and b.untyped_storage().data_ptr() in hosts for b in buffers
         )
+
+
+def _host_tier_here(configurator: KVCacheConfigurator) -> bool:
+    """Whether the configurator builds the target model's KV pool on CUDA (the host tier, hooks 15 and 16)."""
+    return not configurator.is_draft_worker and torch.device(configurator.device).type == "cuda"
+
+
+class GpuKVBytes:
+    """What hook 16 measured for each configurator (by identity: SGLang's configurator has slots), until
+    hook 15 hands it to the pool it builds. Owned by the two registered hooks (``sglang_hooks.register``)."""
+
+    def __init__(self) -> None:
+        self._bytes: dict[int, int] = {}
+
+    def keep(self, configurator: KVCacheConfigurator, gpu_bytes: int) -> None:
+        self._bytes[id(configurator)] = gpu_bytes
+
+    def take(self, configurator: KVCacheConfigurator) -> int | None:
+        return self._bytes.pop(id(configurator), None)
+
+
+def build_pool(
+    measured: GpuKVBytes, original: Callable[..., KVCache], configurator: KVCacheConfigurator, *,
+    max_total_num_tokens: int, mha_pool_class: type, quant_method: object | None = None,
+) -> KVCache:  # fmt: skip
+    """AROUND hook 15 (``sglang_hooks.register``): the target model's KV pool on CUDA built as ``PinnedHostKVPool``."""
+    if not _host_tier_here(configurator):
+        return original(configurator, max_total_num_tokens=max_total_num_tokens, mha_pool_class=mha_pool_class,
+                        quant_method=quant_method)  # fmt: skip
+    if mha_pool_class is not MHATokenToKVPool or quant_method is not None:
+        raise ValueError(
+            f"oasis sparse mode keeps the KV pool in host memory and serves SGLang's plain MHA pool only; SGLang "
+            f"chose {getattr(mha_pool_class, '__name__', mha_pool_class)} (quantized: {quant_method is not None})"
+        )
+    pool = original(configurator, max_total_num_tokens=max_total_num_tokens, mha_pool_class=PinnedHostKVPool)
+    assert isinstance(pool, PinnedHostKVPool)
+    pool.gpu_kv_bytes = measured.take(configurator)
+    return pool
+
+
+def host_tier_bytes(
+    config: OasisConfig, measured: GpuKVBytes, original: Callable[..., int], configurator: KVCacheConfigurator,
+    pre_model_load_memory: int,
+) -> int:  # fmt: skip
+    """AROUND hook 16 (``sglang_hooks.register``): the bytes SGLang sizes the target's KV pool by on CUDA: host RAM's share, not the
+    GPU's (which is kept for the device tier)."""
+    gpu_bytes = original(configurator, pre_model_load_memory)
+    if not _host_tier_here(configurator):
+        return gpu_bytes
+    measured.keep(configurator, gpu_bytes)
+    available = host_tier.available_host_memory()
+    host_bytes = (
+        available if config.host_kv_tokens is not None else int(config.host_memory_fraction * available)
+    )
+    logger.info(
+        "oasis: the host KV tier is sized by host RAM (%.1f GiB of %.1f GiB available), not the GPU's %.1f GiB, "
+        "which goes to the device tier", host_bytes / 2**30, available / 2**30, gpu_bytes / 2**30,
+    )  # fmt: skip
+    return host_bytes
