@@ -40,7 +40,7 @@ from pathlib import Path
 from sglang_oasis.disaggregation.mooncake_builds import MissingSystemLibrary, check_system_libraries
 from sglang_oasis.disaggregation.side_channel import TOKEN_ENV
 from sglang_oasis.disaggregation.transfer_engine import engine_env_defaults
-from sglang_oasis.launch_server import TENSOR_PARALLEL_OPTIONS, given
+from sglang_oasis.launcher.argv import TENSOR_PARALLEL_OPTIONS, given
 from sglang_oasis.server_process import ServerProcess, ServerStartError, free_port
 
 PROG = "python -m sglang_oasis.launch_pd"

@@ -61,7 +61,7 @@ def started_by_sglang(argv: Sequence[str], config: OasisConfig | None) -> OasisC
         config.to_env()
     if multiprocessing.parent_process() is None and not _kept:
         from sglang_oasis.http_routes import add_oasis_routes
-        from sglang_oasis.launch_server import TENSOR_PARALLEL_OPTIONS, first_option_value, option_value
+        from sglang_oasis.launcher.argv import TENSOR_PARALLEL_OPTIONS, first_option_value, option_value
         from sglang_oasis.stats import OasisStats
 
         port = option_value(argv, "--port") or "30000"

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from sglang_oasis.launch_server import CPU_BIND_ENV
+from sglang_oasis.launcher.cpu_engine import CPU_BIND_ENV
 from sglang_oasis.platform.cpu.capabilities import numa_nodes, rank_core_binding, usable_cores
 from sglang_oasis.server_process import ServerProcess
 

@@ -11,17 +11,15 @@ import tempfile
 import pytest
 
 from sglang_oasis.config import ENV_VAR, OasisConfig, OasisConfigError
-from sglang_oasis.launch_server import (
+from sglang_oasis.launch_server import split_argv
+from sglang_oasis.launcher.argv import LaunchError, given, option_value
+from sglang_oasis.launcher.cpu_engine import (
     DECODE_STEP_ENV,
     INDUCTOR_CACHE_ENV,
     WARMUP_TIMEOUT_ENV,
-    LaunchError,
     compile_plan,
     cpu_decode_step,
     cpu_defaults,
-    given,
-    option_value,
-    split_argv,
 )
 from sglang_oasis.server_process import child_env
 
@@ -297,7 +295,7 @@ def test_bad_oasis_option_stops_startup_naming_it(argv: list[str], needle: str) 
 
 
 def test_sparse_mode_adds_backend_and_pages() -> None:
-    from sglang_oasis.launch_server import sparse_mode_args
+    from sglang_oasis.launcher.sparse_mode import sparse_mode_args
 
     config = OasisConfig(top_k=32, sink_blocks=0, block_size=16, device_kv_tokens=8192, host_kv_tokens=4096)
     added = sparse_mode_args([], config)
@@ -314,7 +312,7 @@ def test_sparse_mode_adds_backend_and_pages() -> None:
 
 def test_lookahead_sets_up_one_step_speculation() -> None:
     """Two verify rows per request (the real token and one draft), top-k 1, from the chosen drafter."""
-    from sglang_oasis.launch_server import lookahead_args
+    from sglang_oasis.launcher.sparse_mode import lookahead_args
 
     assert lookahead_args([], OasisConfig()) == []
     ngram = lookahead_args([], OasisConfig(lookahead="ngram"))
@@ -362,7 +360,8 @@ def test_a_working_set_budget_matters_only_in_sparse_mode() -> None:
     ],
 )  # fmt: skip
 def test_sparse_mode_refuses_models_it_would_serve_wrongly(tmp_path, model: dict, needle: str) -> None:
-    from sglang_oasis.launch_server import LaunchError, check_sparse_model
+    from sglang_oasis.launcher.argv import LaunchError
+    from sglang_oasis.launcher.sparse_mode import check_sparse_model
 
     (tmp_path / "config.json").write_text(json.dumps(model))
     with pytest.raises(LaunchError, match=needle):
@@ -380,7 +379,7 @@ def test_sparse_mode_refuses_models_it_would_serve_wrongly(tmp_path, model: dict
     ],
 )  # fmt: skip
 def test_sparse_mode_serves_full_attention_models(tmp_path, model: dict) -> None:
-    from sglang_oasis.launch_server import check_sparse_model
+    from sglang_oasis.launcher.sparse_mode import check_sparse_model
 
     (tmp_path / "config.json").write_text(json.dumps(model))
     check_sparse_model(["--model-path", str(tmp_path)], OasisConfig(dense_layers=(0, 1)))
@@ -388,7 +387,8 @@ def test_sparse_mode_serves_full_attention_models(tmp_path, model: dict) -> None
 
 
 def test_on_cpu_the_two_tiers_must_fit_the_ram_together(default_model_dir) -> None:
-    from sglang_oasis.launch_server import LaunchError, check_tiers_fit
+    from sglang_oasis.launcher.argv import LaunchError
+    from sglang_oasis.launcher.sparse_mode import check_tiers_fit
 
     argv = ["--model-path", str(default_model_dir), "--dtype", "float32", "--max-total-tokens", "32768"]
     per_token = 46_080  # SmolLM2-135M in float32

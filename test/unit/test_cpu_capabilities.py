@@ -10,15 +10,14 @@ from pathlib import Path
 
 import pytest
 
-from sglang_oasis.launch_server import (
+from sglang_oasis.launcher.argv import model_ranks, option_value
+from sglang_oasis.launcher.cpu_engine import (
     CPU_BIND_ENV,
     TP_MEMORY_CHECK_ENV,
     cpu_binding_env,
     cpu_dtype_args,
     cpu_memory_check_env,
     cpu_threads_env,
-    model_ranks,
-    option_value,
 )
 from sglang_oasis.memory.host_tier import kv_footprint
 from sglang_oasis.platform.cpu import capabilities
@@ -82,16 +81,16 @@ def test_threads_share_the_cores_between_ranks() -> None:
 
 
 def test_dtype_is_chosen_only_when_not_given(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("sglang_oasis.launch_server.cpu_flags", lambda: frozenset({"avx2"}))
+    monkeypatch.setattr("sglang_oasis.launcher.cpu_engine.cpu_flags", lambda: frozenset({"avx2"}))
     assert cpu_dtype_args([]) == ["--dtype", "float32"]
-    monkeypatch.setattr("sglang_oasis.launch_server.cpu_flags", lambda: frozenset({"avx512_bf16"}))
+    monkeypatch.setattr("sglang_oasis.launcher.cpu_engine.cpu_flags", lambda: frozenset({"avx512_bf16"}))
     assert cpu_dtype_args([]) == ["--dtype", "bfloat16"]
     assert cpu_dtype_args(["--dtype", "float16"]) == []
     assert cpu_dtype_args(["--dtype=auto"]) == []  # SGLang's own rule, asked for by name
 
 
 def test_threads_are_chosen_only_when_not_set(monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setattr("sglang_oasis.launch_server.usable_cores", lambda: 2)
+    monkeypatch.setattr("sglang_oasis.launcher.cpu_engine.usable_cores", lambda: 2)
     monkeypatch.setenv("OMP_NUM_THREADS", "unset")  # restored as it was after the test (see below)
     monkeypatch.delenv("OMP_NUM_THREADS")
     cpu_threads_env(["--tp-size", "2"])
@@ -148,8 +147,8 @@ def test_numa_nodes_are_counted_from_sysfs(tmp_path: Path) -> None:
 def test_ranks_are_bound_only_when_they_outnumber_the_numa_nodes(monkeypatch: pytest.MonkeyPatch) -> None:
     """More ranks than NUMA nodes: SGLang refuses to start without a binding, so the launcher makes one
     (unless one is set); up to one rank per node SGLang binds each rank to its node itself."""
-    monkeypatch.setattr("sglang_oasis.launch_server.usable_cores", lambda: 2)
-    monkeypatch.setattr("sglang_oasis.launch_server.numa_nodes", lambda: 1)
+    monkeypatch.setattr("sglang_oasis.launcher.cpu_engine.usable_cores", lambda: 2)
+    monkeypatch.setattr("sglang_oasis.launcher.cpu_engine.numa_nodes", lambda: 1)
     monkeypatch.setattr("os.sched_getaffinity", lambda pid: {0, 1})
     # setenv first: monkeypatch then restores the variable as it was (absent) after the test, also after
     # cpu_binding_env set it (a delenv of an absent variable records nothing, and the binding leaked into
@@ -164,7 +163,7 @@ def test_ranks_are_bound_only_when_they_outnumber_the_numa_nodes(monkeypatch: py
     cpu_binding_env(["--tp-size", "3"])
     assert os.environ[CPU_BIND_ENV] == "1|1|1"
     monkeypatch.delenv(CPU_BIND_ENV)
-    monkeypatch.setattr("sglang_oasis.launch_server.numa_nodes", lambda: 2)
+    monkeypatch.setattr("sglang_oasis.launcher.cpu_engine.numa_nodes", lambda: 2)
     cpu_binding_env(["--tp-size", "2"])
     assert CPU_BIND_ENV not in os.environ
 

@@ -165,7 +165,9 @@ def test_a_plain_sglang_start_on_cuda_is_refused_by_name_as_the_launcher_refuses
     hands the backend its configuration (``SGLANG_OASIS_CONFIG``) and the backend asks the same gates."""
     from sglang_oasis.attention.oasis_backend import create_oasis_backend
     from sglang_oasis.config import ENV_VAR
-    from sglang_oasis.launch_server import LaunchError, check_untested_cuda, split_argv
+    from sglang_oasis.launch_server import split_argv
+    from sglang_oasis.launcher.argv import LaunchError
+    from sglang_oasis.launcher.sparse_mode import check_untested_cuda
     from sglang_oasis.serving_gates import ServingRefused
 
     argv, options, sglang_options = REFUSED[why]

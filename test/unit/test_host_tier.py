@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from sglang_oasis.config import OasisConfig
-from sglang_oasis.launch_server import LaunchError, host_tier_args, option_value, sparse_mode_args
+from sglang_oasis.launcher.argv import LaunchError, option_value
+from sglang_oasis.launcher.sparse_mode import host_tier_args, sparse_mode_args
 from sglang_oasis.memory.host_tier import (
     HostTierError,
     KVFootprint,
