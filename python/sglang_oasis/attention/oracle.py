@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
 
     from sglang_oasis.attention.batch_view import BatchView
-    from sglang_oasis.config import OasisConfig
+    from sglang_oasis.options.selection import SelectionOptions
 
 
 def oracle_positions(
@@ -91,7 +91,7 @@ def _positions(
     return attended | tail[:, None, :]
 
 
-def attention_kind(config: OasisConfig) -> Callable[..., SparseAttention]:
+def attention_kind(config: SelectionOptions) -> Callable[..., SparseAttention]:
     """What the oasis backend builds its ``SparseAttention`` with: the class, or with ``--oasis-selector
     oracle`` the oracle's (its sinks the server's)."""
     if not config.oracle:

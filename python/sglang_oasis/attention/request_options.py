@@ -32,7 +32,7 @@ from typing import Any, NamedTuple
 
 import torch
 
-from sglang_oasis.config import OasisConfig
+from sglang_oasis.options.selection import SelectionOptions
 
 TOP_K = "oasis_top_k"
 RECALL_TARGET = "oasis_recall_target"
@@ -76,7 +76,9 @@ def _noted_of(rid: str) -> NotedRequest:
     return _noted.get(str(rid)) or NotedRequest(None, None)
 
 
-def read_options(params: Sequence[Any] | None, config: OasisConfig, disaggregated: bool) -> RequestOptions:
+def read_options(
+    params: Sequence[Any] | None, config: SelectionOptions, disaggregated: bool
+) -> RequestOptions:
     """Each row's top-K and recall target from its ``custom_params`` (the server's where it sets none); a
     row whose ``custom_params`` ``check`` refuses gets the server's and an error."""
     if not params or not any(p is not None and _oasis_options(p) != {} for p in params):
@@ -105,7 +107,7 @@ def disaggregated() -> bool:
         return False
 
 
-def check(custom_params: Any, config: OasisConfig, disaggregated: bool) -> tuple[int, float] | None:
+def check(custom_params: Any, config: SelectionOptions, disaggregated: bool) -> tuple[int, float] | None:
     """The top-K and recall target a request's ``custom_params`` sets (None: it sets neither). Raises
     ``ValueError`` ("oasis: bad custom_params: ...", naming the key) for anything this server refuses."""
     options = _oasis_options(custom_params)
@@ -136,7 +138,7 @@ def _short(value: Any) -> str:
     return text if len(text) <= 60 else text[:57] + "..."
 
 
-def _checked(options: dict[str, Any], config: OasisConfig, disaggregated: bool) -> tuple[int, float]:
+def _checked(options: dict[str, Any], config: SelectionOptions, disaggregated: bool) -> tuple[int, float]:
     unknown = sorted(set(options) - {TOP_K, RECALL_TARGET})
     if unknown:
         raise ValueError(f"unknown {', '.join(unknown)} (known: {TOP_K}, {RECALL_TARGET})")

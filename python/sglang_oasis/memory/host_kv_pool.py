@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from sglang.srt.mem_cache.kv_cache_configurator import KVCacheConfigurator
     from sglang.srt.mem_cache.memory_pool import KVCache
 
-    from sglang_oasis.config import OasisConfig
+    from sglang_oasis.options.tiers import TierOptions
 
 logger = logging.getLogger(__name__)
 
@@ -108,7 +108,7 @@ def build_pool(
 
 
 def host_tier_bytes(
-    config: OasisConfig, measured: GpuKVBytes, original: Callable[..., int], configurator: KVCacheConfigurator,
+    config: TierOptions, measured: GpuKVBytes, original: Callable[..., int], configurator: KVCacheConfigurator,
     pre_model_load_memory: int,
 ) -> int:  # fmt: skip
     """AROUND hook 16 (``sglang_hooks.register``): the bytes SGLang sizes the target's KV pool by on CUDA: host RAM's share, not the
