@@ -20,7 +20,7 @@ prefill-window pins and recall target), up to summation order. Per task and cont
 prefills each prompt, then every config's requests run at once (``--concurrency`` per config), each
 finding its prompt cached but the prefill window's last tokens, which it computes again. Requests go
 through ``/generate`` (the chat template applied here, as the chat API would) because its reply carries
-the request's own decode figures (``meta_info["oasis"]``, ``attention/request_ledger.py``): a config's
+the request's own decode figures (``meta_info["oasis"]``, ``request_ledger.py``): a config's
 figures are the sums of its requests'. Any other ``--extra-config`` gets a server of its own, and so
 does every config with ``--separate-servers``. Servers run at once, as many as the machine has cores
 (``--servers-at-once``; each computes on one thread): on the 2-core machines dense and the shared sparse
@@ -137,7 +137,7 @@ STAT_DELTAS = (
     "recall_target_grows",
     "recall_target_shrinks",
 )
-# Per request, from its /generate reply's meta_info["oasis"] (attention/request_ledger.py), summed per config.
+# Per request, from its /generate reply's meta_info["oasis"] (request_ledger.py), summed per config.
 REQUEST_FIGURES = (
     "decode_steps",
     "decode_blocks_loaded",

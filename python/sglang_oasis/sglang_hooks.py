@@ -352,7 +352,7 @@ def report_request_figures(
     base = original(scheduler, *args, **kwargs)
     if getattr(scheduler, "rust_server", None) is not None:
         return base  # the Rust egress takes no additional fields (SGLang refuses them at start-up)
-    from sglang_oasis.attention.request_ledger import streamer_with_figures
+    from sglang_oasis.request_ledger import streamer_with_figures
 
     return streamer_with_figures(
         base, scheduler, lambda: getattr(getattr(_backend(scheduler), "stats", None), "requests", None)

@@ -19,7 +19,7 @@ from typing import Any
 
 import numpy as np
 
-from sglang_oasis.attention.request_ledger import RequestLedger
+from sglang_oasis.request_ledger import RequestLedger
 
 logger = logging.getLogger(__name__)
 
@@ -215,7 +215,7 @@ def shm_name(port: int) -> str:
 
 class OasisStats:
     """Named int64 counters over a shared-memory block (or process-local memory when ``shm`` is None),
-    and ``requests``: each running request's own figures (process-local, ``attention/request_ledger.py``).
+    and ``requests``: each running request's own figures (process-local, ``request_ledger.py``).
 
     The block holds the number of ranks, then one row of ``FIELDS`` per tensor-parallel rank; this
     object writes row ``rank``."""

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from sglang_oasis.attention.request_ledger import RequestLedger
+from sglang_oasis.request_ledger import RequestLedger
 
 
 def test_figures_follow_the_request_that_holds_the_row() -> None:

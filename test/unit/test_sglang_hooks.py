@@ -133,8 +133,8 @@ def _tensor_parallel_rank(rank: int, init: str, out: Any) -> None:
     """One of two ranks of ``test_hook_4_under_tensor_parallelism`` (a real gloo group)."""
     import torch.distributed as dist
 
-    from sglang_oasis.attention.request_ledger import RequestFigures, sum_over_ranks
     from sglang_oasis.attention.transfer_failures import TransferFailures
+    from sglang_oasis.request_ledger import RequestFigures, sum_over_ranks
 
     dist.init_process_group("gloo", init_method=init, rank=rank, world_size=2)
     backend = NS(failures=TransferFailures())
@@ -630,7 +630,7 @@ def test_hook_10_report_request_figures() -> None:
     from sglang.srt.managers.scheduler_components.output_streamer import SchedulerOutputStreamer
     from sglang.srt.managers.tokenizer_manager import TokenizerManager
 
-    from sglang_oasis.attention.request_ledger import RequestLedger
+    from sglang_oasis.request_ledger import RequestLedger
 
     assert params_of(hooks.STREAMER_TARGET) == ["self"]
     assert "self.get_output_streamer_class()(" in source_of(Scheduler)
