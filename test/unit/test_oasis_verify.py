@@ -245,7 +245,7 @@ def test_the_prefill_window_chooses_the_first_working_set_by_exact_attention(
     backend.set_batch([0], admission=True)
     backend.intake.catch_up(backend.batch, 0, torch.tensor([seq_len]))
     q_rows = torch.tensor([1.0, 1.0]).expand(seq_len, 1, DIM) * 2  # the prompt's queries, last row last
-    prior = backend.selector.window_prior(backend.batch, layer, q_rows, [seq_len - 1], [seq_len], [seq_len])
+    prior = backend.selector.window.prior(backend.batch, layer, q_rows, [seq_len - 1], [seq_len], [seq_len])
     assert (prior is None) == (window == 0)
     backend.selector.select(backend.batch, 0, q_rows[-1:], [seq_len], prior)
     backend.selector.finish_pending()

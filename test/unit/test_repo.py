@@ -204,8 +204,6 @@ def test_each_piece_of_shared_state_has_one_writer() -> None:
 # (issue 57).
 CAPS = {"file": 450, "class": 250, "function": 60}
 OVER_CAP = {
-    "attention/selector.py:Selector": 257,
-    "attention/selector.py:select": 85,
     "attention/sparse_attention.py:SparseAttention": 263,
     "attention/recall_program.py:sample": 65,
     "disaggregation/remote_fetch.py:RemotePartialFetcher": 259,

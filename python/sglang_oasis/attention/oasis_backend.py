@@ -220,7 +220,7 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
         seq_lens = forward_batch.seq_lens.tolist()
         if not self.batch.admission and k is not None:  # re-prefilled retracted requests: their sparse step
             self.retractions.attend_resumed(self.batch, layer, q_rows, last, k, v, out, seq_lens_cpu)
-        prior = self.selector.window_prior(self.batch, layer, q_rows, last.tolist(), extend_lens, seq_lens)
+        prior = self.selector.window.prior(self.batch, layer, q_rows, last.tolist(), extend_lens, seq_lens)
         self.selector.select(self.batch, layer_id, q_rows[last], seq_lens, prior, layer.scaling)
         return out
 

@@ -17,11 +17,11 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
-from sgl_kernel_oasis import window_block_mass
 from sglang_oasis.attention.batch_view import BatchView
 from sglang_oasis.attention.block_prefetcher import BlockPrefetcher, JobResult, SelectionJob
 from sglang_oasis.attention.fetch_caps import FetchCaps
 from sglang_oasis.attention.prefetch_pipeline import PrefetchPipeline
+from sglang_oasis.attention.prefill_window import PrefillWindow
 from sglang_oasis.attention.recall_probe import on_ladder, window_top_k
 from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.attention.transfer_failures import TransferFailures
@@ -31,7 +31,6 @@ from sglang_oasis.memory.working_set import EMPTY
 from sglang_oasis.stats import OasisStats
 
 if TYPE_CHECKING:
-    from sglang.srt.layers.radix_attention import RadixAttention
     from sglang.srt.mem_cache.memory_pool import MHATokenToKVPool, ReqToTokenPool
 
 logger = logging.getLogger(__name__)
@@ -89,6 +88,7 @@ class Selector:
             config.code_candidates,
         )
         self.caps = FetchCaps(config, int(kv_pool.layer_num))
+        self.window = PrefillWindow(config, kv_pool, req_to_token_pool, tier.pinned.shape[-2:], stats)
         # the captured decode step's results not folded into the host's tables yet (graphed_step.py)
         self.before_drain: Callable[[], None] = lambda: None
         # called with (batch, layer, seq_lens) before a selection changes the working sets (retraction.py;
@@ -114,60 +114,92 @@ class Selector:
         if not seq_lens:
             return
         if batch.admits and not batch.admission:
-            # A PD arrival's dense first step among ordinary decode rows, or re-prefilled retracted
-            # requests among an extend's new ones: each part selects apart, so an ordinary row's step
-            # (its cap, top-K and window pins) is the one it would take alone.
-            for part in (batch.admitting, ~batch.admitting):
-                lens = [seq_lens[row] for row in part.nonzero().flatten().tolist()]
-                part_prior = None  # the window's (the batch's widest blocks): the admissions' only
-                if prior is not None and part is batch.admitting:
-                    part_prior = prior[part][..., : max(lens) // self.block_size]
-                rows = queries[part.to(queries.device)]
-                self.select(batch.subset(part), layer_id, rows, lens, part_prior, scale)
+            self._select_apart(batch, layer_id, queries, seq_lens, prior, scale)
             return
         if not batch.admission:
             prior = None  # the prefill window's: admissions only
         if self.before_select is not None:
             self.before_select(batch, layer_id, seq_lens)
-        block, config = self.block_size, self.config
-        reqs, slots = batch.req_index, batch.slots
-        full = torch.tensor(seq_lens, dtype=torch.int64) // block
-        num_blocks = int(full.max())
-        admission = batch.admission
+        slots, config = batch.slots, self.config
+        full = torch.tensor(seq_lens, dtype=torch.int64) // self.block_size
         own_k, targets = batch.top_ks(config.top_k), batch.targets(config.recall_target)  # [bs] each
         targeted = targets > 0
-        if bool(targeted.any()) and not admission:
+        if bool(targeted.any()) and not batch.admission:
             self._keep_holding_every_block(slots, layer_id, full, own_k, targeted)
-        # Every block is selected; if none filled up since the last selection the working sets already
-        # hold them all (this layer's job was waited for): nothing to plan or move.
-        capacity = self.working_sets.top_k[slots, layer_id] + config.sink_blocks
-        unchanged = not admission and bool((full <= capacity).all())
-        if unchanged and bool(targeted.any()):  # a target that just grew K: blocks still to load
-            unchanged = bool((self._held(slots, layer_id) >= full).all())
-        if unchanged and bool((self.working_sets.covered[slots, layer_id] == full).all()):
+        if not batch.admission and self._holds_every_block(slots, layer_id, full, targeted):
             self.working_sets.touch(slots, layer_id, batch.step)
             self.stats.add("selections", len(seq_lens))
             return
         top_k = self.working_sets.top_k
-        if admission:  # the first working sets: K, or what the window's attention needs to hold the target
+        if (
+            batch.admission
+        ):  # the first working sets: K, or what the window's attention needs to hold the target
             top_k[slots, layer_id] = own_k
             if bool(targeted.any()) and prior is not None:
                 sized = window_top_k(prior, full, config.sink_blocks, own_k, config.max_top_k, targets)
                 top_k[slots, layer_id] = torch.where(targeted, sized, own_k)
                 self.stats.add("recall_target_grows", int(((sized > own_k) & targeted).sum()))
+        job = self._job(batch, layer_id, queries, full, own_k, prior, scale)
+        for result in self.pipeline.submit(layer_id, lambda: self.prefetcher.run(job)):
+            self.account(result)
+
+    def _select_apart(
+        self,
+        batch: BatchView,
+        layer_id: int,
+        queries: torch.Tensor,
+        seq_lens: list[int],
+        prior: torch.Tensor | None,
+        scale: float,
+    ) -> None:
+        """A PD arrival's dense first step among ordinary decode rows, or re-prefilled retracted requests
+        among an extend's new ones: each part selects apart, so an ordinary row's step (its cap, top-K
+        and window pins) is the one it would take alone."""
+        for part in (batch.admitting, ~batch.admitting):
+            lens = [seq_lens[row] for row in part.nonzero().flatten().tolist()]
+            part_prior = None  # the window's (the batch's widest blocks): the admissions' only
+            if prior is not None and part is batch.admitting:
+                part_prior = prior[part][..., : max(lens) // self.block_size]
+            rows = queries[part.to(queries.device)]
+            self.select(batch.subset(part), layer_id, rows, lens, part_prior, scale)
+
+    def _holds_every_block(
+        self, slots: torch.Tensor, layer_id: int, full: torch.Tensor, targeted: torch.Tensor
+    ) -> bool:
+        """Every block is selected and none filled up since the last selection: the working sets already
+        hold them all (this layer's job was waited for), nothing to plan or move."""
+        capacity = self.working_sets.top_k[slots, layer_id] + self.config.sink_blocks
+        unchanged = bool((full <= capacity).all())
+        if unchanged and bool(targeted.any()):  # a target that just grew K: blocks still to load
+            unchanged = bool((self._held(slots, layer_id) >= full).all())
+        return unchanged and bool((self.working_sets.covered[slots, layer_id] == full).all())
+
+    def _job(
+        self,
+        batch: BatchView,
+        layer_id: int,
+        queries: torch.Tensor,
+        full: torch.Tensor,
+        own_k: torch.Tensor,
+        prior: torch.Tensor | None,
+        scale: float,
+    ) -> SelectionJob:
+        """The selection job of this layer's rows: their pages, the window's pins, the step's cap."""
+        block, slots, admission = self.block_size, batch.slots, batch.admission
         req_to_token = self.req_to_token_pool.req_to_token
-        pages = req_to_token[reqs, 0 : num_blocks * block : block].to(torch.int64) // block  # [bs, N]
+        pages = req_to_token[batch.req_index, 0 : int(full.max()) * block : block].to(torch.int64) // block
         if layer_id == self.record_layer:  # for warm starts of later requests sharing these pages
             self.slots.prefixes.record(slots, pages, full, self.summaries.epoch)
         pinned = None
         if self.window_blocks:
             if admission:  # the window's best blocks stay selected until the request's next extend
-                self.pinned[slots, layer_id] = self.window_pins(prior, full, own_k)
+                self.pinned[slots, layer_id] = self.window.pins(prior, full, own_k)
             else:
                 pinned = self.pinned[slots, layer_id].clone()
-        job = SelectionJob(
+        top_k = self.working_sets.top_k[slots, layer_id]
+        return SelectionJob(
             layer_id=layer_id,
-            reqs=reqs,
+            reqs=batch.req_index,
             slots=slots,
             generations=tuple(batch.generations),
             queries=queries.detach().clone(),
@@ -177,13 +209,11 @@ class Selector:
             pages=pages,
             step=batch.step,
             admission=admission,
-            cap=None if admission else self._cap(layer_id, top_k[slots, layer_id]),
+            cap=None if admission else self._cap(layer_id, top_k),
             fail_reqs=() if admission else self.faults.failing(batch.reqs, self.prompt_len),
-            top_k=top_k[slots, layer_id].clone(),
+            top_k=top_k.clone(),
             scale=scale,
         )
-        for result in self.pipeline.submit(layer_id, lambda: self.prefetcher.run(job)):
-            self.account(result)
 
     def _cap(self, layer_id: int, top_k: torch.Tensor) -> int | torch.Tensor | None:
         """The decode step's fetch cap: ``--oasis-fetch-ratio`` x each working set's top-K at the layer
@@ -214,58 +244,6 @@ class Selector:
     def _held(self, slots: torch.Tensor, layer_id: int) -> torch.Tensor:
         """``[bs]``: blocks resident in each request's least-filled KV head's working set at the layer."""
         return (self.working_sets.slot_block[slots, layer_id] != EMPTY).sum(dim=-1).amin(dim=-1)
-
-    def window_pins(
-        self, prior: torch.Tensor | None, full: torch.Tensor, own_k: torch.Tensor
-    ) -> torch.Tensor:
-        """``[bs, kv_heads, pin slots]`` block ids the prefill window keeps selected (-1: none): the best
-        ``window_blocks_for(K)`` by ``prior`` (``own_k``: each request's K) for requests with more blocks
-        than their working sets hold."""
-        pins = torch.full((len(full), self.num_kv_heads, self.pinned.shape[-1]), -1, dtype=torch.int64)
-        if prior is None:
-            return pins
-        over = full > own_k + self.config.sink_blocks  # only these have a prior; they have more blocks
-        counts = torch.tensor([self.config.window_blocks_for(k) for k in own_k.tolist()])
-        width = min(pins.shape[-1], prior.shape[-1])
-        valid = torch.arange(prior.shape[-1])[None, None, :] < full[:, None, None]
-        best = prior.masked_fill(~valid, float("-inf")).topk(width, dim=-1).indices
-        best = best.masked_fill(torch.arange(width)[None, None, :] >= counts[:, None, None], -1)
-        pins[over, :, :width] = best[over]
-        return pins
-
-    def window_prior(
-        self,
-        batch: BatchView,
-        layer: RadixAttention,
-        q_rows: torch.Tensor,
-        last_rows: list[int],
-        extend_lens: list[int],
-        seq_lens: list[int],
-    ) -> torch.Tensor | None:
-        """``[bs, kv_heads, N]`` scores for the first working sets (``--oasis-prefill-window``): each full
-        block's share of the exact attention of the last (up to) ``window`` new tokens' queries (a
-        fraction of the KV head's total, partial tail included); None when the window is off or every
-        request keeps all its blocks anyway."""
-        window, block = self.config.prefill_window, self.block_size
-        full = [n // block for n in seq_lens]
-        holds = [k + self.config.sink_blocks for k in batch.top_ks(self.config.top_k).tolist()]
-        if window == 0 or all(n <= held for n, held in zip(full, holds, strict=True)):
-            return None
-        keys = self.kv_pool.get_key_buffer(layer.layer_id)
-        req_to_token = self.req_to_token_pool.req_to_token
-        prior = torch.zeros((len(seq_lens), self.num_kv_heads, max(full)))
-        for row, (req, last, new, total) in enumerate(
-            zip(batch.reqs, last_rows, extend_lens, seq_lens, strict=True)
-        ):
-            if full[row] <= holds[row] or not bool(batch.admitting[row]):
-                continue  # keeps every block: nothing to rank (or a resumed request: no admission)
-            rows = min(window, new)
-            locs = req_to_token[req, :total].to(torch.int64)
-            mass = window_block_mass(q_rows[last - rows + 1 : last + 1], keys[locs], block, layer.scaling)
-            group = q_rows.shape[1] // self.num_kv_heads  # query heads per KV head
-            prior[row, :, : full[row]] = mass.cpu() / (rows * group)
-            self.stats.add("window_selections")
-        return prior
 
     def finish_pending(self) -> None:
         """Wait for every layer's pending selection and transfer (and fold a CUDA graph replay's results,
