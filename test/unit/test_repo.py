@@ -207,7 +207,6 @@ OVER_CAP = {
     "attention/sparse_attention.py:SparseAttention": 263,
     "attention/recall_program.py:sample": 65,
     "disaggregation/remote_fetch.py:RemotePartialFetcher": 259,
-    "memory/working_set.py:plan_selections": 80,
     "platform/cpu/sgl_kernel_ops.py:build_tree_kernel_efficient_cpu": 76,
 }
 

@@ -142,20 +142,16 @@ class WorkingSetPool:
         capacity: torch.Tensor | None = None,
     ) -> TransferPlan:
         """Decide, for a whole batch in tensor ops, which selected blocks to load into which slots, and
-        record the new mapping (``load`` then copies the data).
-
-        ``HeadwiseMap.plan`` (sglang_oasis_testing.headwise_reference) is the readable per-head reference this must agree with
+        record the new mapping (``load`` then copies the data). ``HeadwiseMap.plan``
+        (sglang_oasis_testing.headwise_reference) is the readable per-head reference this must agree with
         (``test/unit/test_sparse_stores.py`` checks it on random selections, caps and priorities).
 
         Args:
             reqs: ``[bs]`` request slots.
             selected: ``[bs, kv_heads, N]`` bool, the blocks each head should hold (at most ``num_slots``).
             step: decode step, recorded as the last selection of every selected resident block.
-            cap: at most this many missing blocks below ``fresh_from`` load per head (None: all; ``[bs]``:
-                each request's own).
-            fresh_from: ``[bs]`` first block id that just filled up (loaded whatever the cap).
-            priority: ``[bs, kv_heads, N]`` float, the order in which capped blocks are admitted
-                (higher first; ties by block id). None: block id order.
+            cap, fresh_from, priority: at most ``cap`` missing blocks below ``fresh_from`` load per head,
+                the best by ``priority`` first (``under_cap``; None: all load).
             capacity: ``[bs]`` blocks each head of the request may hold (its top-K + sinks, below
                 ``num_slots`` when the recall target shrank it). None: ``num_slots``.
 
@@ -172,20 +168,7 @@ class WorkingSetPool:
         resident = torch.zeros((bs, heads, num_blocks + 1), dtype=torch.bool)
         resident.scatter_(-1, torch.where(occupied, blocks, num_blocks), True)
         missing = selected & ~resident[..., :num_blocks]
-        deferred = 0
-        if cap is not None:
-            index = torch.arange(num_blocks)
-            fresh = (
-                index[None, None, :] >= fresh_from[:, None, None]
-                if fresh_from is not None
-                else torch.zeros((1, 1, num_blocks), dtype=torch.bool)
-            )
-            capped = missing & ~fresh
-            order_key = -priority.float() if priority is not None else torch.zeros(missing.shape)
-            rank = stable_ranks(torch.where(capped, order_key, float("inf")))
-            admitted = capped & (rank < (cap.view(-1, 1, 1) if isinstance(cap, torch.Tensor) else cap))
-            deferred = int((capped & ~admitted).sum())
-            missing = missing & (fresh | admitted)
+        missing, deferred = (missing, 0) if cap is None else under_cap(missing, cap, fresh_from, priority)
         # Victim order: free slots (key -1), then unselected blocks by last selection, ties by block id
         # (not by slot: where a block sits depends on the slot's history, e.g. a warm start's donor, and
         # what is evicted must not); kept slots last.
@@ -201,12 +184,8 @@ class WorkingSetPool:
         blocks[b_idx, h_idx, slots] = new
         now_selected = (blocks != EMPTY) & selected.gather(-1, blocks.clamp(0, num_blocks - 1))
         if capacity is not None:  # a working set the recall target shrank gives its extra blocks back
-            spare = (blocks != EMPTY) & ~now_selected
-            excess = (blocks != EMPTY).sum(-1, keepdim=True) - capacity[:, None, None]  # [bs, H, 1]
-            spare_key = torch.where(spare, last * BLOCK_ID_SPAN + blocks, torch.iinfo(torch.int64).max)
-            dropped = spare & (stable_ranks(spare_key) < excess)
-            blocks = blocks.masked_fill(dropped, EMPTY)
-            last = last.masked_fill(dropped, EMPTY)
+            dropped = past_capacity(blocks, last, now_selected, capacity)
+            blocks, last = blocks.masked_fill(dropped, EMPTY), last.masked_fill(dropped, EMPTY)
         self.slot_block[reqs, layer] = blocks
         self.last_selected[reqs, layer] = torch.where(now_selected, step, last)
         return TransferPlan(b_idx, h_idx, slots, new, deferred)
@@ -297,3 +276,36 @@ class WorkingSetPool:
         values = ws_v[rows.clamp(min=0)].view(shape)
         valid = (rows >= 0)[..., None].expand(bs, heads, slots, self.block_size)
         return keys, values, valid.flatten(2, 3)
+
+
+def under_cap(
+    missing: torch.Tensor,
+    cap: int | torch.Tensor,
+    fresh_from: torch.Tensor | None,
+    priority: torch.Tensor | None,
+) -> tuple[torch.Tensor, int]:
+    """``missing`` ``[bs, H, N]`` with only the blocks a fetch cap admits: every block from ``fresh_from``
+    ``[bs]`` on (just filled up), and of the others the ``cap`` best by ``priority`` (ties by block id);
+    and how many it deferred."""
+    num_blocks = missing.shape[-1]
+    fresh = (
+        torch.arange(num_blocks)[None, None, :] >= fresh_from[:, None, None]
+        if fresh_from is not None
+        else torch.zeros((1, 1, num_blocks), dtype=torch.bool)
+    )
+    capped = missing & ~fresh
+    order_key = -priority.float() if priority is not None else torch.zeros(missing.shape)
+    rank = stable_ranks(torch.where(capped, order_key, float("inf")))
+    admitted = capped & (rank < (cap.view(-1, 1, 1) if isinstance(cap, torch.Tensor) else cap))
+    return missing & (fresh | admitted), int((capped & ~admitted).sum())
+
+
+def past_capacity(
+    blocks: torch.Tensor, last: torch.Tensor, now_selected: torch.Tensor, capacity: torch.Tensor
+) -> torch.Tensor:
+    """``[bs, H, S]`` slots whose unselected blocks leave a working set holding more than its ``capacity``
+    ``[bs]``, least recently selected first (ties: lowest block id)."""
+    spare = (blocks != EMPTY) & ~now_selected
+    excess = (blocks != EMPTY).sum(-1, keepdim=True) - capacity[:, None, None]  # [bs, H, 1]
+    spare_key = torch.where(spare, last * BLOCK_ID_SPAN + blocks, torch.iinfo(torch.int64).max)
+    return spare & (stable_ranks(spare_key) < excess)
