@@ -80,8 +80,15 @@ def sample(
     agreed = (seen.gather(-1, top) & within).sum(dim=-1) / ranked.clamp(min=1)[:, None]
     agreement = torch.where((full > 0)[:, None], agreed, 1.0).to(torch.float32)
     state.recall.index_put_((slots,), torch.stack([recall, agreement], dim=1))
+    return hold_target(shape, state, plan, recall)
 
-    # The target (``RecallProbe.hold_target``, in double as the host compares).
+
+def hold_target(shape: StepShape, state: LayerState, plan: StepPlan, recall: torch.Tensor) -> torch.Tensor:
+    """The recall target's decision from the sampled rows' ``recall`` ``[bs, H]`` (``RecallProbe.hold_target``,
+    in double as the host compares): each layer's top-K grown, shrunk or kept; ``[bs, 3]`` counts."""
+    assert plan.sampled is not None and plan.own_k is not None and plan.target is not None
+    assert state.recall_streak is not None
+    slots = plan.slots
     targeted = plan.sampled & (plan.target > 0)
     worst = recall.amin(dim=-1).double()
     current, streak = state.top_k[slots], state.recall_streak[slots]

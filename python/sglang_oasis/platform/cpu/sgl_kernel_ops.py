@@ -7,6 +7,7 @@ ops, no compiled code. ``test/unit/test_cpu_standin.py`` checks each against a p
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Callable
 
 import torch
 
@@ -191,18 +192,7 @@ def build_tree_kernel_efficient_cpu(
     next_sibling = retrieve_next_sibling.view(len(seq_lens), n)
     prefix_sum = 0
     for b, seq_len in enumerate(seq_lens):
-
-        def parent_position(i: int, b: int = b) -> int | None:
-            """Index (1-based, 0 = verified token) of draft token i's parent, None if not found."""
-            slot = selected[b][i - 1] // topk
-            if slot == 0:
-                return 0
-            token = parents[b][slot]
-            for pp in range(n - 1):
-                if selected[b][pp] == token:
-                    return pp + 1
-            return None
-
+        parent_position = _parent_finder(selected[b], parents[b] if parents else [], topk, n)
         retrieve_index.view(len(seq_lens), n)[b] = torch.arange(b * n, (b + 1) * n)
         for i in range(n - 1, 0, -1):
             parent = parent_position(i)
@@ -217,19 +207,49 @@ def build_tree_kernel_efficient_cpu(
         else:
             base, row_width, offset = n * n * b, n, 0
         for i in range(n):
-            row = base + row_width * i + offset
-            tree_mask[row : row + n] = False
-            tree_mask[row] = True  # the verified token
-            level, node = 0, i
-            while node > 0 and level < depth:
-                tree_mask[row + node] = True
-                level += 1
-                parent = parent_position(node)
-                if parent is None:
-                    break
-                node = parent
+            level = _mark_ancestors(tree_mask, base + row_width * i + offset, i, n, depth, parent_position)
             positions[b * n + i] = seq_len + level
         prefix_sum += seq_len
+
+
+def _parent_finder(selected: list[int], parents: list[int], topk: int, n: int) -> Callable[[int], int | None]:
+    """One request's ``parent_position(i)``: the index (1-based, 0 = verified token) of draft token i's
+    parent, None if not found."""
+
+    def parent_position(i: int) -> int | None:
+        slot = selected[i - 1] // topk
+        if slot == 0:
+            return 0
+        token = parents[slot]
+        for pp in range(n - 1):
+            if selected[pp] == token:
+                return pp + 1
+        return None
+
+    return parent_position
+
+
+def _mark_ancestors(
+    tree_mask: torch.Tensor,
+    row: int,
+    i: int,
+    n: int,
+    depth: int,
+    parent_position: Callable[[int], int | None],
+) -> int:
+    """Token i's mask row (from ``row``): itself, its ancestors (up to ``depth``) and the verified token;
+    returns its depth."""
+    tree_mask[row : row + n] = False
+    tree_mask[row] = True  # the verified token
+    level, node = 0, i
+    while node > 0 and level < depth:
+        tree_mask[row + node] = True
+        level += 1
+        parent = parent_position(node)
+        if parent is None:
+            break
+        node = parent
+    return level
 
 
 def verify_tree_greedy_cpu(
