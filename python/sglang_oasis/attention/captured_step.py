@@ -28,7 +28,7 @@ from sglang_oasis.attention.captured_pass import Planned, fold_pass
 from sglang_oasis.attention.compile_ahead import CompileAhead, Compiles, kind_of
 from sglang_oasis.attention.decode_program import COUNTS, LayerState, decode_layer
 from sglang_oasis.attention.request_slots import RequestSlots
-from sglang_oasis.attention.sparse_attention import SparseAttention
+from sglang_oasis.attention.sparse_attention import verify_tree_mask
 from sglang_oasis.attention.step_plan import StepPlan, StepShape, bucket, powers_of_two
 from sglang_oasis.attention.sync_guard import guarded, sync_guard_on
 from sglang_oasis.memory.device_tier import DeviceTier
@@ -178,7 +178,7 @@ class CapturedStep:
             if rows == 1:
                 self.prepare(batch, seq_lens, locs)
             elif self.verify_rows:  # TARGET_VERIFY: SGLang's seq_lens leave out row 0, committed here
-                tree = SparseAttention.tree_mask(forward_batch, bs, rows)
+                tree = verify_tree_mask(forward_batch, bs, rows)
                 self.prepare(batch, seq_lens + 1, locs.view(bs, rows), tree)
         return self.plan is not None
 

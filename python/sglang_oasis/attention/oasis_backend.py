@@ -40,7 +40,7 @@ from sglang_oasis.attention.request_options import RequestOptions, batch_params,
 from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.attention.retraction import Retractions
 from sglang_oasis.attention.selector import FaultInjection, Selector
-from sglang_oasis.attention.sparse_attention import SparseAttention
+from sglang_oasis.attention.sparse_attention import verify_tree_mask
 from sglang_oasis.attention.strict_mode import StrictMode
 from sglang_oasis.attention.transfer_failures import TransferFailures
 from sglang_oasis.attention.triton_prefill import TritonPrefill
@@ -279,7 +279,7 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
             pool.set_kv_buffer(layer, KVWriteLoc(forward_batch.out_cache_loc, self.swa_out_cache_loc), k, v)
         seq_lens = forward_batch.seq_lens.cpu().to(torch.int64)
         draft_locs = forward_batch.out_cache_loc.view(batch, rows).to(torch.int64)
-        tree = SparseAttention.tree_mask(forward_batch, batch, rows)  # [bs, rows, rows]
+        tree = verify_tree_mask(forward_batch, batch, rows)  # [bs, rows, rows]
         q_rows = q.reshape(batch, rows, heads, dim)
         if not sparse:
             out = self.attention.dense_verify(self.batch, q_rows, layer, seq_lens, draft_locs, tree)

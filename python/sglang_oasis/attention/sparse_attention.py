@@ -304,17 +304,17 @@ class SparseAttention:
         )
         return sparse_decode_attention(q_rows, keys, values, valid, layer.scaling)
 
-    @staticmethod
-    def tree_mask(forward_batch: ForwardBatch, batch: int, rows: int) -> torch.Tensor:
-        """``[batch, rows, rows]``: which verify rows each row attends (a chain unless the drafter sent a
-        qlen-only tree mask)."""
-        spec_info = getattr(forward_batch, "spec_info", None)
-        mask = getattr(spec_info, "custom_mask", None)
-        if mask is not None and mask.numel() == batch * rows * rows:
-            return mask.view(batch, rows, rows).to(torch.bool).cpu()
-        if mask is not None:
-            raise NotImplementedError(
-                f"oasis verify attention reads a qlen-only tree mask; got {mask.numel()} entries for "
-                f"{batch} requests x {rows} rows"
-            )
-        return torch.tril(torch.ones(rows, rows, dtype=torch.bool)).expand(batch, -1, -1)
+
+def verify_tree_mask(forward_batch: ForwardBatch, batch: int, rows: int) -> torch.Tensor:
+    """``[batch, rows, rows]``: which verify rows each row attends (a chain unless the drafter sent a
+    qlen-only tree mask)."""
+    spec_info = getattr(forward_batch, "spec_info", None)
+    mask = getattr(spec_info, "custom_mask", None)
+    if mask is not None and mask.numel() == batch * rows * rows:
+        return mask.view(batch, rows, rows).to(torch.bool).cpu()
+    if mask is not None:
+        raise NotImplementedError(
+            f"oasis verify attention reads a qlen-only tree mask; got {mask.numel()} entries for "
+            f"{batch} requests x {rows} rows"
+        )
+    return torch.tril(torch.ones(rows, rows, dtype=torch.bool)).expand(batch, -1, -1)

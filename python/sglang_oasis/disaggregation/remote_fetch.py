@@ -309,16 +309,7 @@ class RemotePartialFetcher:
         self, todo: dict[int, tuple[torch.Tensor, torch.Tensor]], requests: dict[int, RemoteRequest]
     ) -> int:
         """The reads of ``_read_blocks``, batched per peer."""
-        by_peer: dict[str, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
-        for req, request in requests.items():
-            layers, blocks = todo[req]
-            layout = request.layout
-            local, remote = by_peer[layout.session]
-            for layer, block in zip(layers.tolist(), blocks.tolist(), strict=True):
-                offset = int(request.local_pages[block]) * self.block_bytes
-                for kv, buffers in enumerate((self.k_buffers, self.v_buffers)):
-                    local.append(buffers[layer].data_ptr() + offset)
-                    remote.append(layout.block_address(layer, kv, block))
+        by_peer = peer_addresses(todo, requests, (self.k_buffers, self.v_buffers), self.block_bytes)
         nbytes = 0
         for session, (local, remote) in by_peer.items():
             self._read(session, local, remote, [self.block_bytes] * len(local))
@@ -336,3 +327,25 @@ class RemotePartialFetcher:
                 f"staged KV layout (layers, block, kv heads, head dim, itemsize) = {remote} does not match "
                 f"the local pool's {local}"
             )
+
+
+def peer_addresses(
+    todo: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    requests: dict[int, RemoteRequest],
+    buffers: tuple[list[torch.Tensor], list[torch.Tensor]],
+    block_bytes: int,
+) -> dict[str, tuple[list[int], list[int]]]:
+    """Per prefill peer (its Mooncake session): the local and remote addresses of every (layer, block)
+    of ``todo`` to read, K then V, for the ``requests`` still here (``buffers``: the host tier's K and V
+    per layer)."""
+    by_peer: dict[str, tuple[list[int], list[int]]] = defaultdict(lambda: ([], []))
+    for req, request in requests.items():
+        layers, blocks = todo[req]
+        layout = request.layout
+        local, remote = by_peer[layout.session]
+        for layer, block in zip(layers.tolist(), blocks.tolist(), strict=True):
+            offset = int(request.local_pages[block]) * block_bytes
+            for kv, per_layer in enumerate(buffers):
+                local.append(per_layer[layer].data_ptr() + offset)
+                remote.append(layout.block_address(layer, kv, block))
+    return by_peer
