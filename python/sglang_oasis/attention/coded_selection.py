@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import torch
 
-from sgl_kernel_oasis.key_codes import decode_key_codes, encode_key_codes
+from sgl_kernel_oasis.key_codes import candidate_mass, encode_key_codes
 from sglang_oasis.attention.decode_ops import at_most
 from sglang_oasis.attention.layer_state import LayerState
 from sglang_oasis.attention.step_plan import StepPlan, StepShape
@@ -58,18 +58,6 @@ def coded_scores(
     ranked = bound.masked_fill(~in_range, float("-inf")).topk(width, dim=-1).indices  # [bs, H, W]
     valid = torch.arange(width, device=bound.device) < count[:, None, None]
     page = pages.gather(1, ranked.flatten(1)).view(bs, heads, width)
-    head = torch.arange(heads, device=bound.device)[None, :, None]
-    dim = query.shape[-1]
-    blocks = bs * heads * width  # each (row, head, candidate) a one-head block
-    keys = decode_key_codes(
-        codes[page, :, head].view(blocks, -1, 1, codes.shape[-1]),
-        state.kmin[page, head].view(blocks, 1, dim),
-        state.kmax[page, head].view(blocks, 1, dim),
-    ).view(bs, heads, -1, dim)  # [bs, H, W * B, D]
-    q = query.float().view(bs, heads, -1, dim)  # [bs, H, G, D]
-    logits = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [bs, H, G, W * B]
-    per_key = valid[..., None].expand(-1, -1, -1, shape.block_size).flatten(2)[:, :, None, :]
-    logits = logits.masked_fill(~per_key, torch.finfo(torch.float32).min)
-    mass = logits.softmax(dim=-1).view(bs, heads, q.shape[2], width, -1).sum(dim=(2, 4))
+    mass = candidate_mass(query, state.kmin, state.kmax, codes, page, valid, scale)  # [bs, H, W]
     scores = torch.zeros((bs, heads, num_blocks), dtype=torch.float32, device=bound.device)
-    return scores.scatter(-1, ranked, mass.masked_fill(~valid, 0.0))
+    return scores.scatter(-1, ranked, mass)

@@ -91,10 +91,7 @@ def coded_block_mass(
     Each request is computed on its own blocks alone, so its scores do not depend on the batch (the same
     greedy output in any batch).
     """
-    batch, num_q_heads, head_dim = query.shape
-    num_kv_heads = kmin.shape[1]
-    group = num_q_heads // num_kv_heads
-    heads = torch.arange(num_kv_heads, device=query.device)[:, None]
+    batch, num_kv_heads = query.shape[0], kmin.shape[1]
     out = torch.zeros((batch, num_kv_heads, pages.shape[1]), dtype=torch.float32, device=query.device)
     for row in range(batch):
         n = int(full[row])
@@ -104,18 +101,48 @@ def coded_block_mass(
             chosen = candidates[row, :, : int((candidates[row, 0] >= 0).sum())].to(torch.int64)
         if chosen.shape[1] == 0:
             continue
-        page = pages[row].to(torch.int64)[chosen]  # [H, C]
-        count = page.numel()  # each (head, candidate) a one-head block
-        keys = decode_key_codes(
-            codes[page, :, heads].view(count, -1, 1, codes.shape[-1]),
-            kmin[page, heads].view(count, 1, head_dim),
-            kmax[page, heads].view(count, 1, head_dim),
-        ).view(num_kv_heads, -1, head_dim)  # [H, C * B, D]
-        q = query[row].float().view(num_kv_heads, group, head_dim)
-        logits = torch.matmul(q, keys.transpose(1, 2)) * scale  # [H, G, C * B]
-        mass = logits.softmax(dim=-1).view(num_kv_heads, group, chosen.shape[1], -1).sum(dim=(1, 3))
-        out[row].scatter_(1, chosen, mass)
+        page = pages[row].to(torch.int64)[chosen][None]  # [1, H, C]
+        every = torch.ones(page.shape, dtype=torch.bool, device=query.device)
+        out[row].scatter_(
+            1, chosen, candidate_mass(query[row : row + 1], kmin, kmax, codes, page, every, scale)[0]
+        )
     return out
+
+
+def candidate_mass(
+    query: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    codes: torch.Tensor,
+    page: torch.Tensor,
+    valid: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """``[batch, kv_heads, C]``: each candidate block's share of ``query``'s attention over its KV head's
+    valid candidates' decoded keys, summed over the head's query heads; invalid candidates score 0. Fixed
+    shapes, no host sync: ``coded_block_mass`` runs it per request, the captured decode step on the
+    whole batch (``attention/coded_selection.py``).
+
+    Args:
+        query: ``[batch, num_q_heads, head_dim]``; kmin, kmax, codes: one layer's, as ``coded_block_mass``.
+        page: ``[batch, kv_heads, C]`` int64, each KV head's candidates' pages.
+        valid: ``[batch, kv_heads or 1, C]`` bool, which candidates count.
+    """
+    batch, heads, width = page.shape
+    dim = query.shape[-1]
+    head = torch.arange(heads, device=page.device)[None, :, None]
+    blocks = batch * heads * width  # each (row, head, candidate) a one-head block
+    keys = decode_key_codes(
+        codes[page, :, head].view(blocks, -1, 1, codes.shape[-1]),
+        kmin[page, head].view(blocks, 1, dim),
+        kmax[page, head].view(blocks, 1, dim),
+    ).view(batch, heads, -1, dim)  # [batch, H, C * B, D]
+    q = query.float().view(batch, heads, -1, dim)  # [batch, H, G, D]
+    logits = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [batch, H, G, C * B]
+    per_key = valid[..., None].expand(-1, -1, -1, codes.shape[1]).flatten(2)[:, :, None, :]
+    logits = logits.masked_fill(~per_key, torch.finfo(torch.float32).min)
+    mass = logits.softmax(dim=-1).view(batch, heads, q.shape[2], width, -1).sum(dim=(2, 4))
+    return mass.masked_fill(~valid, 0.0)
 
 
 def coded_block_mass_reference(
