@@ -34,10 +34,12 @@ scheduler thread), and its KV enters the radix cache at its finish only if they 
 cached prefix is always complete; a request that finished first is just not shared); without it they are
 never read.
 
-The files: ``side_channel`` (the HTTP side channel, its auth, the hand-off URL look-up), ``handoff`` (what
-travels over it), ``prefill_stager`` (the prefill side), ``decode_admission`` and ``decode_fetcher`` (the
-decode side), ``staging`` (the staged memory), ``remote_fetch`` (the Mooncake reads into the host tier),
-``transfer_engine`` (the Mooncake engine).
+The files: ``side_channel`` (the HTTP side channel, its auth, the hand-off URL look-up and route),
+``handoff`` (what travels over it), ``prefill_stager`` and ``send_plan`` (the prefill side: the staging,
+and which sends are staged), ``decode_queue`` (SGLang's decode transfer queue under remote fetching),
+``decode_admission`` and ``decode_fetcher`` (the decode side), ``staging`` (the staged memory),
+``remote_fetch`` (the Mooncake reads into the host tier), ``transfer_engine`` (the Mooncake engine). The
+hooks in ``sglang_hooks`` (hook 7) hand SGLang's arguments to these files and decide nothing.
 """
 
 from sglang_oasis.disaggregation.mooncake_builds import check_single_mooncake_build
