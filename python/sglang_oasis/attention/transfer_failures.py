@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 import threading
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, cast
 
 if TYPE_CHECKING:
+    from sglang.srt.layers.attention.base_attn_backend import AttentionBackend
     from sglang.srt.managers.schedule_batch import ScheduleBatch
     from sglang.srt.managers.scheduler import Scheduler
     from sglang.srt.mem_cache.memory_pool import ReqToTokenPool
@@ -64,7 +65,7 @@ class TransferFailures:
         return bool(self._pending)
 
 
-def abort_failed(scheduler: Scheduler, batch: ScheduleBatch, backend: Any) -> None:
+def abort_failed(scheduler: Scheduler, batch: ScheduleBatch, backend: AttentionBackend | None) -> None:
     """Before ``batch``'s result is processed: the in-flight requests whose working-set transfers failed
     (on any tensor-parallel rank: ``agree_on_failures``) get SGLang's ``to_finish = FINISH_ABORT``, so
     they finish at this step with the message and a 500, their KV freed and not shared; first, a CUDA
