@@ -73,6 +73,7 @@ class ServerStartError(RuntimeError):
 
 
 SPAWN_WAIT_ENV = "SGLANG_OASIS_SPAWN_WAIT_FOR_GIB"  # set by scripts/run_lanes.py for its yielding lane
+MODEL_SERVERS = ("sglang_oasis.launch_server", "sglang.launch_server")  # the modules that hold a model
 
 
 def mem_available_gib() -> float:
@@ -130,17 +131,21 @@ class ServerProcess:
         self.ready_path = ready_path
         self.command = [sys.executable, "-m", module, "--host", host, "--port", str(self.port), *args]
         self.env = child_env({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})})
+        # Only a model server waits for memory (SGLANG_OASIS_SPAWN_WAIT_FOR_GIB): SGLang's router holds next
+        # to none, and a router waiting for a lane's 9 GiB kept a PD pair whose two servers were ready from
+        # serving until its test's start deadline passed (test_pd_retraction, CI 2026-12-06, twice).
+        self.gated = module in MODEL_SERVERS
         self.process: subprocess.Popen[bytes] | None = None
 
     def start(self, timeout_s: float | None = None) -> ServerProcess:
         return self.spawn().wait_ready(self.ready_timeout_s if timeout_s is None else timeout_s)
 
     def spawn(self) -> ServerProcess:
-        """Start the process (its own process group) without waiting for it to be ready. With
-        ``SGLANG_OASIS_SPAWN_WAIT_FOR_GIB`` set (``GIB`` or ``GIB:SECONDS``), first wait (up to SECONDS,
+        """Start the process (its own process group) without waiting for it to be ready. A model server
+        with ``SGLANG_OASIS_SPAWN_WAIT_FOR_GIB`` set (``GIB`` or ``GIB:SECONDS``) first waits (up to SECONDS,
         default 20 minutes) until that much memory is available; the wait is written to the server's log."""
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        gate = spawn_gate(os.environ.get(SPAWN_WAIT_ENV, ""))
+        gate = spawn_gate(os.environ.get(SPAWN_WAIT_ENV, "")) if self.gated else None
         waited = wait_for_memory(*gate) if gate else 0.0
         log = open(self.log_path, "ab")  # noqa: SIM115 - owned by the child for its lifetime
         if waited:

@@ -7,6 +7,8 @@ import sys
 import threading
 from pathlib import Path
 
+import pytest
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "scripts"))
 
 import run_lanes
@@ -56,6 +58,27 @@ def test_both_lanes_gate_their_servers_the_servers_lane_briefly() -> None:
     assert spawn_gate(str(run_lanes.UNIT_LANE_WAITS_FOR_GIB)) == (9.0, 1200.0)
     gib, seconds = spawn_gate(run_lanes.SERVERS_LANE_WAITS) or (0.0, 0.0)
     assert 3.0 <= gib < run_lanes.UNIT_LANE_WAITS_FOR_GIB and seconds <= 300  # room for one server, minutes
+
+
+def test_only_model_servers_wait_for_memory_not_the_pd_router(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A lane's memory gate holds back model servers; SGLang's router (launch_pd starts it once both
+    servers are ready) starts at once: waiting for the unit lane's 9 GiB it let test_pd_retraction's
+    start deadline pass with both servers ready (CI, 2026-12-06)."""
+    from sglang_oasis import server_process
+    from sglang_oasis.server_process import SPAWN_WAIT_ENV, ServerProcess
+
+    waits: list[tuple[float, float]] = []
+    monkeypatch.setenv(SPAWN_WAIT_ENV, "1000:5")
+    monkeypatch.setattr(
+        server_process, "wait_for_memory", lambda gib, seconds: waits.append((gib, seconds)) or 0.0
+    )
+    monkeypatch.setattr(server_process.subprocess, "Popen", lambda *args, **kwargs: None)
+    ServerProcess([], tmp_path / "router.log", module="sglang_router.launch_router").spawn()
+    assert waits == []
+    ServerProcess([], tmp_path / "server.log").spawn()
+    assert waits == [(1000.0, 5.0)]
 
 
 def test_the_memory_low_point_says_when_and_where_each_lane_was() -> None:
