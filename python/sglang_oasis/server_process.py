@@ -133,7 +133,7 @@ class ServerProcess:
         self.env = child_env({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})})
         # Only a model server waits for memory (SGLANG_OASIS_SPAWN_WAIT_FOR_GIB): SGLang's router holds next
         # to none, and a router waiting for a lane's 9 GiB kept a PD pair whose two servers were ready from
-        # serving until its test's start deadline passed (test_pd_retraction, CI 2026-12-06, twice).
+        # serving until its test's start deadline passed (test_pd_retraction in the full suite).
         self.gated = module in MODEL_SERVERS
         self.process: subprocess.Popen[bytes] | None = None
 

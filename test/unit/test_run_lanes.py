@@ -65,7 +65,7 @@ def test_only_model_servers_wait_for_memory_not_the_pd_router(
 ) -> None:
     """A lane's memory gate holds back model servers; SGLang's router (launch_pd starts it once both
     servers are ready) starts at once: waiting for the unit lane's 9 GiB it let test_pd_retraction's
-    start deadline pass with both servers ready (CI, 2026-12-06)."""
+    start deadline pass with both servers ready (in the full suite)."""
     from sglang_oasis import server_process
     from sglang_oasis.server_process import SPAWN_WAIT_ENV, ServerProcess
 
