@@ -102,10 +102,8 @@ def coded_block_mass(
         if chosen.shape[1] == 0:
             continue
         page = pages[row].to(torch.int64)[chosen][None]  # [1, H, C]
-        every = torch.ones(page.shape, dtype=torch.bool, device=query.device)
-        out[row].scatter_(
-            1, chosen, candidate_mass(query[row : row + 1], kmin, kmax, codes, page, every, scale)[0]
-        )
+        mass = candidate_mass(query[row : row + 1], kmin, kmax, codes, page, None, scale)  # all count
+        out[row].scatter_(1, chosen, mass[0])
     return out
 
 
@@ -115,7 +113,7 @@ def candidate_mass(
     kmax: torch.Tensor,
     codes: torch.Tensor,
     page: torch.Tensor,
-    valid: torch.Tensor,
+    valid: torch.Tensor | None,
     scale: float,
 ) -> torch.Tensor:
     """``[batch, kv_heads, C]``: each candidate block's share of ``query``'s attention over its KV head's
@@ -126,7 +124,7 @@ def candidate_mass(
     Args:
         query: ``[batch, num_q_heads, head_dim]``; kmin, kmax, codes: one layer's, as ``coded_block_mass``.
         page: ``[batch, kv_heads, C]`` int64, each KV head's candidates' pages.
-        valid: ``[batch, kv_heads or 1, C]`` bool, which candidates count.
+        valid: ``[batch, kv_heads or 1, C]`` bool, which candidates count (None: all of them, unmasked).
     """
     batch, heads, width = page.shape
     dim = query.shape[-1]
@@ -139,10 +137,11 @@ def candidate_mass(
     ).view(batch, heads, -1, dim)  # [batch, H, C * B, D]
     q = query.float().view(batch, heads, -1, dim)  # [batch, H, G, D]
     logits = torch.matmul(q, keys.transpose(-1, -2)) * scale  # [batch, H, G, C * B]
-    per_key = valid[..., None].expand(-1, -1, -1, codes.shape[1]).flatten(2)[:, :, None, :]
-    logits = logits.masked_fill(~per_key, torch.finfo(torch.float32).min)
+    if valid is not None:
+        per_key = valid[..., None].expand(-1, -1, -1, codes.shape[1]).flatten(2)[:, :, None, :]
+        logits = logits.masked_fill(~per_key, torch.finfo(torch.float32).min)
     mass = logits.softmax(dim=-1).view(batch, heads, q.shape[2], width, -1).sum(dim=(2, 4))
-    return mass.masked_fill(~valid, 0.0)
+    return mass if valid is None else mass.masked_fill(~valid, 0.0)
 
 
 def coded_block_mass_reference(
