@@ -133,6 +133,17 @@ def test_a_captured_step_s_padding_slot_is_in_the_budget_and_never_claimed(name:
     assert TierShape.of(OasisConfig(), 2, 1, 4, 4, 10).padding_slots == 0
 
 
+def test_page_epochs_are_counted_at_the_first_sparse_layer() -> None:
+    """A dense layer's writes never restart page epochs (warm starts compare them); every layer dense: none."""
+    shape = TierShape.of(OasisConfig(dense_layers=(0,)), 3, 1, 4, 4, 10)
+    tier = DeviceTier(shape, layout(10**9, shape, max_request_slots=1), torch.float32, "cpu")
+    assert tier.summaries.epoch_layer == 1
+    assert TierShape.of(OasisConfig(), 3, 1, 4, 4, 10).epoch_layer == 0
+    assert TierShape.of(OasisConfig(dense_layers=(0, 1)), 3, 1, 4, 4, 10).epoch_layer == 2
+    assert TierShape.of(OasisConfig(dense_layers=(0, 2)), 3, 1, 4, 4, 10).epoch_layer == 1
+    assert TierShape.of(OasisConfig(dense_layers=(0, 1, 2)), 3, 1, 4, 4, 10).epoch_layer == -1
+
+
 def test_a_budget_that_holds_no_request_names_the_option() -> None:
     shape = SHAPES["smollm2-fp32"]
     with pytest.raises(DeviceTierError, match="--oasis-device-kv-tokens: the device budget"):

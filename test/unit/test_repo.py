@@ -199,6 +199,25 @@ def test_each_piece_of_shared_state_has_one_writer() -> None:
     )
 
 
+# Parts get what they listen to when they are built, or through a method of their own that says why it
+# comes later (``Selector.fold_first``: SGLang makes CUDA graphs after the backend): no runtime file
+# assigns a field of another part (``self.selector.x = ...``, ``selector.prefetcher.y = ...``).
+WIRED_PARTS = (
+    r"\b(selector|prefetcher|summaries|tier|working_sets|pipeline|intake|recall|stats)\.\w+\s*=(?!=)"
+)
+
+
+def test_no_part_is_wired_after_it_is_built() -> None:
+    package = ROOT / "python/sglang_oasis"
+    wired = [
+        f"{path.relative_to(package)}:{number}: {line.strip()}"
+        for path in package.rglob("*.py")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(WIRED_PARTS, line.split("#", 1)[0])
+    ]
+    assert wired == []
+
+
 # Sized by responsibility: a runtime file over ~450 lines, a class over ~250 or a function over ~60 has
 # more than one job. What is over is named here at its size, as debt: it may shrink, never grow.
 CAPS = {"file": 450, "class": 250, "function": 60}

@@ -39,8 +39,7 @@ def test_recycled_page_forgets_its_previous_owner() -> None:
 
 
 def test_page_epoch_changes_exactly_when_a_page_restarts() -> None:
-    store = BlockSummaryStore(2, 4, 1, 2, B, torch.float32, "cpu")
-    store.epoch_layer = 1
+    store = BlockSummaryStore(2, 4, 1, 2, B, torch.float32, "cpu", epoch_layer=1)
     store.update(1, torch.tensor([4, 5, 6]), torch.ones(3, 1, 2))  # page 1 starts
     store.update(0, torch.tensor([8]), torch.ones(1, 1, 2))  # another layer: not counted
     store.update(1, torch.tensor([7]), torch.ones(1, 1, 2))  # page 1 fills up: same content so far

@@ -115,10 +115,28 @@ class BlockPrefetcher:
         self.kv_pool = kv_pool
         self.sink_blocks = sink_blocks
         self.num_kv_heads = num_kv_heads
-        # Prefill node of remote partial fetching: slot -> layer -> [kv_heads, N] admission selection.
-        self.record_admissions: dict[int, dict[int, torch.Tensor]] | None = None
-        # Decode node of remote partial fetching: reads blocks still on the prefill node before loads.
+        # Prefill node of remote partial fetching (``record_admissions``): request row -> layer ->
+        # ``[kv_heads, N]``, its last admission's selection.
+        self._admissions: dict[int, dict[int, torch.Tensor]] | None = None
+        # Decode node of remote partial fetching (``read_remote_first``): reads blocks still on the
+        # prefill node before loads.
         self.remote: RemoteBlocks | None = None
+
+    def record_admissions(self) -> None:
+        """From now on keep each request row's last admission selection per layer (a prefill node of
+        remote partial fetching hands them to the decode node: ``admitted``)."""
+        if self._admissions is None:
+            self._admissions = {}
+
+    def read_remote_first(self, remote: RemoteBlocks) -> None:
+        """From now on read the blocks a load needs that are still on the prefill node through
+        ``remote`` first (a PD decode node: it starts once SGLang's server arguments say so)."""
+        self.remote = remote
+
+    def admitted(self, req: int) -> dict[int, torch.Tensor]:
+        """Request row ``req``'s last admission selection per layer (``[kv_heads, N]`` bool; empty: none
+        recorded)."""
+        return (self._admissions or {}).get(req, {})
 
     def run(self, job: SelectionJob) -> JobResult:
         """Prediction -> selection -> transfer for one layer of a batch (runs in the pipeline). An error
@@ -145,9 +163,9 @@ class BlockPrefetcher:
             return JobResult(job.layer_id, job.admission, len(job.reqs),
                              0, 0, 0, 0, 0, 0, 0, 0, {})  # fmt: skip
         selected, priority, scored, coded = self._choose(job)
-        if job.admission and self.record_admissions is not None:
+        if job.admission and self._admissions is not None:
             for row, req in enumerate(job.reqs.tolist()):
-                layers = self.record_admissions.setdefault(req, {})
+                layers = self._admissions.setdefault(req, {})
                 layers[job.layer_id] = selected[row, :, : int(job.full[row])].clone()
         chosen = time.perf_counter_ns()
         capacity = job.top_k + self.sink_blocks

@@ -49,7 +49,7 @@ class GraphHooks:
                 "cannot capture: pass --disable-cuda-graph, or no dense layers"
             )
         step = self.captured = GraphedStep.for_graphs(self, max_bs)  # type: ignore[arg-type]
-        self.selector.before_drain = step.fold  # host code that waits for the tables gets the replay's
+        self.selector.fold_first(step.fold)  # host code that waits for the tables gets the replay's
 
     def get_cuda_graph_seq_len_fill_value(self) -> int:
         return 1  # a padding row: one token, its own (``StepPlan``'s padding)

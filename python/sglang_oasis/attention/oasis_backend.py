@@ -39,6 +39,7 @@ from sglang_oasis.attention.recall_probe import RecallProbe
 from sglang_oasis.attention.request_options import RequestOptions, batch_params, read_options, retraction_keys
 from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.attention.retraction import Retractions
+from sglang_oasis.attention.selection_snapshot import SelectionSnapshot
 from sglang_oasis.attention.selector import FaultInjection, Selector
 from sglang_oasis.attention.sparse_attention import verify_tree_mask
 from sglang_oasis.attention.strict_mode import StrictMode
@@ -83,13 +84,13 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
         self.summaries, self.working_sets, self.pinned = tier.summaries, tier.working_sets, tier.pinned  # fmt: skip
         self.dense_layers = frozenset(config.dense_layers)
         self.sparse_layers = [layer for layer in range(pool.layer_num) if layer not in self.dense_layers]
-        self.summaries.epoch_layer = self.sparse_layers[0] if self.sparse_layers else -1
         self.stats = OasisStats.attach(args.port)
         self.failures = TransferFailures()
         self.slots = RequestSlots(self.tier, self.req_to_token_pool, self.block_size)
+        snapshot = SelectionSnapshot(self.working_sets)  # tables before each selection (retraction.py)
         self.selector = Selector(
             config, self.tier, self.slots, pool, self.req_to_token_pool, self.summaries.epoch_layer, self.stats,
-            self.failures, faults or FaultInjection(), self.device,
+            self.failures, faults or FaultInjection(), self.device, snapshot.remember,
         )  # fmt: skip
         self.strict = strict  # tests: prove decode attention reads the device tier only (strict_mode.py)
         self.attention = attention_kind(config)(  # oracle.py: an evaluation-only oracle's attention
@@ -104,8 +105,8 @@ class OasisAttnBackend(GraphHooks, TritonPrefill, CachedPrefixExtend, TorchNativ
         self.batch = BatchView.empty()
         self.step = 0
         self.pd.start(args)  # remote partial fetching under PD disaggregation
-        self.retractions = Retractions(self.slots, self.selector, self.attention, self.recall, self.intake,
-                                       self.stats, self.sparse_layers, lambda: self.step, self.pd)  # fmt: skip
+        self.retractions = Retractions(self.slots, self.selector, snapshot, self.attention, self.recall,
+                                       self.intake, self.stats, self.sparse_layers, lambda: self.step, self.pd)  # fmt: skip
         captured = config.decode_step == "captured"  # captured_step.py; CUDA graphs: graph_hooks.py
         self.captured = CapturedStep.for_backend(self, model_runner) if captured else None
         allocator = getattr(model_runner, "token_to_kv_pool_allocator", None)

@@ -70,7 +70,6 @@ class PDNode:
         self.remote: DecodeFetcher | None = None  # a decode node with remote partial fetching
         self.decode_node = False  # a PD decode node (``start``)
         self.disaggregated = False  # either node of a PD pair (``start``)
-        self._admission_selections: dict[int, dict[int, torch.Tensor]] = {}  # req row -> layer -> [H, N]
 
     def start(self, args: ServerArgs) -> None:
         """Remote partial fetching's stager or fetcher, as SGLang's server ``args`` make this node."""
@@ -88,7 +87,7 @@ class PDNode:
         # with the other node's rank of the same number.
         rank, tp_size = tensor_parallel_rank(), int(getattr(args, "tp_size", 1))
         if mode == "prefill":
-            self.selector.prefetcher.record_admissions = self._admission_selections
+            self.selector.prefetcher.record_admissions()  # what ``admission_selection`` reads
             port = int(args.disaggregation_bootstrap_port)
             cap = self.config.remote_fetch_max_staged_mib * 2**20
             self.stager = PrefillStager(
@@ -101,7 +100,8 @@ class PDNode:
                     "--oasis-selector codes: codes every key from the local host tier, and remote partial "
                     "fetching leaves a decode node's blocks on the prefill node; --oasis-remote-fetch false"
                 )
-            self.remote = self.selector.prefetcher.remote = DecodeFetcher(self, host, rank, tp_size)
+            self.remote = DecodeFetcher(self, host, rank, tp_size)
+            self.selector.prefetcher.read_remote_first(self.remote)
             # SGLang frees a finished request's row: release its staging then (sglang_hooks.py).
             setattr(self.req_to_token_pool, FREED_ROW_LISTENER, self.remote.release_slot)
             # SGLang backs up a retracted request's KV: its remote blocks are read first (sglang_hooks.py).
@@ -122,7 +122,7 @@ class PDNode:
         selection = torch.ones(
             (int(self.kv_pool.layer_num), int(self.kv_pool.head_num), full), dtype=torch.bool
         )
-        for layer, selected in self._admission_selections.get(req, {}).items():
+        for layer, selected in self.selector.prefetcher.admitted(req).items():
             if layer not in self.dense_layers and selected.shape[-1] == full:
                 selection[layer] = selected
         return selection

@@ -50,6 +50,7 @@ from sglang_oasis.attention.pd_node import PDNode
 from sglang_oasis.attention.recall_probe import RecallProbe
 from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.attention.retracted_kv import SavedKV, put_back
+from sglang_oasis.attention.selection_snapshot import SelectionSnapshot
 from sglang_oasis.attention.selector import Selector
 from sglang_oasis.attention.sparse_attention import SparseAttention
 from sglang_oasis.disaggregation.decode_admission import Arrival
@@ -81,13 +82,15 @@ class SavedSelection(NamedTuple):
 
 class Retractions:
     def __init__(
-        self, slots: RequestSlots, selector: Selector, attention: SparseAttention, recall: RecallProbe,
-        intake: KVIntake, stats: OasisStats, sparse_layers: list[int], step: Callable[[], int],
-        pd: PDNode,
+        self, slots: RequestSlots, selector: Selector, snapshot: SelectionSnapshot, attention: SparseAttention,
+        recall: RecallProbe, intake: KVIntake, stats: OasisStats, sparse_layers: list[int],
+        step: Callable[[], int], pd: PDNode,
     ) -> None:  # fmt: skip
         self.slots, self.selector, self.attention, self.recall, self.pd = slots, selector, attention, recall, pd  # fmt: skip
         self.tier = slots.tier
         self.working_sets = slots.working_sets
+        # Each slot's tables as they were before its last selection (the selector's ``before_select``).
+        self.snapshot = snapshot
         self.intake = intake  # the summarised positions' owner
         self.stats = stats
         self.req_pool, self.kv_pool = attention.req_to_token_pool, attention.kv_pool
@@ -97,32 +100,10 @@ class Retractions:
         self._restoring: dict[tuple[int, int], SavedKV] = {}  # (row, generation): this extend's to put back
         self.step = step  # the backend's decode steps so far
         setattr(self.req_pool, RETRACT_LISTENER, self.keep)  # called by hooks 7 and 8
-        # Each slot's tables as they were before its last selection, and that step's seq_len, decode step
-        # and kind: SGLang may retract a request after its last forward and drop that forward's token
-        # (overlap scheduling), then redo that step after the resume.
-        sets = self.working_sets
-        self._before = {
-            name: getattr(sets, name).clone() for name in ("slot_block", "last_selected", "covered", "top_k")
-        }
-        self._before_len = torch.zeros(len(sets.covered), dtype=torch.int64)
-        self._before_step = torch.zeros(len(sets.covered), dtype=torch.int64)
-        self._before_admission = torch.zeros(len(sets.covered), dtype=torch.bool)
-        selector.before_select = self.remember
 
     def held(self) -> int:
         """Kept selection states not resumed yet."""
         return len(self._saved)
-
-    def remember(self, batch: BatchView, layer: int | None, seq_lens: list[int]) -> None:
-        """Before a selection at ``layer`` (None: every layer, a captured pass) (the job that changes the
-        tables has not started): the rows it will change, as they are."""
-        slots, sets = batch.slots, self.working_sets
-        at = slots if layer is None else (slots, layer)
-        for name, before in self._before.items():
-            before[at] = getattr(sets, name)[at]
-        self._before_len[slots] = torch.tensor(seq_lens, dtype=torch.int64)
-        self._before_step[slots] = batch.step
-        self._before_admission[slots] = batch.admitting
 
     def keep(self, req: int, key: str, tokens: int, backed_up: bool) -> None:
         """SGLang retracts request row ``req`` (``key``: its retraction key, hooks 7 and 8; ``tokens`` of
@@ -144,15 +125,15 @@ class Retractions:
         self.selector.finish_pending()  # its working sets as the next step would find them
         slot = self.tier.slot(req)
         step, (steps, above) = self.step(), self.recall.state_of(req, slot)
-        source = {name: getattr(self.working_sets, name) for name in self._before}
-        if int(self._before_len[slot]) == tokens:
+        source, before = self.snapshot.current(), self.snapshot.before(slot, tokens)
+        if before is not None:
             # Its last forward computed the token at `tokens - 1` (seq_len `tokens`), but SGLang kept
             # neither its output nor its KV: it redoes that step after the resume. Keep the tables
             # from before it (an admission redone is chosen the same way again: nothing to keep).
-            if bool(self._before_admission[slot]):
+            if before.admission:
                 return
-            source = self._before
-            step, steps = int(self._before_step[slot]) - 1, steps - 1
+            source = before.tables
+            step, steps = before.step - 1, steps - 1
         tables = {name: table[slot].clone() for name, table in source.items()}
         prompt_len = self.selector.prompt_len.get(req)
         kv = None

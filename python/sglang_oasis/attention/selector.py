@@ -60,6 +60,7 @@ class Selector:
         failures: TransferFailures,
         faults: FaultInjection,
         device: torch.device | str,
+        before_select: Callable[[BatchView, int | None, list[int]], None] | None = None,
     ) -> None:
         self.config = config
         self.block_size = config.block_size
@@ -89,11 +90,17 @@ class Selector:
         )
         self.caps = FetchCaps(config, int(kv_pool.layer_num))
         self.window = PrefillWindow(config, kv_pool, req_to_token_pool, tier.pinned.shape[-2:], stats)
-        # the captured decode step's results not folded into the host's tables yet (graphed_step.py)
-        self.before_drain: Callable[[], None] = lambda: None
-        # called with (batch, layer, seq_lens) before a selection changes the working sets (retraction.py;
-        # layer None: every layer, before a captured pass)
-        self.before_select: Callable[[BatchView, int | None, list[int]], None] | None = None
+        # CUDA graphs' replays whose results are not folded into the host's tables yet (``fold_first``)
+        self._before_drain: Callable[[], None] = lambda: None
+        # called with (batch, layer, seq_lens) before a selection changes the working sets
+        # (selection_snapshot.py; layer None: every layer, before a captured pass)
+        self.before_select = before_select
+
+    def fold_first(self, fold: Callable[[], None]) -> None:
+        """Every drain first calls ``fold``: SGLang makes its CUDA graphs after this backend is built
+        (``init_cuda_graph_state``), and host code that waits for the tables gets their replays' results
+        (graph_hooks.py)."""
+        self._before_drain = fold
 
     def prompts_extended(self, reqs: list[int], lengths: list[int]) -> None:
         """Request rows ``reqs`` hold ``lengths`` tokens after an extend (fault injection picks them so)."""
@@ -247,8 +254,8 @@ class Selector:
 
     def finish_pending(self) -> None:
         """Wait for every layer's pending selection and transfer (and fold a CUDA graph replay's results,
-        ``before_drain``): the host's tables are then the ones the next step will find."""
-        self.before_drain()
+        ``fold_first``): the host's tables are then the ones the next step will find."""
+        self._before_drain()
         for result in self.pipeline.drain():
             self.account(result)
 

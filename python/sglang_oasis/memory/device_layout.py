@@ -62,6 +62,7 @@ class TierShape(NamedTuple):
     active_tokens: int  # ring positions per layer and KV head of the active blocks (``active_span``)
     padding_slots: int = 0  # request slots for padding rows (captured decode step or CUDA graphs: 1)
     key_codes: bool = False  # --oasis-selector codes: every full block's keys coded beside the summaries
+    epoch_layer: int = 0  # the layer whose key writes restart page epochs: the first sparse one (-1: none)
 
     @property
     def kv_bytes_per_token(self) -> int:
@@ -79,6 +80,7 @@ class TierShape(NamedTuple):
             active_span(config.block_size, config.verify_rows),
             int(config.decode_step == "captured" or config.cuda_untested),  # CUDA graphs pad rows too
             config.selector == "codes",
+            next((layer for layer in range(num_layers) if layer not in config.dense_layers), -1),
         )  # fmt: skip
 
 

@@ -74,6 +74,7 @@ class DeviceTier:
             shape.block_size,
             dtype,
             device,
+            shape.epoch_layer,
         )
         self.codes: KeyCodeStore | None = None  # --oasis-selector codes
         if shape.key_codes:

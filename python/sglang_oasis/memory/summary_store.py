@@ -32,13 +32,14 @@ class BlockSummaryStore:
         block_size: int,
         dtype: torch.dtype,
         device: torch.device | str,
+        epoch_layer: int = 0,
     ) -> None:
         self.block_size = block_size
         shape = (num_layers, num_pages, num_kv_heads, head_dim)
         self.kmin = torch.zeros(shape, dtype=dtype, device=device)
         self.kmax = torch.zeros(shape, dtype=dtype, device=device)
         self.epoch = torch.zeros(num_pages, dtype=torch.int64)
-        self.epoch_layer = 0
+        self.epoch_layer = epoch_layer  # the first sparse layer (-1: none; every layer dense)
 
     @property
     def nbytes(self) -> int:
