@@ -88,10 +88,9 @@ def prepare(argv: Sequence[str]) -> tuple[OasisConfig, list[str]]:
                 config = check_untested_cuda(argv, sglang_argv, config)
             wants_triton(config.prefill_attention, "cpu" if on_cpu else "cuda")  # raises, naming the option
             decode_node = option_value(sglang_argv, "--disaggregation-mode") == "decode"
-            if decode_node and (config.oracle or (config.selector == "codes" and config.remote_fetch)):
+            if decode_node and config.oracle:
                 raise LaunchError(f"--oasis-selector {config.selector}: reads every key from the local KV pool; "
-                                  "a PD decode node's blocks stay on the prefill node until read (codes: "
-                                  "--oasis-remote-fetch false)")  # fmt: skip
+                                  "a PD decode node's blocks stay on the prefill node until read")  # fmt: skip
             sglang_argv += sparse_mode_args(sglang_argv, config, on_cpu)
         except (LaunchError, TritonPrefillError) as error:
             build_oasis_parser().error(str(error))

@@ -85,6 +85,8 @@ COUNTERS = {
     "remote_admission_blocks": "PD decode node: (block, layer) pairs read at admission (K and V of every "
     "KV head)",
     "remote_summary_bytes": "PD decode node: block-summary bytes read from prefill nodes at admission",
+    "remote_code_bytes": "PD decode node: key-code bytes read from prefill nodes at admission "
+    "(--oasis-selector codes: every full block's, a 32nd of its K and V in float32)",
     "remote_miss_bytes": "PD decode node: KV bytes read from prefill nodes after admission (first use of "
     "a block by a working set)",
     "remote_completion_bytes": "PD decode node: KV bytes read from prefill nodes in the background so a "

@@ -20,6 +20,7 @@ import pytest
 import torch
 
 from sgl_kernel_oasis import build_block_summaries
+from sgl_kernel_oasis.key_codes import encode_key_codes
 from sglang_oasis.disaggregation.decode_admission import Origin
 from sglang_oasis.disaggregation.prefill_stager import PrefillStager
 from sglang_oasis.disaggregation.remote_fetch import RemotePartialFetcher
@@ -239,6 +240,42 @@ def test_kv_staged_without_summaries_is_read_whole_by_a_fetcher_without_summarie
     assert prefill.nbytes == before
 
 
+def test_key_codes_are_staged_with_the_summaries_and_read_for_the_full_blocks_not_cached(
+    prefill: KVStagingArea, decode_endpoint: MooncakeEndpoint
+) -> None:
+    """``--oasis-selector codes`` under PD: the decode node ranks every full block by its codes, so they
+    arrive at admission (but those of blocks its radix cache holds, coded there, and of the partial last
+    block, never coded); a decode node that ranks by codes refuses KV staged without them."""
+    keys, values = seeded_kv(11, 0, LAYERS, TOKENS, HEADS, DIM)
+    before = prefill.nbytes
+    layout = prefill.stage("codes", keys, values, codes=True)
+    assert layout.code_address != 0 and layout.code_row_bytes == B * HEADS * DIM // 4
+    codes_bytes = LAYERS * layout.num_pages * layout.code_row_bytes
+    assert prefill.nbytes - before == layout.kv_bytes + layout.summary_bytes + codes_bytes
+    tier = DecodeTier(decode_endpoint)
+    codes = torch.full((LAYERS, POOL_PAGES, B, HEADS, DIM // 4), 0xAB, dtype=torch.uint8)
+    fetcher = RemotePartialFetcher(decode_endpoint, tier.k, tier.v, B, tier.kmin, tier.kmax, codes)
+    local = torch.tensor([6, 25, 2, 37, 14])
+    reads = fetcher.admit(7, layout, local, torch.zeros(LAYERS, 5, dtype=torch.bool), cached_blocks=1)
+    full = layout.full_blocks
+    for layer in range(LAYERS):
+        kmin, kmax = build_block_summaries(keys[layer], B)
+        blocks = keys[layer, : full * B].view(full, B, HEADS, DIM)
+        want = encode_key_codes(blocks, kmin[:full], kmax[:full])
+        assert torch.equal(codes[layer, local[1:full]], want[1:]), layer
+        assert bool((codes[layer, local[[0, full]]] == 0xAB).all()), "a cached or partial block's codes moved"
+    assert reads.code_bytes == fetcher.counters.code_bytes == LAYERS * (full - 1) * layout.code_row_bytes
+    plain = prefill.stage("no-codes", keys, values)
+    with pytest.raises(ValueError, match="has no key codes"):
+        fetcher.admit(8, plain, local, torch.zeros(LAYERS, 5, dtype=torch.bool))
+    with pytest.raises(ValueError, match="stage them too"):
+        prefill.stage("bad", keys, values, summaries=False, codes=True)
+    fetcher.release(7)
+    prefill.release("codes")
+    prefill.release("no-codes")
+    assert prefill.nbytes == before
+
+
 def test_layout_mismatch_is_refused(prefill: KVStagingArea, decode_endpoint: MooncakeEndpoint) -> None:
     keys, values = seeded_kv(5, 0, LAYERS + 1, TOKENS, HEADS, DIM)
     layout = prefill.stage("mismatch", keys, values)
@@ -370,6 +407,18 @@ def test_staging_is_capped_swept_and_released_on_errors() -> None:
     assert failing.staging.nbytes == 0 and len(failing.staging) == 0 and failing.handoff(13) is None
 
 
+def test_a_stager_with_key_codes_reserves_what_it_stages_and_hands_the_codes_over() -> None:
+    """``--oasis-selector codes``: the staging cap counts the codes too (a reservation is what staging
+    takes), and the hand-off's layout says where they are."""
+    stager = PrefillStager(StagingBackend(), "127.0.0.1", free_port(), 0, 3600, key_codes=True)
+    stager.stage(room=21, slot=1, num_tokens=TOKENS, decode_prefix_len=0)
+    staged = stager.staging.nbytes
+    assert staged == stager.staging_bytes(TOKENS) > _stager(StagingBackend()).staging_bytes(TOKENS)
+    body = stager.handoff(21)
+    assert body is not None and json.loads(body)["layout"]["code_address"] != 0
+    assert stager.release(21) and stager.staging.nbytes == 0
+
+
 def test_the_handoff_routes_take_only_the_deployments_callers(monkeypatch: pytest.MonkeyPatch) -> None:
     """The hand-off server hands out staged KV's addresses and releases it: with the deployment's token
     set (``launch_pd`` makes one) a caller without it gets 403 and the hand-off stays; with it, it is
@@ -439,7 +488,7 @@ def test_releases_go_to_the_prefill_node_from_one_bounded_worker(monkeypatch: py
         token_to_kv_pool=SimpleNamespace(
             layer_num=LAYERS, get_key_buffer=tier.k.__getitem__, get_value_buffer=tier.v.__getitem__
         ),
-        block_size=B, summaries=SimpleNamespace(kmin=tier.kmin, kmax=tier.kmax),
+        block_size=B, summaries=SimpleNamespace(kmin=tier.kmin, kmax=tier.kmax), codes=None,
     )  # fmt: skip
     monkeypatch.setattr(decode_fetcher, "RELEASE_QUEUE", 3)
     outage, entered, sent = threading.Event(), threading.Event(), []
@@ -475,7 +524,7 @@ def _decode_fetcher(tier: DecodeTier) -> Any:
         token_to_kv_pool=SimpleNamespace(
             layer_num=LAYERS, get_key_buffer=tier.k.__getitem__, get_value_buffer=tier.v.__getitem__
         ),
-        block_size=B, summaries=SimpleNamespace(kmin=tier.kmin, kmax=tier.kmax),
+        block_size=B, summaries=SimpleNamespace(kmin=tier.kmin, kmax=tier.kmax), codes=None,
         stats=OasisStats(None, owner=False),
     )  # fmt: skip
     return DecodeFetcher(backend, "127.0.0.1")  # type: ignore[arg-type]

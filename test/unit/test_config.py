@@ -268,10 +268,6 @@ def test_a_pd_decode_server_on_cpu_backs_up_retracted_requests_in_plain_tensors(
             ],
             "a PD decode node's blocks",
         ),
-        (
-            ["--oasis-selector", "codes", "--disaggregation-mode", "decode"],
-            "--oasis-remote-fetch false",
-        ),
         (["--speculative-algorithm", "EAGLE3"], "--speculative-algorithm"),
         (["--speculative-draft-model-path", "/x"], "--speculative-draft-model-path needs --oasis-lookahead"),
         (["--oasis-lookahead", "eagle3", "--model-path", "/x"], "needs --speculative-draft-model-path"),

@@ -14,7 +14,7 @@ from sglang_oasis.disaggregation.staging import StagedKVLayout
 def test_handoff_round_trips_layout_selection_and_prefix() -> None:
     layout = StagedKVLayout(
         session="127.0.0.1:12345", kv_address=2**40 + 64, summary_address=2**41, num_layers=5,
-        num_tokens=1000, block_size=16, num_kv_heads=3, head_dim=64, itemsize=2,
+        num_tokens=1000, block_size=16, num_kv_heads=3, head_dim=64, itemsize=2, code_address=2**42,
     )  # fmt: skip
     generator = torch.Generator().manual_seed(0)
     selection = torch.rand((5, 3, 62), generator=generator) < 0.3  # 930 bits: not a whole number of bytes

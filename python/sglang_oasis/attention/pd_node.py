@@ -30,6 +30,7 @@ from sglang_oasis.config import OasisConfig
 from sglang_oasis.disaggregation.decode_admission import Arrival
 from sglang_oasis.disaggregation.decode_fetcher import DecodeFetcher
 from sglang_oasis.disaggregation.prefill_stager import PrefillStager
+from sglang_oasis.memory.key_code_store import KeyCodeStore
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.sglang_contract import BEFORE_BACKUP_LISTENER, FREED_ROW_LISTENER
 from sglang_oasis.stats import OasisStats, tensor_parallel_rank
@@ -57,6 +58,7 @@ class PDNode:
         self.selector = selector
         self.working_sets = slots.working_sets
         self.summaries: BlockSummaryStore = slots.tier.summaries
+        self.codes: KeyCodeStore | None = slots.tier.codes  # --oasis-selector codes
         self.pinned = slots.tier.pinned
         self.req_to_token_pool = slots.req_pool
         self.kv_pool = self.token_to_kv_pool = kv_pool
@@ -91,15 +93,17 @@ class PDNode:
             port = int(args.disaggregation_bootstrap_port)
             cap = self.config.remote_fetch_max_staged_mib * 2**20
             self.stager = PrefillStager(
-                self, host, port, rank, self.config.remote_fetch_ttl, max_bytes=cap, tp_size=tp_size
+                self,
+                host,
+                port,
+                rank,
+                self.config.remote_fetch_ttl,
+                max_bytes=cap,
+                tp_size=tp_size,
+                key_codes=self.codes is not None,
             )
             logger.info("oasis remote partial fetching: prefill hand-offs at %s", self.stager.url)
         else:
-            if self.selector.prefetcher.codes is not None:  # the launcher refuses it too; any start here
-                raise ValueError(
-                    "--oasis-selector codes: codes every key from the local host tier, and remote partial "
-                    "fetching leaves a decode node's blocks on the prefill node; --oasis-remote-fetch false"
-                )
             self.remote = DecodeFetcher(self, host, rank, tp_size)
             self.selector.prefetcher.read_remote_first(self.remote)
             # SGLang frees a finished request's row: release its staging then (sglang_hooks.py).

@@ -19,6 +19,7 @@ from sglang_oasis.disaggregation.handoff import pool_buffers
 from sglang_oasis.disaggregation.remote_fetch import RemotePartialFetcher, RemoteRequest
 from sglang_oasis.disaggregation.side_channel import EndpointDirectory, open_url
 from sglang_oasis.disaggregation.transfer_engine import MooncakeEndpoint
+from sglang_oasis.memory.key_code_store import KeyCodeStore
 from sglang_oasis.memory.summary_store import BlockSummaryStore
 from sglang_oasis.stats import OasisStats
 
@@ -37,6 +38,7 @@ class FetchTarget(Protocol):
     req_to_token_pool: ReqToTokenPool
     token_to_kv_pool: MHATokenToKVPool
     summaries: BlockSummaryStore
+    codes: KeyCodeStore | None  # --oasis-selector codes: full blocks' key codes arrive with the summaries
     stats: OasisStats
 
 
@@ -68,6 +70,7 @@ class DecodeFetcher:
             backend.block_size,
             backend.summaries.kmin,
             backend.summaries.kmax,
+            None if backend.codes is None else backend.codes.codes,
         )
         self.endpoints = EndpointDirectory(rank, tp_size)
         self.admissions = DecodeAdmissions(backend, self.fetcher, self.endpoints, self._release_remote)
@@ -128,6 +131,9 @@ class DecodeFetcher:
             stats.add(f"remote_{name}", value)
         stats.add("remote_draft_bytes", admitted.draft_bytes)
         self.backend.summaries.recycle(admitted.local_pages[admitted.cached_blocks :])
+        if self.backend.codes is not None:  # read with the summaries: coded at the pages' new epochs
+            full = handoff.num_tokens // self.backend.block_size
+            self.backend.codes.arrived(admitted.local_pages[admitted.cached_blocks : full])
         return True
 
     def take_arrival(self, slot: int, generation: int) -> Arrival | None:

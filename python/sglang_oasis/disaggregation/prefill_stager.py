@@ -12,6 +12,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import torch
 
+from sgl_kernel_oasis.key_codes import PER_BYTE
 from sglang_oasis.disaggregation.handoff import Handoff, draft_kv_pool, pool_buffers
 from sglang_oasis.disaggregation.send_plan import SendPlans
 from sglang_oasis.disaggregation.side_channel import HandoffServer, register_handoffs
@@ -54,8 +55,10 @@ class PrefillStager:
         ttl_s: float,
         max_bytes: int = 0,
         tp_size: int = 1,
+        key_codes: bool = False,
     ) -> None:
         self.backend = backend
+        self.key_codes = key_codes  # --oasis-selector codes: full blocks' key codes are staged too
         self.ttl_s = ttl_s
         self.max_bytes = max_bytes  # 0: no cap
         self.endpoint = MooncakeEndpoint(host)
@@ -87,7 +90,8 @@ class PrefillStager:
 
     def staging_bytes(self, num_tokens: int) -> int:
         """What staging a ``num_tokens``-token prompt takes: its KV in whole blocks with its summaries
-        (one block's worth per block), and the draft model's KV (no summaries) where there is one."""
+        (one block's worth per block) and key codes (``key_codes``: a 32nd of the K and V per token in
+        float32), and the draft model's KV (no summaries) where there is one."""
         block = self.backend.block_size
         tokens = -(-num_tokens // block) * block
 
@@ -97,7 +101,10 @@ class PrefillStager:
 
         draft = draft_kv_pool(self.backend.req_to_token_pool)
         draft_bytes = 0 if draft is None else tokens * per_token(draft)
-        return tokens * per_token(self.backend.token_to_kv_pool) * (block + 1) // block + draft_bytes
+        target = self.backend.token_to_kv_pool
+        k_buffers, _ = pool_buffers(target)
+        codes = sum(buffer[0].numel() // PER_BYTE for buffer in k_buffers) if self.key_codes else 0
+        return tokens * (per_token(target) * (block + 1) // block + codes) + draft_bytes
 
     def reserve(self, room: int, num_tokens: int) -> bool:
         """Admit room ``room``'s ``num_tokens``-token prompt to staging if it fits within
@@ -188,7 +195,7 @@ class PrefillStager:
                 torch.stack([buffer[locations].cpu() for buffer in v_buffers]),
             )
 
-        layout = self.staging.stage(str(room), *gathered(backend.token_to_kv_pool))
+        layout = self.staging.stage(str(room), *gathered(backend.token_to_kv_pool), codes=self.key_codes)
         draft = draft_kv_pool(backend.req_to_token_pool)  # the draft shares the target's token locations
         draft_layout = (
             None if draft is None else self.staging.stage(f"{room}/draft", *gathered(draft), summaries=False)

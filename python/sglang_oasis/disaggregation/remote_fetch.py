@@ -57,12 +57,14 @@ class AdmissionReads(NamedTuple):
     summary_bytes: int = 0
     cached_blocks: int = 0
     admission_blocks: int = 0
+    code_bytes: int = 0
 
 
 @dataclass
 class FetchCounters:
     admission_bytes: int = 0  # KV blocks read at admission
     summary_bytes: int = 0  # min/max summaries read at admission
+    code_bytes: int = 0  # key codes read at admission (--oasis-selector codes)
     miss_bytes: int = 0  # KV blocks read later, on a working set's first use
     admission_blocks: int = 0  # (block, layer) pairs read at admission
     miss_blocks: int = 0
@@ -74,7 +76,13 @@ class FetchCounters:
 
     @property
     def total_bytes(self) -> int:
-        return self.admission_bytes + self.summary_bytes + self.miss_bytes + self.completion_bytes
+        return (
+            self.admission_bytes
+            + self.summary_bytes
+            + self.code_bytes
+            + self.miss_bytes
+            + self.completion_bytes
+        )
 
 
 class RemotePartialFetcher:
@@ -88,21 +96,25 @@ class RemotePartialFetcher:
         block_size: int,
         kmin: torch.Tensor | None = None,
         kmax: torch.Tensor | None = None,
+        codes: torch.Tensor | None = None,
     ) -> None:
         """``k_buffers[l]``/``v_buffers[l]``: the local pool's ``[tokens, kv_heads, head_dim]`` buffers (a
         page = ``block_size`` consecutive tokens); ``kmin``/``kmax``: the local summary store's
-        ``[layers, pages, kv_heads, head_dim]`` tensors, filled at admission (None: summaries are not read)."""
+        ``[layers, pages, kv_heads, head_dim]`` tensors, filled at admission (None: summaries are not read);
+        ``codes``: the local key code store's ``[layers, pages, block_size, kv_heads, head_dim / 4]``,
+        its full blocks' codes filled at admission (None: not read; ``--oasis-selector codes``)."""
         self.endpoint = endpoint
         self.block_size = block_size
         self.k_buffers, self.v_buffers = k_buffers, v_buffers
         _, self.num_kv_heads, self.head_dim = k_buffers[0].shape
         self.itemsize = k_buffers[0].element_size()
         self.block_bytes = block_size * self.num_kv_heads * self.head_dim * self.itemsize
-        self.kmin, self.kmax = kmin, kmax
+        self.kmin, self.kmax, self.codes = kmin, kmax, codes
         for tensor in [
             *k_buffers,
             *v_buffers,
             *([kmin, kmax] if kmin is not None and kmax is not None else []),
+            *([] if codes is None else [codes]),
         ]:
             endpoint.register(tensor)
         self.requests: dict[int, RemoteRequest] = {}
@@ -155,8 +167,13 @@ class RemotePartialFetcher:
         wanted[:, -1] = True  # the active block: decode attends it in full
         wanted &= ~present
         layers, blocks = wanted.nonzero(as_tuple=True)
+        summaries = None if self.kmin is None or self.kmax is None else (self.kmin, self.kmax)
+        local, remote, lengths, summary_bytes, code_bytes = metadata_reads(
+            request, cached_blocks, summaries, self.codes
+        )
         try:
-            summary_bytes = self._read_summaries(request, cached_blocks)
+            if local:
+                self._read(layout.session, local, remote, lengths)
             nbytes = self._read_blocks({req: (layers, blocks)})
         except RemoteReadError:
             self.release(req)
@@ -166,25 +183,11 @@ class RemotePartialFetcher:
         with self._lock:
             present[layers, blocks] = True
             self.counters.summary_bytes += summary_bytes
+            self.counters.code_bytes += code_bytes
             self.counters.admission_bytes += nbytes
             self.counters.admission_blocks += len(blocks)
-            self._charge(req, nbytes + summary_bytes)
-        return AdmissionReads(nbytes, summary_bytes, cached, len(blocks))
-
-    def _read_summaries(self, request: RemoteRequest, cached_blocks: int) -> int:
-        if self.kmin is None or self.kmax is None:
-            return 0
-        layout = request.layout
-        row = layout.summary_row_bytes
-        local, remote = [], []
-        for page in range(cached_blocks, layout.num_pages):
-            local_page = int(request.local_pages[page])
-            for layer in range(layout.num_layers):
-                for which, store in enumerate((self.kmin, self.kmax)):
-                    local.append(store[layer, local_page].data_ptr())
-                    remote.append(layout.summary_address_of(layer, which, page))
-        self._read(layout.session, local, remote, [row] * len(local))
-        return row * len(local)
+            self._charge(req, nbytes + summary_bytes + code_bytes)
+        return AdmissionReads(nbytes, summary_bytes, cached, len(blocks), code_bytes)
 
     def _read(self, session: str, local: list[int], remote: list[int], lengths: list[int]) -> None:
         """One peer's reads; a peer that timed out before is not read again."""
@@ -321,12 +324,55 @@ class RemotePartialFetcher:
 
     def check_layout(self, layout: StagedKVLayout) -> None:
         local = (len(self.k_buffers), self.block_size, self.num_kv_heads, self.head_dim, self.itemsize)
-        remote = (layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim, layout.itemsize)
-        if local != remote:
-            raise ValueError(
-                f"staged KV layout (layers, block, kv heads, head dim, itemsize) = {remote} does not match "
-                f"the local pool's {local}"
-            )
+        check_staged(layout, local, self.codes is not None)
+
+
+def check_staged(layout: StagedKVLayout, local: tuple[int, ...], codes: bool) -> None:
+    """Raises ``ValueError`` unless KV staged as ``layout`` is this node's KV: ``local`` (layers, block,
+    KV heads, head dim, itemsize) and, where it ranks blocks by them (``codes``), staged with key codes."""
+    remote = (layout.num_layers, layout.block_size, layout.num_kv_heads, layout.head_dim, layout.itemsize)
+    if local != remote:
+        raise ValueError(
+            f"staged KV layout (layers, block, kv heads, head dim, itemsize) = {remote} does not match "
+            f"the local pool's {local}"
+        )
+    if codes and layout.code_address == 0:
+        raise ValueError(
+            f"the KV staged at {layout.session} has no key codes, and this decode node ranks blocks by "
+            "them: start the prefill node with --oasis-selector codes too"
+        )
+
+
+def metadata_reads(
+    request: RemoteRequest,
+    cached_blocks: int,
+    summaries: tuple[torch.Tensor, torch.Tensor] | None,
+    codes: torch.Tensor | None,
+) -> tuple[list[int], list[int], list[int], int, int]:
+    """An admission's reads besides the KV, past the ``cached_blocks`` the radix cache holds: every page's
+    min and max summary rows (``summaries``: the local store's kmin, kmax) and every full block's key codes
+    (``codes``: the local code store's, one contiguous run per layer and block on both nodes). Returns
+    their local and remote addresses and lengths, and the summaries' and the codes' bytes."""
+    layout, local, remote, lengths = request.layout, [], [], []
+    for page in range(cached_blocks, layout.num_pages):
+        local_page = int(request.local_pages[page])
+        for layer in range(layout.num_layers):
+            for which, store in enumerate(summaries or ()):
+                local.append(store[layer, local_page].data_ptr())
+                remote.append(layout.summary_address_of(layer, which, page))
+                lengths.append(layout.summary_row_bytes)
+            if codes is not None and page < layout.full_blocks:
+                local.append(codes[layer, local_page].data_ptr())
+                remote.append(layout.code_address_of(layer, page))
+                lengths.append(layout.code_row_bytes)
+    pages = max(layout.num_pages - cached_blocks, 0)
+    summary_bytes = 0 if summaries is None else pages * layout.num_layers * 2 * layout.summary_row_bytes
+    code_bytes = (
+        0
+        if codes is None
+        else max(layout.full_blocks - cached_blocks, 0) * layout.num_layers * layout.code_row_bytes
+    )
+    return local, remote, lengths, summary_bytes, code_bytes
 
 
 def peer_addresses(

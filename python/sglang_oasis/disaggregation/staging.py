@@ -6,6 +6,9 @@ Staged layout of one request (block size B, H KV heads, head dim D, P = ceil(tok
     kv        [layers, 2 (K, V), P, B, H, D]   block p of layer l's K: one contiguous run of B*H*D items,
                                                the same shape as a page of SGLang's KV pool
     summaries [layers, 2 (min, max), P, H, D]  the min/max key summary of each block and KV head
+    codes     [layers, P, B, H, D / 4] uint8    with ``--oasis-selector codes``: each full block's keys
+                                               coded within its summary's box (``key_code_store.py``);
+                                               the last page's are zero when it is partly filled
 
 The last page may be partly filled (the active block); its padding rows are zero. ``StagedKVLayout`` is
 the typed hand-off: the decode node computes every remote address from it and needs nothing else.
@@ -20,6 +23,7 @@ from typing import Any
 import torch
 
 from sgl_kernel_oasis import build_block_summaries
+from sgl_kernel_oasis.key_codes import PER_BYTE, encode_key_codes
 from sglang_oasis.disaggregation.transfer_engine import MooncakeEndpoint
 
 
@@ -36,6 +40,7 @@ class StagedKVLayout:
     num_kv_heads: int
     head_dim: int
     itemsize: int
+    code_address: int = 0  # 0: staged without key codes
 
     @property
     def num_pages(self) -> int:
@@ -56,6 +61,11 @@ class StagedKVLayout:
         return self.num_kv_heads * self.head_dim * self.itemsize
 
     @property
+    def code_row_bytes(self) -> int:
+        """Bytes of one block's key codes of one layer, all KV heads."""
+        return self.block_size * self.num_kv_heads * self.head_dim // PER_BYTE
+
+    @property
     def kv_bytes(self) -> int:
         """The full transfer: every page of K and V in every layer."""
         return self.num_layers * 2 * self.num_pages * self.block_bytes
@@ -72,6 +82,9 @@ class StagedKVLayout:
         """``which`` 0 = min, 1 = max."""
         return self.summary_address + ((layer * 2 + which) * self.num_pages + page) * self.summary_row_bytes
 
+    def code_address_of(self, layer: int, page: int) -> int:
+        return self.code_address + (layer * self.num_pages + page) * self.code_row_bytes
+
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
 
@@ -86,50 +99,68 @@ class KVStagingArea:
     def __init__(self, endpoint: MooncakeEndpoint, block_size: int) -> None:
         self.endpoint = endpoint
         self.block_size = block_size
-        self._staged: dict[str, tuple[torch.Tensor, torch.Tensor | None, StagedKVLayout]] = {}
+        self._staged: dict[str, tuple[list[torch.Tensor], StagedKVLayout]] = {}  # rid -> registered, layout
         self._lock = threading.Lock()
 
     def stage(
-        self, rid: str, keys: torch.Tensor, values: torch.Tensor, summaries: bool = True
+        self, rid: str, keys: torch.Tensor, values: torch.Tensor, summaries: bool = True, codes: bool = False
     ) -> StagedKVLayout:
         """Copies one request's KV (``keys``/``values``: ``[layers, tokens, kv_heads, head_dim]``) into
         registered host memory with its block summaries (unless ``summaries`` is False: KV the decode node
-        reads whole, like the EAGLE-3 draft model's); returns the layout to hand to the decode node."""
+        reads whole, like the EAGLE-3 draft model's) and, with ``codes``, its full blocks' key codes;
+        returns the layout to hand to the decode node."""
         if keys.shape != values.shape or keys.dim() != 4:
             raise ValueError(f"keys and values must both be [layers, tokens, heads, dim], got "
                              f"{tuple(keys.shape)} and {tuple(values.shape)}")  # fmt: skip
+        if codes and not summaries:
+            raise ValueError("key codes are coded within the summaries' boxes: stage them too")
         layers, tokens, heads, dim = keys.shape
         b = self.block_size
         pages = -(-tokens // b)
         kv = torch.zeros((layers, 2, pages * b, heads, dim), dtype=keys.dtype)
         kv[:, 0, :tokens] = keys
         kv[:, 1, :tokens] = values
-        summary = None
+        summary: torch.Tensor | None = None
+        coded: torch.Tensor | None = None
         if summaries:
             summary = torch.empty((layers, 2, pages, heads, dim), dtype=keys.dtype)
+            full = tokens // b
+            if codes:  # coded within the staged boxes (the keys' dtype), as the decode node codes its own
+                coded = torch.zeros((layers, pages, b, heads, dim // PER_BYTE), dtype=torch.uint8)
             for layer in range(layers):
                 summary[layer, 0], summary[layer, 1] = build_block_summaries(keys[layer].cpu(), b)
-        kv_address = self.endpoint.register(kv)
+                if coded is not None and full:
+                    blocks = keys[layer, : full * b].cpu().view(full, b, heads, dim)
+                    coded[layer, :full] = encode_key_codes(
+                        blocks, summary[layer, 0, :full], summary[layer, 1, :full]
+                    )
+        registered: list[torch.Tensor] = []
         try:
-            summary_address = 0 if summary is None else self.endpoint.register(summary)
-        except Exception:  # never leave the KV registered without a record to release it by
-            self.endpoint.unregister(kv)
+            addresses = []
+            for tensor in (kv, summary, coded):
+                addresses.append(0 if tensor is None else self.endpoint.register(tensor))
+                if tensor is not None:
+                    registered.append(tensor)
+        except Exception:  # never leave memory registered without a record to release it by
+            for tensor in registered:
+                self.endpoint.unregister(tensor)
             raise
         layout = StagedKVLayout(
             session=self.endpoint.session_id,
-            kv_address=kv_address,
-            summary_address=summary_address,
+            kv_address=addresses[0],
+            summary_address=addresses[1],
             num_layers=layers,
             num_tokens=tokens,
             block_size=b,
             num_kv_heads=heads,
             head_dim=dim,
             itemsize=keys.element_size(),
+            code_address=addresses[2],
         )
         with self._lock:
             if rid in self._staged:
                 self._release(rid)
-            self._staged[rid] = (kv, summary, layout)
+            self._staged[rid] = (registered, layout)
         return layout
 
     def release(self, rid: str) -> None:
@@ -139,15 +170,13 @@ class KVStagingArea:
 
     def _release(self, rid: str) -> None:
         staged = self._staged.pop(rid, None)
-        if staged is not None:
-            self.endpoint.unregister(staged[0])
-            if staged[1] is not None:
-                self.endpoint.unregister(staged[1])
+        for tensor in [] if staged is None else staged[0]:
+            self.endpoint.unregister(tensor)
 
     @property
     def nbytes(self) -> int:
         with self._lock:
-            return sum(kv.nbytes + (0 if s is None else s.nbytes) for kv, s, _ in self._staged.values())
+            return sum(tensor.nbytes for tensors, _ in self._staged.values() for tensor in tensors)
 
     def __len__(self) -> int:
         return len(self._staged)

@@ -63,6 +63,13 @@ class KeyCodeStore:
         self.coded[layer, stale] = epochs[changed]
         return len(stale)
 
+    def arrived(self, pages: torch.Tensor) -> None:
+        """Full ``pages`` whose codes of every layer were written from elsewhere (a PD decode node reads
+        them from the prefill node with their summaries, after the summaries recycled their epochs): coded
+        at their current epochs, so ``ensure`` never codes them from keys not read yet."""
+        pages = pages.to(torch.int64).cpu()
+        self.coded[:, pages] = self.summaries.epoch[pages]
+
     def block_mass(
         self,
         layer: int,
