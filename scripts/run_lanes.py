@@ -49,6 +49,7 @@ UNIT_LANE = (
     "test_default_server.py",
     "test_direct_launch.py",
     "test_pd_retraction.py",
+    "test_codes_pd_tp.py",
     "test_captured_step.py",
     "test_tensor_parallel.py",
 )
