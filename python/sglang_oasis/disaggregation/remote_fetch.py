@@ -354,6 +354,7 @@ def metadata_reads(
     (``codes``: the local code store's, one contiguous run per layer and block on both nodes). Returns
     their local and remote addresses and lengths, and the summaries' and the codes' bytes."""
     layout, local, remote, lengths = request.layout, [], [], []
+    summary_bytes = code_bytes = 0
     for page in range(cached_blocks, layout.num_pages):
         local_page = int(request.local_pages[page])
         for layer in range(layout.num_layers):
@@ -361,17 +362,12 @@ def metadata_reads(
                 local.append(store[layer, local_page].data_ptr())
                 remote.append(layout.summary_address_of(layer, which, page))
                 lengths.append(layout.summary_row_bytes)
+                summary_bytes += layout.summary_row_bytes
             if codes is not None and page < layout.full_blocks:
                 local.append(codes[layer, local_page].data_ptr())
                 remote.append(layout.code_address_of(layer, page))
                 lengths.append(layout.code_row_bytes)
-    pages = max(layout.num_pages - cached_blocks, 0)
-    summary_bytes = 0 if summaries is None else pages * layout.num_layers * 2 * layout.summary_row_bytes
-    code_bytes = (
-        0
-        if codes is None
-        else max(layout.full_blocks - cached_blocks, 0) * layout.num_layers * layout.code_row_bytes
-    )
+                code_bytes += layout.code_row_bytes
     return local, remote, lengths, summary_bytes, code_bytes
 
 
