@@ -12,6 +12,7 @@ servers (compiling costs the first requests about half a minute per shape here):
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -89,15 +90,19 @@ def test_the_programs_compile_before_the_server_is_ready_and_never_while_it_serv
     captured_server: ServerProcess,
 ) -> None:
     """SGLang's warm-up request (before ``/health`` answers) compiled every program the server runs: each
-    batch bucket up to its running-request cap (8), decode and sample passes. Then bursts of requests at
+    batch bucket up to its running-request cap (8), decode and sample passes, as four graphs (one row; two
+    rows, whose graph serves 4 and 8: the batch dimension is symbolic). Then bursts of requests at
     five concurrencies and a context of 4,200 tokens compile nothing more and run every pass captured (none
     left to the eager step)."""
     first = captured_server.oasis_stats()
     log = captured_server.log_path.read_text()
     compiled = log.index("the captured decode step's 8 programs compiled in")
     assert first["captured_compile_ms"] > 0 and compiled < log.index("The server is fired up and ready")
-    for rows in (1, 2, 4, 8):
-        assert f"captured decode step, {rows} rows (decode+sample): compiled" in log, rows
+    assert re.search(r"the captured decode step's 8 programs compiled in [0-9.]+ s, 4 graphs", log)
+    for rows in (1, 2):
+        assert f"captured decode step, {rows} rows (decode+sample): compiled in" in log, rows
+    for rows in (4, 8):
+        assert f"captured decode step, {rows} rows (decode+sample): served by the graph of fewer rows" in log
     for concurrency in (1, 2, 3, 5, 8):
         lengths = [40 + 17 * i for i in range(concurrency)]
         with ThreadPoolExecutor(concurrency) as pool:

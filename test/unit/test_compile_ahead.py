@@ -14,7 +14,7 @@ import torch
 from test_fake_cuda import Server, config
 
 from sglang_oasis.attention.captured_step import CapturedStep
-from sglang_oasis.attention.compile_ahead import CompileAhead, buckets_ahead, kind_of
+from sglang_oasis.attention.compile_ahead import CompileAhead, buckets_ahead, graphs_ahead, kind_of
 from sglang_oasis.attention.decode_program import decode_layer
 
 
@@ -26,6 +26,9 @@ def test_the_buckets_compiled_follow_the_running_cap_and_sglangs_graph_sizes() -
     assert buckets_ahead(buckets, running=2, max_bs=16) == (1, 2)
     assert buckets_ahead(buckets, running=20, sizes=[1, 3, 24]) == (1, 4, 32)  # --cuda-graph-bs-decode
     assert kind_of(False, False) == "decode" and kind_of(True, True) == "verify+sample"
+    # per kind: one graph for a single row, one for every larger bucket (the batch dimension is symbolic)
+    assert graphs_ahead((1, 2, 4, 8), ("decode", "decode+sample")) == 4
+    assert graphs_ahead((4, 32), ("decode",)) == 1 and graphs_ahead((1,), ("verify",)) == 1
     runner = type("Runner", (), {"server_args": type("Args", (), {"cuda_graph_max_bs_decode": 2})(),
                                  "max_running_requests": 7})()  # fmt: skip
     ahead = CompileAhead.for_server(buckets, runner, verify_rows=2, sampling=True)

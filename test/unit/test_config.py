@@ -123,7 +123,7 @@ def test_the_cpu_default_decode_step_is_captured_unless_told(
     # (where it compiles) given the time it may take
     plan = compile_plan(["--max-running-requests", "20"], OasisConfig(decode_step="captured"))
     assert "12 programs compile before the server is ready (batch buckets 1, 2, 4, 8, 16, 32;" in plan
-    assert "decode and decode+sample passes" in plan
+    assert "decode and decode+sample passes) as 4 graphs" in plan  # one row; the rest (a symbolic batch)
     assert __import__("os").environ[INDUCTOR_CACHE_ENV] == str(tmp_path / "torchinductor")
     assert __import__("os").environ[WARMUP_TIMEOUT_ENV] == "720"
     bounded = ["--max-running-requests", "20", "--cuda-graph-max-bs-decode", "3"]
@@ -133,9 +133,9 @@ def test_the_cpu_default_decode_step_is_captured_unless_told(
     assert "verify and verify+sample passes" in compile_plan(bounded, OasisConfig(lookahead="ngram"))
     # --cuda-graph-bs-decode's sizes: the buckets holding them, as the server compiles (buckets_ahead)
     sized = ["--max-running-requests", "20", "--cuda-graph-bs-decode", "3", "24", "--dtype", "float32"]
-    assert "4 programs compile before the server is ready (batch buckets 4, 32;" in compile_plan(
-        sized, OasisConfig(decode_step="captured")
-    )
+    sized_plan = compile_plan(sized, OasisConfig(decode_step="captured"))
+    assert "4 programs compile before the server is ready (batch buckets 4, 32;" in sized_plan
+    assert "decode+sample passes) as 2 graphs" in sized_plan  # 4 and 32 rows share theirs
     for argv in (["--oasis-decode-step", "eager"], ["--oasis-decode-step=eager"]):
         assert cpu_decode_step(argv, OasisConfig()).decode_step == "eager"
     assert cpu_decode_step([], OasisConfig(adaptive_cap=True)).decode_step == "eager"

@@ -29,6 +29,7 @@ from sglang.srt.model_executor.forward_batch_info import ForwardMode
 from sgl_kernel_oasis.key_codes import encode_key_codes
 from sglang_oasis.attention.decode_program import COUNTS, LayerState, StepPlan, StepShape, decode_layer
 from sglang_oasis.attention.oasis_backend import OasisAttnBackend
+from sglang_oasis.attention.step_plan import symbolic_rows
 from sglang_oasis.attention.sync_guard import HostSyncError, SyncGuard, fake_run
 from sglang_oasis.config import OasisConfig
 from sglang_oasis_testing.stand_in_pool import StandInPool
@@ -272,7 +273,8 @@ def test_captured_step_equals_eager_step(case: str) -> None:
 
 def counted_program() -> tuple[list[int], Any]:
     """``decode_layer`` under ``torch.compile(fullgraph=True, dynamic=False)`` from a fresh Dynamo cache,
-    with a backend that runs each graph as traced and records it (its node count) in the list."""
+    with a backend that runs each graph as traced and records it (its node count) in the list; each call's
+    batch and block dimensions marked symbolic first, as ``CapturedStep`` marks a pass's."""
     torch._dynamo.reset()
     graphs: list[int] = []
 
@@ -280,7 +282,14 @@ def counted_program() -> tuple[list[int], Any]:
         graphs.append(len(gm.graph.nodes))
         return gm.forward
 
-    return graphs, torch.compile(decode_layer, fullgraph=True, dynamic=False, backend=counting)
+    compiled = torch.compile(decode_layer, fullgraph=True, dynamic=False, backend=counting)
+
+    def program(shape: StepShape, state: LayerState, plan: StepPlan, *rest: Any) -> Any:
+        plan.mark_symbolic()
+        symbolic_rows(*rest[:3])
+        return compiled(shape, state, plan, *rest)
+
+    return graphs, program
 
 
 def _with_one_item(*args: Any) -> Any:
@@ -315,10 +324,19 @@ def test_eager_step_is_what_the_guard_catches() -> None:
     stop(eager)
 
 
+def padding_plan(oasis: OasisAttnBackend, rows: int) -> StepPlan:
+    """A plan of ``rows`` padding rows (what ``CompileAhead`` compiles on)."""
+    none = torch.zeros(0, dtype=torch.int64)
+    req_to_token = oasis.req_to_token_pool.req_to_token
+    return StepPlan.build(none, none, none, req_to_token, none, 0, shape_of(oasis), rows, BLOCK_BUCKET)
+
+
 @pytest.mark.parametrize("case", ["k_sparse_capped", "codes_candidates"])
 def test_compiled_step_captures_whole_once_per_bucket(case: str) -> None:
-    """fullgraph: no graph break; one graph per batch bucket across steps and layers (the views of
-    layer 0 and layer 1 have the same strides); outputs equal to the eager program's."""
+    """fullgraph: no graph break; the batch dimension symbolic: one graph serves every batch bucket above
+    one row (4, then 2, 8 and 16 here) across steps and layers (the views of layer 0 and layer 1 have the
+    same strides), with outputs equal to the eager program's; a pass of one row gets a second graph
+    (torch specializes a dimension of one)."""
     graphs, compiled = counted_program()
     config, own_k, pins = configs(case)
     eager, captured = admitted(config, own_k, pins), admitted(config, own_k, pins)
@@ -332,13 +350,15 @@ def test_compiled_step_captures_whole_once_per_bucket(case: str) -> None:
             else:  # another layer's state views: the same graph
                 captured_step(captured, step, program=compiled, layer_id=0)
     assert len(graphs) == 1, graphs
-    for bucket in (8,):  # a second batch bucket: one more graph
+    state = LayerState.of(captured.tier, captured.token_to_kv_pool, SPARSE_LAYER)
+    for bucket in (2, 8, 16, 1):
         q, k, v = (torch.zeros(bucket, heads, DIM) for heads in (Q_HEADS, KV_HEADS, KV_HEADS))
-        plan = plan_of(captured, 6, batch_bucket=bucket)
-        state = LayerState.of(captured.tier, captured.token_to_kv_pool, SPARSE_LAYER)
-        compiled(shape_of(captured), state, plan, q, k, v, SCALE)
+        wide = bucket >= len(REQS)  # the requests' rows padded, else padding rows alone
+        plan = plan_of(captured, 6, batch_bucket=bucket) if wide else padding_plan(captured, bucket)
+        out, counts = compiled(shape_of(captured), state, plan, q, k, v, SCALE)
+        assert out.shape == (bucket, Q_HEADS, DIM) and counts.shape == (bucket, len(COUNTS))
         compiled(shape_of(captured), state, plan._replace(step=torch.tensor(8)), q, k, v, SCALE)
-    assert len(graphs) == 2, graphs
+        assert len(graphs) == (1 if bucket > 1 else 2), (bucket, graphs)
     stop(eager, captured)
 
 
@@ -564,13 +584,13 @@ def test_backend_runs_verify_passes_captured(case: str) -> None:
     stop(eager, captured)
 
 
-def verify_inputs(oasis: OasisAttnBackend, step: int) -> tuple[Any, ...]:
+def verify_inputs(oasis: OasisAttnBackend, step: int, batch_bucket: int = BATCH_BUCKET) -> tuple[Any, ...]:
     """``decode_layer``'s arguments for a verify pass (every row's draft rejected: row 0 at ``CONTEXTS +
     step``), padded to the batch bucket."""
     generator = torch.Generator().manual_seed(900 + step)
-    bs, rows, pad = len(REQS), VERIFY_ROWS, BATCH_BUCKET - len(REQS)
+    bs, rows, pad = len(REQS), VERIFY_ROWS, batch_bucket - len(REQS)
     q, k, v = (
-        torch.randn(BATCH_BUCKET, rows, heads, DIM, generator=generator)
+        torch.randn(batch_bucket, rows, heads, DIM, generator=generator)
         for heads in (Q_HEADS, KV_HEADS, KV_HEADS)
     )
     reqs, first = torch.tensor(REQS), torch.tensor(CONTEXTS) + step
@@ -578,9 +598,9 @@ def verify_inputs(oasis: OasisAttnBackend, step: int) -> tuple[Any, ...]:
     locs = req_to_token[reqs[:, None], first[:, None] + torch.arange(rows)].long()
     slots = torch.tensor([oasis.tier.slot(req) for req in REQS])
     tree = torch.ones(rows, rows, dtype=torch.bool).tril().expand(bs, -1, -1)
-    plan = StepPlan.build(slots, first + 1, locs[:, 0], req_to_token, reqs, step + 1, shape_of(oasis), BATCH_BUCKET,
+    plan = StepPlan.build(slots, first + 1, locs[:, 0], req_to_token, reqs, step + 1, shape_of(oasis), batch_bucket,
                           BLOCK_BUCKET, locs[:, 1:], tree)  # fmt: skip
-    assert plan.tree is not None and plan.tree.shape == (BATCH_BUCKET, rows, rows) and pad > 0
+    assert plan.tree is not None and plan.tree.shape == (batch_bucket, rows, rows) and pad > 0
     state = LayerState.of(oasis.tier, oasis.token_to_kv_pool, SPARSE_LAYER)
     return shape_of(oasis), state, plan, q, k, v, SCALE
 
@@ -601,6 +621,8 @@ def test_verify_program_has_no_host_sync_and_compiles_whole() -> None:
         torch.testing.assert_close(out, expected, rtol=1e-5, atol=1e-6)
         assert torch.equal(counts, expected_counts)
     assert len(graphs) == 1, graphs
+    out, _ = compiled(*verify_inputs(captured, 4, batch_bucket=8))  # another batch bucket: the same graph
+    assert out.shape == (8, VERIFY_ROWS, Q_HEADS, DIM) and len(graphs) == 1, graphs
     stop(plain, captured)
 
 

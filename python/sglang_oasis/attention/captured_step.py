@@ -11,8 +11,10 @@ Each sparse layer then runs the compiled program; its counts are folded into the
 The program is compiled alone (``torch.compile(fullgraph=True, dynamic=False)``), not by SGLang's CPU graph
 runner (``--enable-torch-compile``): that runner compiles the whole model per batch size (minutes per size on
 these CPUs), needs every layer's backend to support CPU graphs (the dense layers' torch_native does not) and
-refuses speculative decoding (the lookahead). One compiled graph per (batch bucket, block bucket) serves
-every sparse layer (their state views have the same strides) and every step (the step is a tensor).
+refuses speculative decoding (the lookahead). One compiled graph per kind of pass serves every batch bucket
+above one row and every block bucket (both dimensions symbolic, ``StepPlan.mark_symbolic``; one row has a
+graph of its own), every sparse layer (their state views have the same strides) and every step (the step
+is a tensor).
 """
 
 from __future__ import annotations
@@ -29,7 +31,7 @@ from sglang_oasis.attention.compile_ahead import CompileAhead, Compiles, kind_of
 from sglang_oasis.attention.decode_program import COUNTS, LayerState, decode_layer
 from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.attention.sparse_attention import verify_tree_mask
-from sglang_oasis.attention.step_plan import StepPlan, StepShape, bucket, powers_of_two
+from sglang_oasis.attention.step_plan import StepPlan, StepShape, bucket, powers_of_two, symbolic_rows
 from sglang_oasis.attention.sync_guard import guarded, sync_guard_on
 from sglang_oasis.memory.device_tier import DeviceTier
 from sglang_oasis.stats import OasisStats
@@ -85,8 +87,8 @@ class CapturedStep:
         self.sparse_layers = list(sparse_layers)
         self.batch_buckets = powers_of_two(1, tier.num_request_slots)
         blocks = req_to_token.shape[1] // config.block_size
-        # The block dimension is symbolic in the graph (``decode``: one graph per batch bucket, whatever the
-        # contexts); buckets of more than a working set's slots keep it one (no branch on N < S, and no
+        # The block dimension is symbolic in the graph (one graph whatever the contexts); buckets of more
+        # than a working set's slots keep it one (no branch on N < S, and no
         # bucket of exactly S, which torch would specialize to a constant: seen, 128 slots)
         self.block_buckets = powers_of_two(max(MIN_BLOCK_BUCKET, tier.working_sets.num_slots + 1), blocks)
         self.program: Callable[..., tuple[torch.Tensor, torch.Tensor]] = torch.compile(
@@ -223,7 +225,7 @@ class CapturedStep:
         self.slots.prefixes.record(batch.slots, plan.pages[:bs, :full], seq_lens // block, summaries.epoch)
         self.summarised(batch, seq_lens)
         self.plan, self.rows, self.planned = self.upload(plan, batch), bs, Planned(batch, seq_lens, plan)
-        torch._dynamo.maybe_mark_dynamic(self.plan.pages, 1)  # one graph for every block bucket
+        self.plan.mark_symbolic()  # one graph for every batch bucket above one row and every block bucket
         self.layers_done = 0
         self.counts = torch.zeros((len(plan.slots), len(COUNTS)), dtype=torch.int64, device=self.tier.device)
         return True
@@ -269,6 +271,7 @@ class CapturedStep:
                 return torch.cat([t, t.new_zeros((rows - bs, *t.shape[1:]))])
 
             q, k, v = padded(q), padded(k), padded(v)
+        symbolic_rows(q, k, v)  # as the plan's rows (``prepare``)
         state = self.state(layer_id)
         try:
             with self.compiles.at(

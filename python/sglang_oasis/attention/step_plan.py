@@ -13,7 +13,8 @@ if TYPE_CHECKING:
 
 
 class StepShape(NamedTuple):
-    """The compile-time constants of a captured step (one graph per batch bucket and block bucket)."""
+    """The compile-time constants of a captured step (the batch and block dimensions are symbolic:
+    ``StepPlan.mark_symbolic``)."""
 
     block_size: int
     span: int  # active-block ring positions per request slot (``ActiveBlocks.span``)
@@ -66,6 +67,14 @@ class StepPlan(NamedTuple):
             **{name: t.to(device, non_blocking=True) for name, t in self._asdict().items() if t is not None}
         )
 
+    def mark_symbolic(self) -> None:
+        """Mark the batch dimension of the plan's tensors and the block dimension of ``pages`` symbolic for
+        ``torch.compile``: with the layer's inputs marked too (``symbolic_rows``), one graph serves a kind
+        of pass at every batch bucket above one row (torch specializes a dimension of one: a second graph)
+        and every block bucket."""
+        symbolic_rows(*(t for t in self if t is not None and t.dim() > 0))
+        torch._dynamo.maybe_mark_dynamic(self.pages, 1)
+
     @classmethod
     def build(
         cls, slots: torch.Tensor, seq_lens: torch.Tensor, locs: torch.Tensor, req_to_token: torch.Tensor,
@@ -105,6 +114,13 @@ class StepPlan(NamedTuple):
         pad_locs = torch.zeros((pad, draft_locs.shape[1]), dtype=torch.int64)
         return plan._replace(draft_locs=torch.cat([draft_locs.to(torch.int64), pad_locs]),
                              tree=torch.cat([tree.to(torch.bool), chain]))  # fmt: skip
+
+
+def symbolic_rows(*inputs: torch.Tensor) -> None:
+    """Mark the batch dimension (the first) of a captured pass's ``inputs`` symbolic: every input of the
+    batch's size must be, or the one left static pins the batch size again (a graph per bucket)."""
+    for t in inputs:
+        torch._dynamo.maybe_mark_dynamic(t, 0)
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
