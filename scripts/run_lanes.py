@@ -14,8 +14,8 @@ for room for one server only (``SERVERS_LANE_WAITS``) and at most a few minutes:
 tests run fast the unit lane's last servers (TP ranks, compiling captured steps) met the servers lane's
 PD pairs, memory fell to 0.1 GiB and five PD servers did not start (2026-12-05, Intel Xeon with AMX).
 
-Each lane's lines are printed as they come, prefixed with the lane's name; both lanes' summaries and
-times, and the lowest available memory (when, and the module each lane had last finished), at the end. A lane's temporary directory (its servers' logs) is
+Each lane's lines are printed as they come, prefixed with the lane's name (a module's with the lane's
+minutes when it finished); both lanes' summaries, times and slowest modules, and the lowest available memory (when, and the module each lane had last finished), at the end. A lane's temporary directory (its servers' logs) is
 kept under /tmp when it fails. Exits 0 only when both lanes pass. With one CPU (or
 ``SGLANG_OASIS_TEST_LANES=1``) it runs one pytest over everything, as ``pytest`` alone would.
 
@@ -128,6 +128,19 @@ def finished_module(line: str) -> str | None:
 RUNNING: list[subprocess.Popen[str]] = []  # the lanes' pytest processes, told to stop on Ctrl-C
 
 
+def slowest(timeline: list[tuple[str, float]], count: int = 6) -> str:
+    """The ``count`` modules a lane spent longest on, from ``timeline`` (each module and the lane's seconds
+    when pytest reported it done: a module's time runs from the one before's end, waits for memory
+    included), as ``name minutes`` pairs."""
+    spans, before = [], 0.0
+    for module, at in timeline:
+        spans.append((at - before, module.rsplit("/", 1)[-1]))
+        before = at
+    return ", ".join(
+        f"{module} {seconds / 60:.1f}" for seconds, module in sorted(spans, reverse=True)[:count]
+    )
+
+
 def run_lane(
     name: str,
     paths: list[str],
@@ -136,9 +149,11 @@ def run_lane(
     results: dict[str, tuple],
     env: dict[str, str] | None = None,
     finished: dict[str, str] | None = None,
+    timeline: list[tuple[str, float]] | None = None,
 ) -> None:
     """One lane's pytest; ``finished[name]``: the last test module it reported done (pytest prints a
-    module's line when it finishes)."""
+    module's line when it finishes), ``timeline``: each module and when (the line shows the lane's
+    minutes)."""
     started = time.monotonic()
     basetemp = tempfile.mkdtemp(prefix=f"pytest-{name}-")  # each lane its own; pytest empties it first
     command = [sys.executable, "-m", "pytest", "-p", "no:cacheprovider", f"--basetemp={basetemp}", *paths]
@@ -150,13 +165,18 @@ def run_lane(
     assert process.stdout is not None
     last = ""
     for line in process.stdout:
+        module = finished_module(line)
+        if module is not None:
+            at = time.monotonic() - started
+            line = f"{line.rstrip()}  {at / 60:.1f} min\n"
+            if timeline is not None:
+                timeline.append((module, at))
+            if finished is not None:
+                finished[name] = module
         with out:
             print(f"[{name:<{width}}] {line}", end="", flush=True)
         if line.strip():
             last = line.strip()
-        module = finished_module(line)
-        if module is not None and finished is not None:
-            finished[name] = module
     code = process.wait()
     if code == 0:  # kept when it failed: the servers' logs are in it
         shutil.rmtree(basetemp, ignore_errors=True)
@@ -176,8 +196,12 @@ def main() -> int:
         "servers": {SPAWN_WAIT_ENV: SERVERS_LANE_WAITS},
     }
     finished: dict[str, str] = {}
+    timelines: dict[str, list[tuple[str, float]]] = {name: [] for name in plan}
     threads = [
-        threading.Thread(target=run_lane, args=(name, paths, width, out, results, envs.get(name), finished))
+        threading.Thread(
+            target=run_lane,
+            args=(name, paths, width, out, results, envs.get(name), finished, timelines[name]),
+        )
         for name, paths in plan.items()
     ]
     memory = LowestMemory(finished)
@@ -198,6 +222,7 @@ def main() -> int:
         code, seconds, last, basetemp = results.get(name, (1, 0.0, "(the lane did not finish)", "-"))
         kept = f"  (its servers' logs: {basetemp})" if code else ""
         print(f"  {name:<{width}}  exit {code}  {seconds / 60:.1f} min  {last}{kept}")
+        print(f"  {'':<{width}}  slowest modules (min): {slowest(timelines[name])}")
     if memory.lowest is not None:
         print(memory.report())
     return 0 if all(result[0] == 0 for result in results.values()) else 1

@@ -37,6 +37,16 @@ def test_a_lane_reports_its_pytest_exit_status_and_summary(tmp_path: Path) -> No
     assert results["good"][0] == 0 and "1 passed" in results["good"][2]
     assert results["bad"][0] == 1 and "1 failed" in results["bad"][2]
     assert list(finished) == ["good"] and finished["good"].endswith("test_passes.py")  # as pytest names it
+    timeline: list[tuple[str, float]] = []
+    run_lanes.run_lane("timed", [str(tmp_path)], 4, out, results, None, None, timeline)
+    assert [module.rsplit("/", 1)[-1] for module, _ in timeline] == ["test_fails.py", "test_passes.py"]
+    assert 0 < timeline[0][1] <= timeline[1][1]
+
+
+def test_a_lanes_slowest_modules_are_the_longest_spans_between_their_ends() -> None:
+    timeline = [("test/unit/test_a.py", 60.0), ("test/integration/test_b.py", 600.0), ("test_c.py", 630.0)]
+    assert run_lanes.slowest(timeline, 2) == "test_b.py 9.0, test_a.py 1.0"
+    assert run_lanes.slowest([]) == ""
 
 
 def test_the_yielding_lane_waits_for_memory_then_starts_anyway() -> None:
