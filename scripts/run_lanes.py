@@ -25,6 +25,7 @@ kept under /tmp when it fails. Exits 0 only when both lanes pass. With one CPU (
 from __future__ import annotations
 
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -141,6 +142,20 @@ def slowest(timeline: list[tuple[str, float]], count: int = 6) -> str:
     )
 
 
+WAITED = re.compile(r"^\[server_process\] waited (\d+) s for", re.M)  # ServerProcess.spawn's log line
+
+
+def gate_waits(basetemp: str) -> tuple[float, int]:
+    """The seconds a lane's servers waited for memory before starting, in all, and how many waited: read
+    from their logs under the lane's ``basetemp`` (``ServerProcess.spawn`` writes each wait there)."""
+    waits = [
+        int(seconds)
+        for log in Path(basetemp).rglob("*.log")
+        for seconds in WAITED.findall(log.read_text(errors="replace"))
+    ]
+    return float(sum(waits)), len(waits)
+
+
 def run_lane(
     name: str,
     paths: list[str],
@@ -178,9 +193,10 @@ def run_lane(
         if line.strip():
             last = line.strip()
     code = process.wait()
+    waited = gate_waits(basetemp)
     if code == 0:  # kept when it failed: the servers' logs are in it
         shutil.rmtree(basetemp, ignore_errors=True)
-    results[name] = (code, time.monotonic() - started, last, basetemp)
+    results[name] = (code, time.monotonic() - started, last, basetemp, waited)
 
 
 def main() -> int:
@@ -219,10 +235,13 @@ def main() -> int:
     memory.done.set()
     print("\nlanes:")
     for name in plan:
-        code, seconds, last, basetemp = results.get(name, (1, 0.0, "(the lane did not finish)", "-"))
+        code, seconds, last, basetemp, (waited, servers) = results.get(
+            name, (1, 0.0, "(the lane did not finish)", "-", (0.0, 0))
+        )
         kept = f"  (its servers' logs: {basetemp})" if code else ""
         print(f"  {name:<{width}}  exit {code}  {seconds / 60:.1f} min  {last}{kept}")
         print(f"  {'':<{width}}  slowest modules (min): {slowest(timelines[name])}")
+        print(f"  {'':<{width}}  {servers} server(s) waited for memory, {waited / 60:.1f} min in all")
     if memory.lowest is not None:
         print(memory.report())
     return 0 if all(result[0] == 0 for result in results.values()) else 1

@@ -74,6 +74,7 @@ class ServerStartError(RuntimeError):
 
 SPAWN_WAIT_ENV = "SGLANG_OASIS_SPAWN_WAIT_FOR_GIB"  # set by scripts/run_lanes.py for its yielding lane
 MODEL_SERVERS = ("sglang_oasis.launch_server", "sglang.launch_server")  # the modules that hold a model
+CRASH_DIAGNOSTICS_ENV = ("SGLANG_PYSPY_DUMP_BEFORE_CRASH", "SGLANG_CUDA_COREDUMP_BEFORE_CRASH")  # SGLang's
 
 
 def mem_available_gib() -> float:
@@ -130,7 +131,11 @@ class ServerProcess:
         self.log_path = log_path
         self.ready_path = ready_path
         self.command = [sys.executable, "-m", module, "--host", host, "--port", str(self.port), *args]
-        self.env = child_env({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **(env or {})})
+        # ``stop`` ends the group with SIGTERM: SGLang takes its scheduler's exit for a crash and sleeps 5 s
+        # before py-spy and CUDA core dumps of schedulers that are gone, at every stop (the test suite
+        # stops dozens); a stopped server did not crash. A caller's environment may ask for them again.
+        quiet = {name: os.environ.get(name, "0") for name in CRASH_DIAGNOSTICS_ENV}
+        self.env = child_env({"HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1", **quiet, **(env or {})})
         # Only a model server waits for memory (SGLANG_OASIS_SPAWN_WAIT_FOR_GIB): SGLang's router holds next
         # to none, and a router waiting for a lane's 9 GiB kept a PD pair whose two servers were ready from
         # serving until its test's start deadline passed (test_pd_retraction in the full suite).

@@ -52,3 +52,6 @@ def test_host_tier_is_sized_from_the_available_ram(tiny_qwen3_dir: Path, tmp_pat
         status, text = server.post("/generate", greedy_body(list(range(100, 100 + tokens + 64)), 4))
         assert status == 400 and "exceeds the maximum allowed length" in text  # longer than the tier: alone
         assert len(server.generate(list(range(100, 400)), 4)["output_ids"]) == 4
+    # stopped, not crashed: SGLang skipped its crash diagnostics (ServerProcess: 5 s asleep at every stop)
+    stopped = (tmp_path / "ram-sized.log").read_text()
+    assert "SIGTERM received" in stopped and "before crash diagnostics" not in stopped, stopped[-2000:]

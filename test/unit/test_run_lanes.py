@@ -43,6 +43,17 @@ def test_a_lane_reports_its_pytest_exit_status_and_summary(tmp_path: Path) -> No
     assert 0 < timeline[0][1] <= timeline[1][1]
 
 
+def test_a_lane_adds_up_its_servers_waits_for_memory_from_their_logs(tmp_path: Path) -> None:
+    (tmp_path / "logs0").mkdir()
+    (tmp_path / "logs0" / "a.log").write_text(
+        "[server_process] waited 48 s for 9 GiB of available memory\nup\n"
+    )
+    (tmp_path / "b.log").write_text("start\n[server_process] waited 12 s for 3.5 GiB of available memory\n")
+    (tmp_path / "c.log").write_text("no wait\n")
+    assert run_lanes.gate_waits(str(tmp_path)) == (60.0, 2)
+    assert run_lanes.gate_waits(str(tmp_path / "none")) == (0.0, 0)
+
+
 def test_a_lanes_slowest_modules_are_the_longest_spans_between_their_ends() -> None:
     timeline = [("test/unit/test_a.py", 60.0), ("test/integration/test_b.py", 600.0), ("test_c.py", 630.0)]
     assert run_lanes.slowest(timeline, 2) == "test_b.py 9.0, test_a.py 1.0"
