@@ -62,9 +62,17 @@ MODES = (
 FIELDS = ("mean_tpot_ms", "median_tpot_ms", "mean_ttft_ms", "output_throughput", "completed")
 
 
+def prompt_tokens(input_len: int) -> int:
+    """The most tokens a prompt of ``input_len`` random ids may reach: SGLang's bench_serving decodes them
+    to text and the server tokenizes it again (~6% more seen at 7,000; beyond the context the request
+    fails)."""
+    return input_len * 11 // 10 + 256
+
+
 def server_args(mode: str, model: Path, args: argparse.Namespace) -> list[str]:
-    tokens = args.num_prompts * (args.input_len + args.output_len) + 4096
-    common = ["--model-path", str(model), "--dtype", args.dtype, "--context-length", str(args.input_len + args.output_len + 256)]  # fmt: skip
+    tokens = args.num_prompts * (prompt_tokens(args.input_len) + args.output_len) + 4096
+    context = prompt_tokens(args.input_len) + args.output_len
+    common = ["--model-path", str(model), "--dtype", args.dtype, "--context-length", str(context)]
     if mode in ("dense", "dense_floor"):
         return [*common, "--oasis-mode", "dense", "--max-total-tokens", str(tokens)]
     step = "captured" if mode in ("sparse_captured", "sparse_codes_captured") else "eager"
@@ -99,7 +107,20 @@ def bench(
         raise RuntimeError(f"bench_serving exited {done.returncode}: {done.stderr[-1500:]}")
     line = out.read_text().strip().splitlines()[-1]
     result = json.loads(line)
+    check_generated(result)
     return {name: result.get(name) for name in FIELDS}
+
+
+def check_generated(result: dict[str, Any]) -> None:
+    """Raise unless bench_serving's requests generated their tokens: a request the server rejects (a
+    prompt past the context) still counts as ``completed`` there, with ``output_len`` tokens and no
+    text (a TPOT of ~1 ms)."""
+    text, counted = result.get("total_output_tokens_retokenized") or 0, result.get("total_output_tokens") or 0
+    if text < counted // 2:
+        raise RuntimeError(
+            f"bench_serving's requests generated {text} tokens of text for {counted} counted: rejected by the "
+            "server (see its log)"
+        )
 
 
 def main() -> int:

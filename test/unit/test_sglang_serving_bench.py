@@ -9,7 +9,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "benchmark"))
 
-from bench_sglang_serving import MODES, server_args, server_groups
+import pytest
+
+from bench_sglang_serving import MODES, check_generated, prompt_tokens, server_args, server_groups
 
 
 def test_sparse_servers_differ_only_in_the_decode_step() -> None:
@@ -32,6 +34,9 @@ def test_sparse_servers_differ_only_in_the_decode_step() -> None:
     # every server holds the whole run's KV: 4 x (3000 + 128) tokens and a margin
     for mode, tokens in (("dense", "--max-total-tokens"), ("sparse_eager", "--oasis-host-kv-tokens")):
         assert int(argv[mode][argv[mode].index(tokens) + 1]) >= 4 * 3128
+    # the context holds a prompt retokenized longer than its ids (7,000 ids: up to 7,461 tokens seen)
+    context = int(argv["dense"][argv["dense"].index("--context-length") + 1])
+    assert context == prompt_tokens(3000) + 128 and prompt_tokens(7000) >= 7461
     # the floor is the dense server itself; only its prompts are short (``main``'s input_len)
     assert argv["dense_floor"] == argv["dense"]
 
@@ -47,3 +52,17 @@ def test_the_floor_runs_on_the_dense_server_started_once() -> None:
     ]
     assert server_groups(list(MODES)) == groups
     assert server_groups(["dense_floor", "sparse_captured"]) == [["dense_floor"], ["sparse_captured"]]
+
+
+def test_a_run_whose_requests_the_server_rejected_fails() -> None:
+    """What bench_serving wrote for 4 prompts past the context (7,000 ids at 7,384 tokens): ``completed``
+    4 and 512 output tokens counted, no text: the run raises rather than report a TPOT of ~1 ms."""
+    rejected = {
+        "completed": 4,
+        "total_output_tokens": 512,
+        "total_output_tokens_retokenized": 0,
+        "mean_tpot_ms": 0.97,
+    }
+    with pytest.raises(RuntimeError, match="rejected"):
+        check_generated(rejected)
+    check_generated({**rejected, "total_output_tokens_retokenized": 509})  # real text: no error
