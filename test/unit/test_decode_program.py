@@ -362,13 +362,29 @@ def test_compiled_step_captures_whole_once_per_bucket(case: str) -> None:
     stop(eager, captured)
 
 
-def test_backend_runs_plain_decode_passes_captured() -> None:
+@pytest.mark.parametrize("case", ["k_sparse_capped", "k_covering"])
+def test_backend_runs_plain_decode_passes_captured(case: str) -> None:
     """``--oasis-decode-step captured`` through ``OasisAttnBackend.forward_decode`` (its program run
     uncompiled here; compiled in the server test): the same outputs, state and counters as the eager
-    backend, step after step, the recall samples' passes too (the sample inside the program)."""
-    config, own_k, pins = configs("k_sparse_capped")
+    backend, step after step, the recall samples' passes too (the sample inside the program). With K
+    covering the contexts (80 slots, at most 64 blocks held) attention reads only the slots below the
+    highest one held, rounded up to 8 (``CapturedStep.held_slots``)."""
+    config, own_k, pins = configs(case)
     eager, captured = backend_pair(config, own_k, pins)
-    assert captured.tier.padding_slot == captured.tier.num_request_slots
+    assert captured.tier.padding_slot == captured.tier.num_request_slots and captured.captured is not None
+    widths: list[int] = []
+
+    def program(*args: Any) -> Any:
+        state, plan = args[1], args[2]
+        assert plan.held is not None and torch.equal(plan.held, torch.arange(len(plan.held)))
+        occupied = (state.slot_block[plan.slots[: len(REQS)]] != -1).flatten(0, -2).any(dim=0).nonzero()
+        assert (
+            int(occupied.max()) < len(plan.held) <= -(-(int(occupied.max()) + 1) // 8) * 8
+        )  # every one read
+        widths.append(len(plan.held))
+        return decode_layer(*args)
+
+    captured.captured.program = program
     for step in range(STEPS):
         torch.testing.assert_close(eager_step(captured, step), eager_step(eager, step), rtol=1e-5, atol=1e-6)
         assert_same_state(eager, captured)
@@ -379,6 +395,9 @@ def test_backend_runs_plain_decode_passes_captured() -> None:
                  "blocks_just_filled", "blocks_from_active", "blocks_deferred"):  # fmt: skip
         assert ours[name] == theirs[name], name
     assert_same_recall(ours, theirs)
+    assert len(widths) == STEPS
+    if case == "k_covering":  # 1,000 tokens: 62 full blocks, then 64 at most: 64 of the 80 slots read
+        assert (captured.tier.working_sets.num_slots, max(widths)) == (80, 64), widths
     stop(eager, captured)
 
 

@@ -67,6 +67,8 @@ class CapturedStep(Protocol):
 
     def state(self, layer_id: int) -> LayerState: ...
 
+    def held_slots(self, slots: torch.Tensor | None) -> torch.Tensor | None: ...
+
 
 # torch's limit on one function's graphs (8 by default): the captured step has two per kind of pass (up to
 # 4 kinds), more if torch guards on a block count or a batch size; every one is checked at every call
@@ -97,7 +99,13 @@ class Compiles:
         self.shapes.add((rows, blocks, kind))
         graphs, started = counters["stats"]["unique_graphs"], time.perf_counter()
         limit = max(dynamo.cache_size_limit, GRAPHS_LIMIT)
-        with dynamo.patch(cache_size_limit=limit), torch._inductor.config.patch(compile_threads=1):
+        # no duck sizing: symbolic sizes equal at the trace (a batch of 8 rows, 8 held slots) stay apart,
+        # or the graph would guard on their equality and the next pass compile another
+        with (
+            dynamo.patch(cache_size_limit=limit),
+            torch._inductor.config.patch(compile_threads=1),
+            torch.fx.experimental._config.patch(use_duck_shape=False),  # type: ignore[attr-defined]
+        ):
             yield
         if counters["stats"]["unique_graphs"] != graphs:
             self.stats.add("captured_compile_ms", round((time.perf_counter() - started) * 1000))
@@ -219,4 +227,4 @@ class CompileAhead:
         return StepPlan.build(
             none, none, none, step.req_to_token, none, 0, step.shape, rows, blocks, drafts, tree,
             (none, none.double(), sampled),
-        )  # fmt: skip
+        )._replace(held=step.held_slots(None))  # fmt: skip

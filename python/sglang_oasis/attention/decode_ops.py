@@ -83,13 +83,15 @@ def fold_summaries(state: LayerState, locs: torch.Tensor, key: torch.Tensor, blo
 
 def attend(
     state: LayerState, q: torch.Tensor, slots: torch.Tensor, blocks: torch.Tensor, tail_rows: torch.Tensor,
-    tail_valid: torch.Tensor, scale: float,
+    tail_valid: torch.Tensor, scale: float, width: int | torch.SymInt | None = None,
 ) -> torch.Tensor:  # fmt: skip
     """Attention of ``q`` ``[bs, q_heads, D]`` over each KV head's working set (``blocks`` ``[bs, H, S]``
     the block each slot holds, EMPTY masked) and its active tail (``tail_rows`` ``[bs, T]`` rows of the
     active ring, ``tail_valid`` ``[bs, T]``); a verify pass's rows: ``q`` ``[bs, R, q_heads, D]`` and
     ``tail_valid`` ``[bs, R, T]`` (every row sees the whole working set). The torch form reads the slots in
-    block order (the eager step's summation order); the Triton form in slot order, online."""
+    block order (the eager step's summation order), only the first ``width`` when given (no block above
+    them: a short context's working sets fill the lowest slots, and their empty rest costs nothing); the
+    Triton form every slot in slot order, online, skipping empty ones."""
     if ops.uses_triton(q):
         rows_q = q if q.dim() == 4 else q[:, None]  # [bs, R, q_heads, D]
         rows_valid = tail_valid if tail_valid.dim() == 3 else tail_valid[:, None]  # [bs, R, T]
@@ -103,6 +105,8 @@ def attend(
             rows_q, rows_k, rows_v, slot_rows, state.active_k, state.active_v, tail_rows, rows_valid, scale
         )
         return out if q.dim() == 4 else out[:, 0]
+    if width is not None:
+        blocks = blocks[..., :width]
     bs, heads = blocks.shape[:2]
     order = torch.where(blocks == EMPTY, INT64_MAX, blocks).argsort(dim=-1)
     head = torch.arange(heads, device=q.device)[None, :, None]

@@ -10,8 +10,9 @@ work (and as FlashInfer's ``plan``/``run``)::
     -----------------------------------------------      -----------------------------------------------
     rows padded to a batch bucket, pages padded to a     the new token into the host tier, its page's
     block bucket, each row's request slot (padding       summary and the active blocks; attention over
-    rows: the tier's padding slot), position, host       each KV head's working set (all S slots, empty
-    location, the step number as a tensor                ones masked) + the active tail; scores, top-K
+    rows: the tier's padding slot), position, host       each KV head's working set (its S slots, on CPU
+    location, the step number as a tensor; on CPU the    the ``held`` ones; empty ones masked) + the
+    slots held (``held``)                                active tail; scores, top-K
                                                          per row, the capped delta plan and its copies
                                                          (at most ``copies`` per KV head, the rest
                                                          masked into the padding slot)
@@ -179,8 +180,9 @@ def store_token(layer: LayerPass, k_rows: torch.Tensor, v_rows: torch.Tensor) ->
 def attend_working_sets(
     layer: LayerPass, q: torch.Tensor, held: Held, ring: Ring, scale: float
 ) -> torch.Tensor:
-    """2. Attention: every slot of each KV head's working set (in block order, empty ones masked), the
-    active tail (positions covered * B .. position), this step's token (a verify pass: the tree's rows)."""
+    """2. Attention: every slot of each KV head's working set (in block order, empty ones masked; on CPU
+    only the plan's ``held`` slots, below which every block is), the active tail (positions covered * B ..
+    position), this step's token (a verify pass: the tree's rows)."""
     shape, state, plan = layer
     (blocks, covered), block, span = held, shape.block_size, shape.span
     slots, tree = plan.slots, plan.tree
@@ -192,7 +194,8 @@ def attend_working_sets(
         tail_valid = torch.cat([committed, torch.ones((bs, 1), dtype=torch.bool, device=device)], dim=1)
     else:  # [bs, R, T + R]
         tail_valid = torch.cat([committed[:, None, :].expand(-1, tree.shape[1], -1), tree], dim=2)
-    return attend(state, q, slots, blocks, tail_rows, tail_valid, scale)
+    width = None if plan.held is None else plan.held.shape[0]
+    return attend(state, q, slots, blocks, tail_rows, tail_valid, scale, width)
 
 
 def probe_recall(layer: LayerPass, q: torch.Tensor, held: Held, scale: float) -> torch.Tensor:

@@ -58,6 +58,9 @@ class StepPlan(NamedTuple):
     own_k: torch.Tensor | None = None
     target: torch.Tensor | None = None
     sampled: torch.Tensor | None = None
+    # On CPU, the working-set slots attention reads, ``arange(W)`` (``CapturedStep.held_slots``): every
+    # slot the batch holds a block in is below W, a symbolic size (None: all S slots)
+    held: torch.Tensor | None = None
 
     def to(self, device: torch.device) -> StepPlan:
         """The plan on ``device`` (itself on CPU): what the program reads there."""
