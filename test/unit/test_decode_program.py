@@ -368,7 +368,7 @@ def test_backend_runs_plain_decode_passes_captured(case: str) -> None:
     uncompiled here; compiled in the server test): the same outputs, state and counters as the eager
     backend, step after step, the recall samples' passes too (the sample inside the program). With K
     covering the contexts (80 slots, at most 64 blocks held) attention reads only the slots below the
-    highest one held, rounded up to 8 (``CapturedStep.held_slots``)."""
+    highest one held, rounded up to 8 (``step_plan.held_slots``)."""
     config, own_k, pins = configs(case)
     eager, captured = backend_pair(config, own_k, pins)
     assert captured.tier.padding_slot == captured.tier.num_request_slots and captured.captured is not None

@@ -31,10 +31,16 @@ from sglang_oasis.attention.compile_ahead import CompileAhead, Compiles, kind_of
 from sglang_oasis.attention.decode_program import COUNTS, LayerState, decode_layer
 from sglang_oasis.attention.request_slots import RequestSlots
 from sglang_oasis.attention.sparse_attention import verify_tree_mask
-from sglang_oasis.attention.step_plan import StepPlan, StepShape, bucket, powers_of_two, symbolic_rows
+from sglang_oasis.attention.step_plan import (
+    StepPlan,
+    StepShape,
+    bucket,
+    held_slots,
+    powers_of_two,
+    symbolic_rows,
+)
 from sglang_oasis.attention.sync_guard import guarded, sync_guard_on
 from sglang_oasis.memory.device_tier import DeviceTier
-from sglang_oasis.memory.working_set import EMPTY
 from sglang_oasis.stats import OasisStats
 
 if TYPE_CHECKING:
@@ -53,7 +59,6 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MIN_BLOCK_BUCKET = 64
-HELD_STEP = 8  # the attended slots' width grows by this (at least 2: torch specializes a size of one)
 
 
 class StepParts(Protocol):
@@ -223,7 +228,7 @@ class CapturedStep:
         plan = StepPlan.build(
             batch.slots, seq_lens, locs, self.req_to_token, batch.req_index, batch.step, self.shape,
             bucket(bs, self.batch_buckets), bucket(full, self.block_buckets), drafts, tree, recall,
-        )._replace(held=self.held_slots(batch.slots))  # fmt: skip
+        )._replace(held=held_slots(self.tier, batch.slots))  # fmt: skip
         self.slots.prefixes.record(batch.slots, plan.pages[:bs, :full], seq_lens // block, summaries.epoch)
         self.summarised(batch, seq_lens)
         self.plan, self.rows, self.planned = self.upload(plan, batch), bs, Planned(batch, seq_lens, plan)
@@ -231,22 +236,6 @@ class CapturedStep:
         self.layers_done = 0
         self.counts = torch.zeros((len(plan.slots), len(COUNTS)), dtype=torch.int64, device=self.tier.device)
         return True
-
-    def held_slots(self, slots: torch.Tensor | None) -> torch.Tensor | None:
-        """On CPU, the working-set slots a pass's attention reads (``StepPlan.held``): ``arange(W)``, W one
-        past the highest slot the batch's request ``slots`` hold a block in (any layer or head), rounded up
-        to ``HELD_STEP`` and at most S (``slots`` None: all S, a plan compiled ahead). A working set fills
-        its lowest free slots first, so a short context's blocks are all below W. Elsewhere None (every
-        slot): a CUDA graph's shapes are fixed, and the Triton form skips empty slots itself."""
-        if self.tier.device.type != "cpu":
-            return None
-        num_slots = self.tier.working_sets.num_slots
-        width = num_slots
-        if slots is not None:
-            held = (self.tier.tables.host["slot_block"][slots] != EMPTY).flatten(0, -2).any(dim=0)  # [S]
-            highest = int(held.nonzero().max()) + 1 if bool(held.any()) else 0
-            width = min(num_slots, max(HELD_STEP, -(-highest // HELD_STEP) * HELD_STEP))
-        return torch.arange(width)
 
     def upload(self, plan: StepPlan, batch: BatchView) -> StepPlan:
         """The host plan's writes and ``plan`` to the device (on CPU: nothing to do): the batch's rows of

@@ -40,7 +40,7 @@ import torch
 from torch._dynamo.utils import counters
 
 from sglang_oasis.attention.layer_state import LayerState
-from sglang_oasis.attention.step_plan import StepPlan, StepShape, symbolic_rows
+from sglang_oasis.attention.step_plan import StepPlan, StepShape, held_slots, symbolic_rows
 
 if TYPE_CHECKING:
     from sglang.srt.layers.radix_attention import RadixAttention
@@ -66,8 +66,6 @@ class CapturedStep(Protocol):
     compiles: Compiles
 
     def state(self, layer_id: int) -> LayerState: ...
-
-    def held_slots(self, slots: torch.Tensor | None) -> torch.Tensor | None: ...
 
 
 # torch's limit on one function's graphs (8 by default): the captured step has two per kind of pass (up to
@@ -227,4 +225,4 @@ class CompileAhead:
         return StepPlan.build(
             none, none, none, step.req_to_token, none, 0, step.shape, rows, blocks, drafts, tree,
             (none, none.double(), sampled),
-        )._replace(held=step.held_slots(None))  # fmt: skip
+        )._replace(held=held_slots(step.tier, None))  # fmt: skip

@@ -8,8 +8,13 @@ from typing import TYPE_CHECKING, NamedTuple
 
 import torch
 
+from sglang_oasis.memory.working_set import EMPTY
+
 if TYPE_CHECKING:
     from sglang_oasis.config import OasisConfig
+    from sglang_oasis.memory.device_tier import DeviceTier
+
+HELD_STEP = 8  # the attended slots' width grows by this (at least 2: torch specializes a size of one)
 
 
 class StepShape(NamedTuple):
@@ -58,7 +63,7 @@ class StepPlan(NamedTuple):
     own_k: torch.Tensor | None = None
     target: torch.Tensor | None = None
     sampled: torch.Tensor | None = None
-    # On CPU, the working-set slots attention reads, ``arange(W)`` (``CapturedStep.held_slots``): every
+    # On CPU, the working-set slots attention reads, ``arange(W)`` (``held_slots``): every
     # slot the batch holds a block in is below W, a symbolic size (None: all S slots)
     held: torch.Tensor | None = None
 
@@ -124,6 +129,23 @@ def symbolic_rows(*inputs: torch.Tensor) -> None:
     batch's size must be, or the one left static pins the batch size again (a graph per bucket)."""
     for t in inputs:
         torch._dynamo.maybe_mark_dynamic(t, 0)
+
+
+def held_slots(tier: DeviceTier, slots: torch.Tensor | None) -> torch.Tensor | None:
+    """On CPU, the working-set slots a pass's attention reads (``StepPlan.held``): ``arange(W)``, W one past
+    the highest slot the batch's request ``slots`` hold a block in (any layer or head), rounded up to
+    ``HELD_STEP`` and at most S (``slots`` None: all S, a plan compiled ahead). A working set fills its
+    lowest free slots first, so a short context's blocks are all below W. Elsewhere None (every slot): a
+    CUDA graph's shapes are fixed, and the Triton form skips empty slots itself."""
+    if tier.device.type != "cpu":
+        return None
+    num_slots = tier.working_sets.num_slots
+    width = num_slots
+    if slots is not None:
+        held = (tier.tables.host["slot_block"][slots] != EMPTY).flatten(0, -2).any(dim=0)  # [S]
+        highest = int(held.nonzero().max()) + 1 if bool(held.any()) else 0
+        width = min(num_slots, max(HELD_STEP, -(-highest // HELD_STEP) * HELD_STEP))
+    return torch.arange(width)
 
 
 def bucket(n: int, buckets: tuple[int, ...]) -> int:
