@@ -13,8 +13,10 @@ import pytest
 import test_decode_program as harness
 import torch
 
-from sgl_kernel_oasis import score_blocks
+from sgl_kernel_oasis import key_codes_cpu, score_blocks
 from sgl_kernel_oasis.key_codes import (
+    candidate_mass,
+    candidate_mass_torch,
     coded_block_mass,
     coded_block_mass_reference,
     decode_key_codes,
@@ -123,6 +125,51 @@ def test_corner_keys_give_the_exact_attention_mass() -> None:
         logits = torch.einsum("gd,td->gt", query[0, 2 * head : 2 * head + 2], keys[:, :, head].reshape(-1, 8))
         exact = (logits * 0.5).softmax(-1).view(2, 6, 4).sum(dim=(0, 2))
         torch.testing.assert_close(mass[0, head], exact, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("dim", "group", "block", "box_dtype"),
+    [
+        (12, 1, 5, torch.float32),
+        (20, 3, 16, torch.bfloat16),
+        (64, 7, 3, torch.float32),
+        (8, 2, 1, torch.bfloat16),
+    ],
+    ids=["d12-g1-b5-f32", "d20-g3-b16-bf16", "d64-g7-b3-f32", "d8-g2-b1-bf16"],
+)
+def test_the_cpu_kernel_equals_the_torch_form_and_the_reference(
+    dim: int, group: int, block: int, box_dtype: torch.dtype
+) -> None:
+    """``candidate_mass`` on CPU (``key_codes_cpu.py``, numba) against ``candidate_mass_torch`` and the
+    float64 reference: boxes in float32 and bfloat16 (read as their bits), a box of zero width, validity
+    per head and for every head, a row with no valid candidate, codes that are a strided view; and the
+    same under ``torch.compile`` (the captured step calls it as an opaque op)."""
+    kv_heads, batch, width = 3, 3, 11
+    keys, _, _, _, query, page_ids = coded_pages(dim, 23, block, kv_heads, group, dim, batch, width)
+    keys = keys.to(box_dtype).float()
+    keys[4, :, 1] = keys[4, 0, 1].clone()  # a box of zero width
+    kmin, kmax = (bound.to(box_dtype) for bound in boxes(keys))
+    codes = encode_key_codes(keys, kmin.float(), kmax.float())
+    strided = torch.stack([codes, codes.flip(0)])[0]  # a layer of a store: a view, not its own storage
+    generator = torch.Generator().manual_seed(dim + 1)
+    page = torch.stack([page_ids[:, torch.randperm(width, generator=generator)] for _ in range(kv_heads)], 1)
+    per_head = torch.rand(batch, kv_heads, width, generator=generator) < 0.6
+    per_head[2] = False  # no valid candidate: every block scores 0
+    assert key_codes_cpu.supports(query, kmin)
+    for valid in (None, per_head, per_head[:, :1]):
+        got = candidate_mass(query, kmin, kmax, strided, page, valid, 0.3)
+        torch.testing.assert_close(got, candidate_mass_torch(query, kmin, kmax, codes, page, valid, 0.3))
+    torch._dynamo.reset()  # a graph of its own per case, within torch's recompile limit
+    compiled = torch.compile(candidate_mass, fullgraph=True, dynamic=True)
+    expected_mass = candidate_mass(query, kmin, kmax, strided, page, per_head, 0.3)
+    torch.testing.assert_close(compiled(query, kmin, kmax, strided, page, per_head, 0.3), expected_mass)
+    full = torch.full((batch,), width)
+    expected = coded_block_mass_reference(query, kmin.float(), kmax.float(), keys, page_ids, full, 0.3)
+    got = coded_block_mass(query, kmin, kmax, strided, page_ids, full, 0.3)
+    torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-6)
+    assert torch.equal(
+        candidate_mass(query, kmin, kmax, codes, page, per_head, 0.3)[2], torch.zeros(3, width)
+    )
 
 
 class Pool:

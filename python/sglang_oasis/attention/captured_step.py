@@ -37,6 +37,7 @@ from sglang_oasis.attention.step_plan import (
     bucket,
     held_slots,
     powers_of_two,
+    steps_of,
     symbolic_rows,
 )
 from sglang_oasis.attention.sync_guard import guarded, sync_guard_on
@@ -59,6 +60,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 MIN_BLOCK_BUCKET = 64
+BLOCK_BUCKET_STEP = 16  # blocks: at most 15 padded ones a pass
 
 
 class StepParts(Protocol):
@@ -96,8 +98,11 @@ class CapturedStep:
         blocks = req_to_token.shape[1] // config.block_size
         # The block dimension is symbolic in the graph (one graph whatever the contexts); buckets of more
         # than a working set's slots keep it one (no branch on N < S, and no
-        # bucket of exactly S, which torch would specialize to a constant: seen, 128 slots)
-        self.block_buckets = powers_of_two(max(MIN_BLOCK_BUCKET, tier.working_sets.num_slots + 1), blocks)
+        # bucket of exactly S, which torch would specialize to a constant: seen, 128 slots). Above the
+        # first, a bucket every BLOCK_BUCKET_STEP blocks: a pass scores and sorts its bucket's blocks, and
+        # powers of two padded 188 blocks to 256 (the key codes score each one's keys)
+        first = max(MIN_BLOCK_BUCKET, tier.working_sets.num_slots + 1)
+        self.block_buckets = steps_of(first, blocks, BLOCK_BUCKET_STEP)
         self.program: Callable[..., tuple[torch.Tensor, torch.Tensor]] = torch.compile(
             decode_layer, fullgraph=True, dynamic=False
         )

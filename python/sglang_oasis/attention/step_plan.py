@@ -159,3 +159,11 @@ def powers_of_two(low: int, high: int) -> tuple[int, ...]:
     while out[-1] < high:
         out.append(out[-1] * 2)
     return tuple(out)
+
+
+def steps_of(low: int, high: int, step: int) -> tuple[int, ...]:
+    """``low``, then the multiples of ``step`` above it, up to the first at least ``high``."""
+    out = [low]
+    while out[-1] < high:
+        out.append((out[-1] // step + 1) * step)
+    return tuple(out)

@@ -22,6 +22,8 @@ from __future__ import annotations
 
 import torch
 
+from sgl_kernel_oasis import key_codes_cpu
+
 CODE_BITS = 2
 LEVELS = (1 << CODE_BITS) - 1
 PER_BYTE = 8 // CODE_BITS
@@ -119,13 +121,32 @@ def candidate_mass(
     """``[batch, kv_heads, C]``: each candidate block's share of ``query``'s attention over its KV head's
     valid candidates' decoded keys, summed over the head's query heads; invalid candidates score 0. Fixed
     shapes, no host sync: ``coded_block_mass`` runs it per request, the captured decode step on the
-    whole batch (``attention/coded_selection.py``).
+    whole batch (``attention/coded_selection.py``). On CPU (boxes in float32 or bfloat16) the fused
+    kernel of ``key_codes_cpu.py``, elsewhere ``candidate_mass_torch``.
 
     Args:
         query: ``[batch, num_q_heads, head_dim]``; kmin, kmax, codes: one layer's, as ``coded_block_mass``.
         page: ``[batch, kv_heads, C]`` int64, each KV head's candidates' pages.
         valid: ``[batch, kv_heads or 1, C]`` bool, which candidates count (None: all of them, unmasked).
     """
+    if key_codes_cpu.supports(query, kmin):
+        return torch.ops.sgl_kernel_oasis.coded_mass_cpu(
+            query, kmin, kmax, codes, page, valid, scale, CODE_BITS
+        )
+    return candidate_mass_torch(query, kmin, kmax, codes, page, valid, scale)
+
+
+def candidate_mass_torch(
+    query: torch.Tensor,
+    kmin: torch.Tensor,
+    kmax: torch.Tensor,
+    codes: torch.Tensor,
+    page: torch.Tensor,
+    valid: torch.Tensor | None,
+    scale: float,
+) -> torch.Tensor:
+    """``candidate_mass`` in torch ops (CUDA's form): the candidates' keys decoded to floats, then the
+    query's softmax over them."""
     batch, heads, width = page.shape
     dim = query.shape[-1]
     head = torch.arange(heads, device=page.device)[None, :, None]
