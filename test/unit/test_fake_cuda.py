@@ -500,9 +500,10 @@ def test_the_cuda_path_runs_on_the_device_as_the_eager_step_on_cpu(case: str) ->
     if case == "graphs_k_sparse":  # samples ran eagerly, the target's growth in replays
         assert ours["recall_samples"] > 0 and ours["recall_target_grows"] > 0 and ours["blocks_deferred"] > 0
         assert ours["captured_decode_passes"] < ours["decode_steps"] - 2  # the admissions' and samples'
-    if play is verify_scenario:  # verify passes captured, across two block buckets
+    if play is verify_scenario:  # verify passes captured, across block buckets (a bucket every 16 blocks)
         assert isinstance(gpu.oasis.captured, CapturedStep)
-        assert {blocks for _, blocks, _ in gpu.oasis.captured.compiles.shapes} == {64, 128}
+        shapes = {blocks for _, blocks, _ in gpu.oasis.captured.compiles.shapes}
+        assert {64, 80} <= shapes and shapes <= set(gpu.oasis.captured.block_buckets), shapes
     if graphs:
         assert ours["captured_decode_passes"] >= 10 and len(gpu.replayed) == ours["captured_decode_passes"]
         for events in gpu.replayed:  # outside the replay, only the copies the design names
