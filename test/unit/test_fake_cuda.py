@@ -437,6 +437,14 @@ CASES: dict[str, tuple[OasisConfig, bool, Callable[[Server], None]]] = {
     "graphs_k_sparse": (config(recall_sample_every=4, recall_target=0.9), True, scenario),
     "graphs_k_covering": (config(top_k=64, device_kv_tokens=32768), True, scenario),
     "captured_verify": (config(lookahead="ngram", draft_policy="verify", top_k=8), False, verify_scenario),
+    # --oasis-selector codes: every block scored by its keys' codes (the codes on the device, their
+    # bookkeeping on the host), and a shortlist of m x K by the bound
+    "graphs_codes": (config(selector="codes", recall_sample_every=4), True, scenario),
+    "captured_verify_codes": (
+        config(lookahead="ngram", draft_policy="verify", top_k=8, selector="codes", code_candidates=2),
+        False,
+        verify_scenario,
+    ),
 }
 DESIGNED = {"download", "plan", "upload"}  # where a replayed pass may cross, and only there
 
@@ -488,11 +496,19 @@ def test_the_cuda_path_runs_on_the_device_as_the_eager_step_on_cpu(case: str) ->
     ours, theirs = gpu.oasis.stats.snapshot(), cpu.oasis.stats.snapshot()
 
     def counted(stats: dict[str, int]) -> dict[str, int]:  # not times, nor which step ran the passes
-        return {
-            k: v for k, v in stats.items() if not k.endswith(("_us", "_ms")) and not k.startswith("captured_")
+        return {  # nor who coded a block: a captured pass codes the blocks its tokens fill, uncounted
+            k: v
+            for k, v in stats.items()
+            if not k.endswith(("_us", "_ms")) and not k.startswith("captured_") and k != "key_code_pages"
         }
 
     assert counted(ours) == counted(theirs)
+    if cfg.selector == "codes":  # every block either path coded holds the same codes
+        assert gpu.oasis.tier.codes is not None and cpu.oasis.tier.codes is not None
+        both = (gpu.oasis.tier.codes.coded >= 0) & (cpu.oasis.tier.codes.coded >= 0)
+        assert int(both.sum()) > 20 and theirs["key_code_pages"] > 0
+        mine, reference = values(gpu.oasis.tier.codes.codes)[both], cpu.oasis.tier.codes.codes[both]
+        assert torch.equal(mine, reference)
     covered = {name: ours[name] for name in ("arrived_requests", "resumed_requests", "requests")}
     if play is scenario:  # every kind of pass the scenario names happened (a slot changed hands: 5 in 4)
         assert covered == {"arrived_requests": 1, "resumed_requests": 1, "requests": 5}

@@ -44,9 +44,9 @@ class KeyCodeStore:
         self.coded = torch.full((num_layers, num_pages), -1, dtype=torch.int64)  # host: the job's plan
 
     def ensure(self, layer: int, pages: torch.Tensor, kv_pool: MHATokenToKVPool) -> int:
-        """Code the full ``pages`` (host page ids, any shape) not coded at their current epoch; returns
-        how many were coded."""
-        pages = pages.flatten().to(torch.int64).unique()
+        """Code the full ``pages`` (host page ids, any shape, on any device) not coded at their current
+        epoch; returns how many were coded."""
+        pages = pages.flatten().to("cpu", torch.int64).unique()  # the plan is the host's (``coded``)
         epochs = self.summaries.epoch[pages]
         changed = self.coded[layer, pages] != epochs
         stale = pages[changed]
