@@ -12,14 +12,18 @@ top-K every step). Each mode runs twice: the eager step (``sparse_ms``) and the 
 warm-up steps with ``--compile-backend``, inductor by default). ``ops`` counts the torch ops one step of
 each layer dispatches (the eager sparse step's, the dense one's; the captured step is one compiled call).
 
-Then one profile (cProfile) of the eager sparse layer with K covering: the functions of the sparse path by
-cumulative time per step, the breakdown behind ``bench_overhead``'s ``ratio_k_covering``.
+Then one profile (cProfile) of the eager sparse layer with K covering (``--profile-mode k_sparse``: with
+``--sparse-top-k``): the functions of the sparse path by cumulative time per step, the breakdown behind
+``bench_overhead``'s ``ratio_k_covering``. ``--selector codes``: the sparse layer ranks blocks by their key
+codes (``--oasis-selector codes``, every full block scored; ``key_code_pages``: the pages the eager step's
+selections coded, those its requests filled while decoding). The eager step's selection runs on the prefetch pipeline's thread, beside the timed layer and
+outside the profile.
 
     python benchmark/bench_decode_layer.py --json decode_layer.json [--context-tokens 1024] [--steps 200]
-        [--batch 1,8] [--compile-backend inductor]
+        [--batch 1,8] [--compile-backend inductor] [--selector summaries|codes] [--profile-mode k_covering]
 
 Prints the table and the profile; JSON: ``batches.<batch>.<mode>.{dense_ms, sparse_ms, captured_ms, ratio,
-captured_ratio, captured_vs_eager, ops_dense, ops_sparse}``, ``modes`` (batch 1's), ``profile`` (list of
+captured_ratio, captured_vs_eager, ops_dense, ops_sparse, key_code_pages}``, ``modes`` (batch 1's), ``profile`` (list of
 ``{function, ms_per_step}``), ``setting``, ``date``, ``machine``. A few minutes (compiling).
 """
 
@@ -63,9 +67,12 @@ class OpCounter(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def backend(top_k: int, context: int, batch: int, captured: str | None) -> OasisAttnBackend:
+def backend(
+    top_k: int, context: int, batch: int, captured: str | None, selector: str = "summaries"
+) -> OasisAttnBackend:
     """A backend whose requests (rows 1..batch) have just been admitted with ``context`` tokens each;
-    ``captured``: the dynamo backend of its captured step (None: the eager step)."""
+    ``captured``: the dynamo backend of its captured step (None: the eager step); ``selector``: its
+    ``--oasis-selector``."""
     rows = batch + 1
     assert context + 1024 <= ROW_TOKENS and rows * ROW_TOKENS <= POOL, (context, batch)
     req_to_token = torch.zeros(rows, ROW_TOKENS, dtype=torch.int32)
@@ -82,7 +89,7 @@ def backend(top_k: int, context: int, batch: int, captured: str | None) -> Oasis
     )
     config = OasisConfig(
         block_size=BLOCK, top_k=top_k, device_kv_tokens=POOL, dense_layers=(0,), prefill_window=0,
-        recall_sample_every=0, decode_step="eager" if captured is None else "captured",
+        recall_sample_every=0, decode_step="eager" if captured is None else "captured", selector=selector,
     )  # fmt: skip
     oasis = OasisAttnBackend(runner, config)
     if captured is not None and oasis.captured is not None:
@@ -161,17 +168,20 @@ def stop(oasis: OasisAttnBackend) -> None:
     oasis.gauges.stop()
 
 
-def measure(top_k: int, context: int, batch: int, steps: int, compile_backend: str) -> dict[str, Any]:
+def measure(
+    top_k: int, context: int, batch: int, steps: int, compile_backend: str, selector: str = "summaries"
+) -> dict[str, Any]:
     """One mode at one batch size: the eager step, then the captured one (warm-up steps first: 20, and
     for the captured step every step the timed ones meet, so each shape is compiled before timing)."""
-    eager = backend(top_k, context, batch, None)
+    eager = backend(top_k, context, batch, None, selector)
     decode(eager, context, 0, 20)
     dense_ms, sparse_ms, ops_dense, ops_sparse = decode(eager, context, 20, steps, count=True)
+    coded = eager.stats.snapshot().get("key_code_pages", 0)  # pages the eager step's selections coded
     stop(eager)
-    warm = backend(top_k, context, batch, compile_backend)
+    warm = backend(top_k, context, batch, compile_backend, selector)
     decode(warm, context, 0, 20 + steps)  # compiles every shape the timed steps meet
     stop(warm)
-    captured = backend(top_k, context, batch, compile_backend)
+    captured = backend(top_k, context, batch, compile_backend, selector)
     decode(captured, context, 0, 20)
     captured_dense_ms, captured_ms, _, _ = decode(captured, context, 20, steps)
     assert captured.stats.snapshot()["captured_decode_passes"] == 20 + steps
@@ -180,6 +190,7 @@ def measure(top_k: int, context: int, batch: int, steps: int, compile_backend: s
         "top_k": top_k, "dense_ms": dense_ms, "sparse_ms": sparse_ms, "captured_ms": captured_ms,
         "ratio": sparse_ms / dense_ms, "captured_ratio": captured_ms / captured_dense_ms,
         "captured_vs_eager": captured_ms / sparse_ms, "ops_dense": ops_dense, "ops_sparse": ops_sparse,
+        "key_code_pages": coded,
     }  # fmt: skip
 
 
@@ -193,6 +204,18 @@ def main() -> None:
     parser.add_argument(
         "--compile-backend", default="inductor", help="torch.compile backend of the captured step"
     )
+    parser.add_argument(
+        "--selector",
+        default="summaries",
+        choices=("summaries", "codes"),
+        help="the sparse layer's --oasis-selector (codes: every full block scored by its key codes)",
+    )
+    parser.add_argument(
+        "--profile-mode",
+        default="k_covering",
+        choices=("k_covering", "k_sparse"),
+        help="which mode's eager sparse layer to profile (batch 1)",
+    )
     args = parser.parse_args()
     torch.set_num_threads(1)
     context, steps = args.context_tokens, args.steps
@@ -203,12 +226,13 @@ def main() -> None:
     for batch in (int(b) for b in args.batch.split(",")):
         modes = batches[str(batch)] = {}
         for mode, top_k in (("k_covering", covering), ("k_sparse", args.sparse_top_k)):
-            row = modes[mode] = measure(top_k, context, batch, steps, args.compile_backend)
+            row = modes[mode] = measure(top_k, context, batch, steps, args.compile_backend, args.selector)
             print(f"{batch:>5} {mode:<12} {top_k:>5} {row['dense_ms']:>9.3f} {row['sparse_ms']:>9.3f} "
                   f"{row['captured_ms']:>8.3f} {row['ratio']:>11.2f} {row['captured_ratio']:>10.2f} "
                   f"{row['captured_vs_eager']:>10.2f} {row['ops_dense']:>9} {row['ops_sparse']:>9}", flush=True)  # fmt: skip
     profile = cProfile.Profile()
-    profiled = backend(covering, context, 1, None)
+    profiled_k = covering if args.profile_mode == "k_covering" else args.sparse_top_k
+    profiled = backend(profiled_k, context, 1, None, args.selector)
     decode(profiled, context, 0, steps, profile)
     stop(profiled)
     stats = pstats.Stats(profile)
@@ -219,7 +243,8 @@ def main() -> None:
             rows.append({"function": f"{short}:{line}({name})", "ms_per_step": cumulative / steps * 1e3})
     rows.sort(key=lambda row: -row["ms_per_step"])
     print(
-        "\nsparse layer (eager step), K covering, batch 1: cumulative ms per step (profiled, so slower than above)"
+        f"\nsparse layer (eager step, {args.selector}), {args.profile_mode}, batch 1: cumulative ms per step "
+        "(profiled, so slower than above)"
     )
     for row in rows[:20]:
         print(f"{row['ms_per_step']:8.3f}  {row['function']}")
@@ -228,7 +253,8 @@ def main() -> None:
         result = {
             "setting": {"context_tokens": context, "steps": steps, "block": BLOCK, "kv_heads": KV_HEADS,
                         "q_heads": Q_HEADS, "head_dim": DIM, "dtype": "float32", "threads": 1,
-                        "compile_backend": args.compile_backend},
+                        "compile_backend": args.compile_backend, "selector": args.selector,
+                        "profile_mode": args.profile_mode},
             "batches": batches, "modes": first_batch, "profile": rows[:40],
             "date": datetime.now(timezone.utc).isoformat(timespec="seconds"), "machine": platform.processor() or platform.machine(),
         }  # fmt: skip
