@@ -187,12 +187,12 @@ class CompileAhead:
                 q = torch.zeros((*lead, layer.tp_q_head_num, layer.qk_head_dim), dtype=dtype, device=device)
                 k = torch.zeros((*lead, kv_heads, layer.qk_head_dim), dtype=dtype, device=device)
                 v = torch.zeros((*lead, kv_heads, layer.v_head_dim), dtype=dtype, device=device)
+                symbolic_rows(q, k, v)  # as every pass
                 began, graphs = time.perf_counter(), counters["stats"]["unique_graphs"]
                 try:
                     for blocks in block_buckets:
                         plan = self.padding(step, rows, kind, blocks).to(device)
-                        plan.mark_symbolic()  # as every pass
-                        symbolic_rows(q, k, v)
+                        plan.mark_symbolic()
                         with step.compiles.at(rows, blocks, kind):
                             step.program(step.shape, state, plan, q, k, v, layer.scaling)
                 except Exception:  # never the process: this server decodes eagerly from here on
