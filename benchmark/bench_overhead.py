@@ -44,7 +44,7 @@ to; with K covering every block it is expected to be 0.
 
     python benchmark/bench_overhead.py --json overhead.json [--num-layers N] [--context-tokens 1024]
         [--output-tokens 64] [--repeats 3] [--sparse-top-k 16] [--block-size 16] [--dtype float32]
-        [--recall-sample-every N] [--tp-size N] [--batch 1]
+        [--recall-sample-every N] [--tp-size N] [--batch 1] [--covering-top-k K]
 
 Every other sparse mode runs with the recall telemetry off (``--oasis-recall-sample-every 0``). With ``--recall-sample-every N`` two
 more servers, ``sparse_k_sparse_recall`` and ``sparse_k_sparse_recall_captured``, are ``sparse_k_sparse``
@@ -298,6 +298,13 @@ def main() -> int:
     parser.add_argument("--dtype", default="float32", help="SGLang --dtype of every server")
     parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks of every server")
     parser.add_argument("--batch", type=int, default=1, help="generations at once (the same prompt)")
+    parser.add_argument(
+        "--covering-top-k",
+        type=int,
+        default=None,
+        help="the K covering modes run (at least the context's blocks + 1; default: exactly that): a K well "
+        "above the context's blocks is what the CPU step's held slots make cheap",
+    )
     args = parser.parse_args()
     if args.output_tokens < 2 or args.repeats < 1 or args.batch < 1:
         parser.error("--output-tokens must be >= 2, --repeats and --batch >= 1")
@@ -306,9 +313,16 @@ def main() -> int:
     except ValueError as exc:
         parser.error(str(exc))
 
+    top_k = covering_top_k(args.context_tokens, args.output_tokens, args.block_size)
+    if args.covering_top_k is not None:
+        if args.covering_top_k < top_k:
+            parser.error(
+                f"--covering-top-k {args.covering_top_k} must be >= {top_k}, the blocks a request has"
+            )
+        top_k = args.covering_top_k
+
     model = prepare_default_model(args.num_layers)
     prompt = essay_prompts(model, 1, args.context_tokens)[0]
-    top_k = covering_top_k(args.context_tokens, args.output_tokens, args.block_size)
     context_length = args.context_tokens + args.output_tokens + 256
     pool_tokens = (args.batch + 1) * context_length + 4096
     results: dict[str, Any] = {

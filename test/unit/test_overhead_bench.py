@@ -4,6 +4,7 @@ inputs with exact expected values."""
 
 from __future__ import annotations
 
+import subprocess
 import sys
 from pathlib import Path
 
@@ -246,3 +247,12 @@ def test_lookahead_modes_add_the_ngram_drafter_to_k_sparse() -> None:
         at = argv.index("--oasis-lookahead")
         assert argv[at : at + 4] == lookahead
         assert argv[:at] + argv[at + 4 :] == server_args(plain, model, 16, 16, 8192, 1344, "float32")
+
+
+def test_a_covering_k_below_the_requests_blocks_stops_the_run_naming_it() -> None:
+    """``--covering-top-k`` below the blocks a request has would not cover it: refused before any model
+    or server starts."""
+    script = Path(__file__).resolve().parents[2] / "benchmark" / "bench_overhead.py"
+    command = [sys.executable, str(script), "--json", "/dev/null", "--covering-top-k", "40"]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2 and "--covering-top-k 40 must be >= 69" in done.stderr, done.stderr
