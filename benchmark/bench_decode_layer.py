@@ -48,8 +48,8 @@ from sglang_oasis.attention.oasis_backend import OasisAttnBackend
 from sglang_oasis.config import OasisConfig
 from sglang_oasis_testing.stand_in_pool import StandInPool
 
-BLOCK, KV_HEADS, Q_HEADS, DIM, LAYERS, POOL = 16, 3, 9, 64, 2, 32768
-ROW_TOKENS = 2048  # pool tokens per request row
+BLOCK, KV_HEADS, Q_HEADS, DIM, LAYERS, POOL = 16, 3, 9, 64, 2, 65536
+ROW_TOKENS = 4096  # pool tokens per request row (contexts up to 3,072)
 COMPILED: dict[
     str, Any
 ] = {}  # compile backend -> the compiled decode_layer (its graphs shared by every backend)
