@@ -150,7 +150,8 @@ def test_the_cpu_kernel_equals_the_torch_form_and_the_reference(
     keys[4, :, 1] = keys[4, 0, 1].clone()  # a box of zero width
     kmin, kmax = (bound.to(box_dtype) for bound in boxes(keys))
     codes = encode_key_codes(keys, kmin.float(), kmax.float())
-    strided = torch.stack([codes, codes.flip(0)])[0]  # a layer of a store: a view, not its own storage
+    strided = torch.stack([codes, codes.flip(0)], dim=1)[:, 0]  # a view with strides of its own
+    assert not strided.is_contiguous() and torch.equal(strided, codes)
     generator = torch.Generator().manual_seed(dim + 1)
     page = torch.stack([page_ids[:, torch.randperm(width, generator=generator)] for _ in range(kv_heads)], 1)
     per_head = torch.rand(batch, kv_heads, width, generator=generator) < 0.6
