@@ -7,7 +7,8 @@ host sync; the eager step's forms are ``KeyCodeStore.ensure`` and ``BlockPrefetc
   again writes what is there. Every eager selection, admissions included, codes its rows' full blocks
   not coded at their epoch (``KeyCodeStore.ensure``), so between the two every full block is coded.
 - ``coded_scores``: each KV head's candidates (its ``m x K`` best blocks by the bound, every full block
-  with m = 0) scored by the query's softmax over their decoded keys; the other blocks score 0.
+  in place with m = 0: no bound, no ranking) scored by the query's softmax over their decoded keys; the
+  other blocks score 0.
 """
 
 from __future__ import annotations
@@ -40,24 +41,29 @@ def coded_scores(
     state: LayerState,
     pages: torch.Tensor,
     query: torch.Tensor,
-    bound: torch.Tensor,
+    bound: torch.Tensor | None,
     in_range: torch.Tensor,
     top_k: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
     """``[bs, H, N]``: the blocks' coded attention mass for ``query`` ``[bs, q_heads, D]`` over each KV
-    head's candidates, chosen by ``bound`` ``[bs, H, N]`` among the full blocks (``in_range``); a row
-    has ``min(full, m x its K)`` candidates, as ``BlockPrefetcher._candidates`` gives them."""
+    head's candidates among the full blocks (``in_range`` ``[bs, H, N]``): with m = 0 all of them (no
+    ``bound``), else each row's ``min(full, m x its K)`` best by ``bound`` ``[bs, H, N]``, as
+    ``BlockPrefetcher._candidates`` gives them."""
     codes = state.codes
-    assert codes is not None and shape.code_candidates is not None
-    bs, heads, num_blocks = bound.shape
-    full = in_range[:, 0].sum(dim=-1)  # [bs]
     m = shape.code_candidates
-    width = num_blocks if m == 0 else at_most(m * shape.max_top_k, num_blocks)
-    count = full if m == 0 else torch.minimum(full, m * top_k)
+    assert codes is not None and m is not None
+    bs, heads, num_blocks = in_range.shape
+    if m == 0:
+        page = pages[:, None, :num_blocks].expand(bs, heads, num_blocks)
+        return candidate_mass(query, state.kmin, state.kmax, codes, page, in_range, scale)
+    assert bound is not None
+    full = in_range[:, 0].sum(dim=-1)  # [bs]
+    width = at_most(m * shape.max_top_k, num_blocks)
     ranked = bound.masked_fill(~in_range, float("-inf")).topk(width, dim=-1).indices  # [bs, H, W]
-    valid = torch.arange(width, device=bound.device) < count[:, None, None]
+    valid = torch.arange(width, device=bound.device) < torch.minimum(full, m * top_k)[:, None, None]
     page = pages.gather(1, ranked.flatten(1)).view(bs, heads, width)
-    mass = candidate_mass(query, state.kmin, state.kmax, codes, page, valid, scale)  # [bs, H, W]
+    # [bs, H, W]
+    mass = candidate_mass(query, state.kmin, state.kmax, codes, page, valid, scale)
     scores = torch.zeros((bs, heads, num_blocks), dtype=torch.float32, device=bound.device)
     return scores.scatter(-1, ranked, mass)

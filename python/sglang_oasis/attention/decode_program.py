@@ -223,10 +223,13 @@ def select_blocks(layer: LayerPass, query: torch.Tensor, scale: float) -> Choice
     in_range = (index[None, :] < full[:, None])[:, None, :].expand(-1, heads, -1)  # [bs, H, N]
     top_k = state.top_k[slots]
     over = (full > top_k + shape.sink_blocks)[:, None, None]
-    # Triton's kernel on CUDA (in the graph; no sync, a grid from the shapes), the reference on CPU
-    scores = ops.score_paged_blocks(query[:, None], state.kmin, state.kmax, plan.pages)[:, 0]  # [bs, H, N]
-    if shape.code_candidates is not None:  # --oasis-selector codes: the candidates' coded attention mass
-        scores = coded_scores(shape, state, plan.pages, query, scores, in_range, top_k, scale)
+    if shape.code_candidates == 0:  # --oasis-selector codes on every full block: their coded attention mass
+        scores = coded_scores(shape, state, plan.pages, query, None, in_range, top_k, scale)
+    else:  # the summaries' bound: Triton's kernel on CUDA (in the graph; no sync), the reference on CPU
+        bound = ops.score_paged_blocks(query[:, None], state.kmin, state.kmax, plan.pages)  # [bs, 1, H, N]
+        scores = bound[:, 0]
+        if shape.code_candidates is not None:  # codes on the bound's best m x K: their coded attention mass
+            scores = coded_scores(shape, state, plan.pages, query, scores, in_range, top_k, scale)
     pins = state.pinned[slots]
     pinned = torch.zeros((bs, heads, num_blocks + 1), dtype=torch.bool, device=device)
     pinned = pinned.scatter(-1, torch.where(pins >= 0, pins, num_blocks), True)[..., :num_blocks]
