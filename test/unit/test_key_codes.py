@@ -171,6 +171,20 @@ def test_the_cpu_kernel_equals_the_torch_form_and_the_reference(
     assert torch.equal(
         candidate_mass(query, kmin, kmax, codes, page, per_head, 0.3)[2], torch.zeros(3, width)
     )
+    stray = page.clone()
+    stray[0, 0, 0] = codes.shape[0]  # past the last page: refused, not read (the kernel has no bounds checks)
+    with pytest.raises(IndexError, match="outside"):
+        candidate_mass(query, kmin, kmax, codes, stray, None, 0.3)
+    stray[0, 0, 0] = -1
+    with pytest.raises(IndexError, match="outside"):
+        candidate_mass(query, kmin, kmax, codes, stray, None, 0.3)
+    masked = per_head.clone()
+    masked[0, 0, 0] = False  # an invalid candidate's page is never read: any value passes
+    stray[0, 0, 0] = 10**6
+    torch.testing.assert_close(
+        candidate_mass(query, kmin, kmax, codes, stray, masked, 0.3),
+        candidate_mass(query, kmin, kmax, codes, page, masked, 0.3),
+    )
 
 
 class Pool:

@@ -128,6 +128,9 @@ def coded_mass_cpu(
     assert valid.dtype == torch.bool and valid.shape in ((batch, heads, width), (batch, 1, width)), (
         valid.shape
     )
+    read = page.masked_select(valid.expand(batch, heads, width))  # the kernel runs without bounds checks
+    if read.numel() and not (int(read.min()) >= 0 and int(read.max()) < codes.shape[0]):
+        raise IndexError(f"coded_mass_cpu: a valid candidate's page is outside the {codes.shape[0]} pages")
     bf16 = kmin.dtype == torch.bfloat16
     q = query.detach().float().reshape(batch, heads, -1, dim).contiguous()
     lowest = torch.finfo(torch.float32).min  # an invalid candidate's keys: no share of the softmax
