@@ -5,7 +5,7 @@ verify``, next to dense SGLang without speculation in the same run.
 Three servers, one after another, on the default model (SmolLM2-135M-Instruct, all 30 layers; the
 EAGLE-3 head reads layers 2, 15 and 27): dense SGLang (``--oasis-mode dense``, no speculation), sparse
 with ``--oasis-lookahead eagle3`` (the shipped head, or ``--head``) and sparse with ``--oasis-lookahead
-ngram``, both ``--oasis-draft-policy verify`` and the default K = 128 blocks, which covers every chat
+ngram``, both ``--oasis-draft-policy verify`` and K = 128 blocks (by the summaries), which covers every chat
 here, so attention is dense's and acceptance is plain SGLang EAGLE3/NGRAM acceptance with one draft step,
 top-k 1 and two verify tokens (launch_server's lookahead shape). Each chat prompt (``CHAT_PROMPTS``:
 everyday requests, none from the head's training prompts) goes in the model's chat template as one
@@ -56,7 +56,8 @@ def server_args(mode: str, head: Path | None, dtype: str) -> list[str]:
     if mode == "dense":
         return [*common, "--oasis-mode", "dense"]
     source = mode.removesuffix("_pd")
-    args = [*common, "--oasis-lookahead", source, "--oasis-draft-policy", "verify"]
+    args = [*common, "--oasis-selector", "summaries", "--oasis-top-k", "128"]  # covers every chat here
+    args += ["--oasis-lookahead", source, "--oasis-draft-policy", "verify"]
     if source == "eagle3" and head is not None:
         args += ["--speculative-draft-model-path", str(head)]
     return args

@@ -66,7 +66,7 @@ server of its own. Besides the heat map, ``<plot>_bytes.png``: each config's mea
 decode step, dense as a line.
 
 ``--extra-config NAME='ARGS'`` (repeatable; replaces the default ``target98``) adds a config: the sparse
-defaults plus ARGS (the last word wins), e.g. ``--extra-config recall95='--oasis-recall-target 0.95'``.
+defaults with ``--oasis-selector summaries`` (as the K sweep's) plus ARGS (the last word wins), e.g. ``--extra-config recall95='--oasis-recall-target 0.95'``.
 A recall-target config's device budget holds ``--oasis-recall-max-top-k`` (default 4 x K) per request;
 it shares the sparse server only when that is the largest K of the shared configs.
 
@@ -150,6 +150,9 @@ REQUEST_FIGURES = (
 SHAREABLE = ("--oasis-mode", "--oasis-top-k", "--oasis-recall-target", "--oasis-recall-max-top-k")
 # Server-wide options that configs sharing a server must agree on (one shared server per setting).
 GROUPING = ("--oasis-selector", "--oasis-evaluation-only")
+# Every sparse config's first words: the K sweep's rows (and target98's) are the summaries' (the serving
+# default is codes at K = 16); a config's own --oasis-selector comes later and wins
+SPARSE = ("--oasis-mode", "sparse", "--oasis-selector", "summaries")
 # The oracle arm (--oracle-top-ks): each step's top-K blocks by its own query's exact attention mass
 ORACLE_ARGS = ("--oasis-selector", "oracle", "--oasis-evaluation-only", "true")
 # --oracle-pooled-top-ks: the same bytes (H x K blocks per request and layer) shared among the KV heads by mass
@@ -210,9 +213,9 @@ def server_configs(
     (sparse unless ARGS say ``--oasis-mode dense``; its K is the last ``--oasis-top-k`` in ARGS, else the
     default)."""
     configs = [ServerConfig("dense", ("--oasis-mode", "dense"), None)]
-    configs += [ServerConfig(f"k{k}", ("--oasis-mode", "sparse", "--oasis-top-k", str(k)), k) for k in top_ks]
+    configs += [ServerConfig(f"k{k}", (*SPARSE, "--oasis-top-k", str(k)), k) for k in top_ks]
     for prefix, fixed, ks in (("oracle", ORACLE_ARGS, oracle_top_ks), ("pooled", POOLED_ARGS, pooled_top_ks)):
-        configs += [ServerConfig(f"{prefix}{k}", ("--oasis-mode", "sparse", *fixed, "--oasis-top-k", str(k)), k)
+        configs += [ServerConfig(f"{prefix}{k}", (*SPARSE, *fixed, "--oasis-top-k", str(k)), k)
                     for k in ks]  # fmt: skip
     for spec in extra:
         name, sep, text = spec.partition("=")
@@ -225,7 +228,7 @@ def server_configs(
             top_k = None
         elif top_k is not None and float(last_value(args, "--oasis-recall-target") or 0) > 0:
             reserved = int(last_value(args, "--oasis-recall-max-top-k") or 0) or 4 * top_k
-        configs.append(ServerConfig(name.strip(), ("--oasis-mode", "sparse", *args), top_k, reserved))
+        configs.append(ServerConfig(name.strip(), (*SPARSE, *args), top_k, reserved))
     names = [c.name for c in configs]
     if len(set(names)) != len(names):
         raise ValueError(f"config names repeat: {names}")

@@ -270,7 +270,7 @@ def run_context(
         *(["--tp-size", str(args.tp_size)] if args.tp_size > 1 else []),
     ]  # fmt: skip
     # key codes: head_dim / 4 bytes per token and KV head, against 2 x head_dim x the dtype's bytes of KV
-    codes, per_token = [], 0.0
+    codes, per_token = ["--oasis-selector", "summaries"], 0.0
     if args.code_candidates is not None:
         codes = ["--oasis-selector", "codes", "--oasis-code-candidates", str(args.code_candidates)]
         per_token = 1 / (8 * DTYPE_BYTES[args.dtype])

@@ -14,7 +14,8 @@ count: the floor any serving stack should reach), then a dense and a sparse ``sg
   that interval. Transformers: the prompt's cache repeated to B rows, then ``--decode-tokens`` greedy
   steps of B rows.
 
-Sparse mode runs the server's defaults (K = 128 blocks of 16, the fetch cap, the prefill window):
+Sparse mode runs K = 128 blocks of 16 by the summaries (``--oasis-selector summaries``: the defaults when
+results.md's rows were measured), otherwise the server's defaults (the fetch cap, the prefill window):
 contexts up to 2K fit in K, longer ones select. ``--chat-dtypes`` also times the README's chat request
 with a ~3.4K-token prompt (essay text and a question) on the default server (sparse, no options but
 ``--dtype``) once per listed ``DTYPE[:THREADS]`` (``auto``: the launcher's choice; ``float16:1`` is the
@@ -181,9 +182,18 @@ def server_args(
     common = ["--model-path", str(model), "--dtype", dtype, "--context-length", str(context_length)]
     if mode == "dense":
         return [*common, "--oasis-mode", "dense", "--max-total-tokens", str(pool_tokens)]
-    # The defaults, with the working-set budget cut to the largest batch (memory; speed is the same).
-    budget = max(batch, 1) * OasisConfig().working_set_tokens
-    return [*common, "--oasis-host-kv-tokens", str(pool_tokens), "--oasis-device-kv-tokens", str(budget)]
+    # K = 128 with the summaries (the defaults when results.md's rows were measured), the working-set
+    # budget cut to the largest batch (memory; speed is the same).
+    budget = max(batch, 1) * OasisConfig(top_k=128).working_set_tokens
+    pinned = ["--oasis-selector", "summaries", "--oasis-top-k", "128"]
+    return [
+        *common,
+        *pinned,
+        "--oasis-host-kv-tokens",
+        str(pool_tokens),
+        "--oasis-device-kv-tokens",
+        str(budget),
+    ]
 
 
 def chat_messages(model_dir: Path) -> list[dict[str, str]]:

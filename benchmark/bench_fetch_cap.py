@@ -185,7 +185,7 @@ def sparse_args(
     ratio: float, adaptive: bool, args: argparse.Namespace, model_args: list[str], host_tokens: int
 ) -> list[str]:
     return [
-        *model_args, "--oasis-mode", "sparse", "--oasis-top-k", str(args.top_k),
+        *model_args, "--oasis-mode", "sparse", "--oasis-selector", "summaries", "--oasis-top-k", str(args.top_k),
         "--oasis-block-size", str(args.block_size), "--oasis-fetch-ratio", str(ratio),
         "--oasis-adaptive-cap", str(adaptive).lower(), "--oasis-host-kv-tokens", str(host_tokens),
         "--oasis-device-kv-tokens", str(8 * args.top_k * args.block_size),

@@ -234,7 +234,7 @@ def server_args(
     if "_ngram" in mode:
         step += ["--oasis-lookahead", "ngram", "--oasis-draft-policy", "verify"]
     return [*recall, *step,
-        *common, "--oasis-mode", "sparse", "--oasis-top-k", str(top_k), "--oasis-block-size", str(block_size),
+        *common, "--oasis-mode", "sparse", "--oasis-selector", "summaries", "--oasis-top-k", str(top_k), "--oasis-block-size", str(block_size),
         *fetch, "--oasis-prefetch", "sync" if mode == "sparse_sync" else "async",
         "--oasis-host-kv-tokens", str(pool_tokens), "--oasis-device-kv-tokens", str(device_tokens(top_k, block_size, batch, pool_tokens)),
     ]  # fmt: skip

@@ -54,6 +54,7 @@ def serve(
 
     server_args = [
         "--model-path", str(model_dir), "--dtype", "float32", "--oasis-top-k", str(args.top_k),
+        "--oasis-selector", "summaries",
         "--oasis-host-kv-tokens", "32768", "--oasis-device-kv-tokens", "65536",
         "--prefill-args=--enable-metrics", "--tp-size", str(args.tp_size), *CONFIGS[name],
     ]  # fmt: skip
@@ -110,6 +111,7 @@ def slow_handoff(args: argparse.Namespace, model_dir: Path, prompts: list[list[i
     new_tokens = 256  # long enough to decode through the whole wait
     server_args = [
         "--model-path", str(model_dir), "--dtype", "float32", "--oasis-top-k", str(args.top_k),
+        "--oasis-selector", "summaries",
         "--oasis-host-kv-tokens", "32768", "--oasis-device-kv-tokens", "65536", "--tp-size", str(args.tp_size),
     ]  # fmt: skip
     env = {HANDOFF_DELAY_ENV: f"{len(slow)}:{args.handoff_delay_s}"}

@@ -184,7 +184,15 @@ def main() -> None:
     model = prepare_default_model(args.num_layers)
     convs = conversations(model, args.groups, args.questions, args.prefix_tokens, args.question_tokens)
     common = ["--model-path", str(model), "--enable-metrics"]
-    sparse = [*common, "--oasis-top-k", str(args.top_k), "--oasis-host-kv-tokens", str(args.pool_tokens)]
+    sparse = [
+        *common,
+        "--oasis-selector",
+        "summaries",
+        "--oasis-top-k",
+        str(args.top_k),
+        "--oasis-host-kv-tokens",
+        str(args.pool_tokens),
+    ]
     configs = {
         "dense": [*common, "--oasis-mode", "dense", "--max-total-tokens", str(args.pool_tokens)],
         "sparse": sparse,

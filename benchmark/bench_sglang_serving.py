@@ -76,7 +76,7 @@ def server_args(mode: str, model: Path, args: argparse.Namespace) -> list[str]:
     if mode in ("dense", "dense_floor"):
         return [*common, "--oasis-mode", "dense", "--max-total-tokens", str(tokens)]
     step = "captured" if mode in ("sparse_captured", "sparse_codes_captured") else "eager"
-    codes = ["--oasis-selector", "codes"] if mode.startswith("sparse_codes") else []
+    codes = ["--oasis-selector", "codes" if mode.startswith("sparse_codes") else "summaries"]
     if mode in ("sparse_codes_prefilter", "sparse_codes_captured"):
         codes += ["--oasis-code-candidates", str(args.code_candidates)]
     return [*common, "--oasis-top-k", str(args.top_k), "--oasis-host-kv-tokens", str(tokens),

@@ -99,7 +99,12 @@ class Program:
         shape = TierShape(self.layers, h, d, dtype.itemsize, batch * (blocks + 1) + 2, b, top_k, 1, 2 * b, 1)
         self.tier = DeviceTier(shape, layout(1 << 50, shape, max_request_slots=batch), dtype, device, top_k)
         config = OasisConfig(
-            block_size=b, top_k=top_k, fetch_ratio=fetch_ratio, decode_step="captured", sink_blocks=0
+            block_size=b,
+            top_k=top_k,
+            fetch_ratio=fetch_ratio,
+            decode_step="captured",
+            sink_blocks=0,
+            selector="summaries",
         )
         req_to_token = torch.zeros((batch + 1, per_request), dtype=torch.int32)
         for row in range(1, batch + 1):  # request row r's tokens, after the padding page

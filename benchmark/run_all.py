@@ -238,7 +238,7 @@ def server_args(model: Path, mode: str) -> list[str]:
     if mode == "dense":
         return [*common, "--oasis-mode", "dense"]
     return [
-        "--model-path", str(model), "--oasis-top-k", str(TOP_K),
+        "--model-path", str(model), "--oasis-selector", "summaries", "--oasis-top-k", str(TOP_K),
         "--oasis-host-kv-tokens", "32768", "--oasis-device-kv-tokens", "8192",
     ]  # fmt: skip
 

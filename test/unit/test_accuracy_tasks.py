@@ -43,6 +43,7 @@ from bench_accuracy import (
     estimate,
     lead_first,
     makespan,
+    option_pairs,
     per_context,
     request_options,
     resumed,
@@ -330,13 +331,18 @@ def test_samples_record_what_the_json_keeps() -> None:
 
 # ------------------------------------------------------------------------------- bench_accuracy pieces
 
+SUMMARIES = ("--oasis-mode", "sparse", "--oasis-selector", "summaries")  # every sparse config's first words
+
 
 def test_server_configs_dense_then_each_k_then_extras() -> None:
     configs = server_configs([16, 64], ["recall95=--oasis-recall-target 0.95", "wide=--oasis-top-k 256"])
     assert [(c.name, c.top_k) for c in configs] == [
-        ("dense", None), ("k16", 16), ("k64", 64), ("recall95", 128), ("wide", 256),
+        ("dense", None), ("k16", 16), ("k64", 64), ("recall95", 16), ("wide", 256),
     ]  # fmt: skip
-    assert configs[3].args == ("--oasis-mode", "sparse", "--oasis-recall-target", "0.95")
+    # the summaries' selector first (the rows results.md reports), the config's own words after: they win
+    assert configs[3].args == (*SUMMARIES, "--oasis-recall-target", "0.95")
+    coded = server_configs([], ["c16=--oasis-top-k 16 --oasis-selector codes"])[1]
+    assert option_pairs(coded)["--oasis-selector"] == "codes"
     assert server_configs([], ["d2=--oasis-mode dense"])[1].top_k is None
     assert server_configs([], ["k8='--oasis-top-k=8'"])[1].top_k == 8
     with pytest.raises(ValueError, match="NAME=ARGS"):
@@ -449,7 +455,7 @@ def test_sparse_configs_share_a_server_when_a_requests_options_can_set_them() ->
     ]
     shared = plans[1].server
     assert shared.top_k == 16 and shared.reserve == 64  # the largest K any request may take
-    assert shared.args == ("--oasis-mode", "sparse", "--oasis-top-k", "16", "--oasis-recall-max-top-k", "64")
+    assert shared.args == (*SUMMARIES, "--oasis-top-k", "16", "--oasis-recall-max-top-k", "64")
     assert plans[1].options == tuple(request_options(c) for c in plans[1].configs)
     assert [len(p.configs) for p in server_plans(configs, separate=True)] == [1] * 6
     assert [len(p.configs) for p in server_plans(server_configs([16]))] == [1, 1]  # one sparse: its own
@@ -471,14 +477,7 @@ def test_the_oracle_arm_shares_a_server_of_its_own() -> None:
         "--oasis-mode", "sparse", "--oasis-selector", "oracle", "--oasis-evaluation-only", "true",
         "--oasis-top-k", "16", "--oasis-recall-max-top-k", "64",
     )  # fmt: skip
-    assert plans[1].server.args == (
-        "--oasis-mode",
-        "sparse",
-        "--oasis-top-k",
-        "16",
-        "--oasis-recall-max-top-k",
-        "32",
-    )
+    assert plans[1].server.args == (*SUMMARIES, "--oasis-top-k", "16", "--oasis-recall-max-top-k", "32")
     lone = server_plans(server_configs([16, 32], [], [32]))
     assert [p.server.name for p in lone] == ["dense", "shared-k16-k32", "oracle32"]
     assert "oracle" in lone[2].server.args
