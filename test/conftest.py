@@ -29,6 +29,8 @@ from sglang_oasis_testing.tiny_models import TinyModelSpec, build_tiny_model
 FP32 = ["--dtype", "float32"]
 SMALL_POOL = ["--max-total-tokens", "16384"]
 SPARSE_SMALL = ["--oasis-host-kv-tokens", "16384", "--oasis-device-kv-tokens", "16384"]
+# the selector and K these servers' tests count bytes and blocks for (the serving default is codes at K = 16)
+SUMMARIES_128 = ["--oasis-selector", "summaries", "--oasis-top-k", "128"]
 
 
 @pytest.fixture(scope="session")
@@ -73,10 +75,9 @@ def _serve(
 @pytest.fixture(scope="module")
 def default_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """The README's first command as a newcomer runs it: no model path, sparse mode, CPU defaults. Module
-    scope: it is the largest server (all 30 layers, working sets for 32 requests, ~5 GiB here) and one
+    scope: it is the largest server (all 30 layers, its device tier 65,536 tokens of KV, ~5 GiB here) and one
     module uses it; 24 GiB do not hold it beside every later module's servers."""
-    # the launcher's own defaults, the captured decode step among them (its programs compile before ready:
-    # 12 of them, ~3 minutes on a machine whose torch cache has none)
+    # the launcher's own defaults: key codes at K = 16 on the eager decode step (nothing compiles)
     yield from _serve([], "default-server", tmp_path_factory, {"SGLANG_OASIS_CPU_DECODE_STEP": ""}, 900)
 
 
@@ -103,13 +104,13 @@ def tiny_qwen3_server(
 def tiny_qwen3_sparse_server(
     tiny_qwen3_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    """Sparse on the tiny Qwen3 with K = 64 blocks (covers every block of prompts up to 1024 tokens), a
+    """Sparse on the tiny Qwen3 with K = 64 blocks by the summaries (covers every block of prompts up to 1024 tokens), a
     6144-token host tier (smaller than the model's 8192-token context) and Prometheus metrics; the
     default asynchronous prefetch with the adaptive fetch cap; recall telemetry at every decode step."""
     args = [
         "--model-path", str(tiny_qwen3_dir), "--oasis-top-k", "64", *FP32, "--enable-metrics",
         "--oasis-host-kv-tokens", "6144", "--oasis-device-kv-tokens", "16384", "--oasis-adaptive-cap", "true",
-        "--oasis-recall-sample-every", "1",
+        "--oasis-recall-sample-every", "1", "--oasis-selector", "summaries",
     ]  # fmt: skip
     yield from _serve(args, "tiny-qwen3-sparse", tmp_path_factory)
 
@@ -126,10 +127,10 @@ def smollm2_dense_server(
 def smollm2_sparse_server(
     smollm2_6l_dir: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[ServerProcess]:
-    """Sparse with the default K = 128 blocks of 16: covers every block of prompts up to 2048 tokens;
+    """Sparse with K = 128 blocks of 16 by the summaries: covers every block of prompts up to 2048 tokens;
     synchronous transfers without a fetch cap (the tiny Qwen3's sparse server covers the defaults)."""
     args = [
-        "--model-path", str(smollm2_6l_dir), *FP32, *SPARSE_SMALL,
+        "--model-path", str(smollm2_6l_dir), *FP32, *SPARSE_SMALL, *SUMMARIES_128,
         "--oasis-prefetch", "sync", "--oasis-fetch-ratio", "1.0",
     ]  # fmt: skip
     yield from _serve(args, "smollm2-6l-sparse", tmp_path_factory)

@@ -126,11 +126,31 @@ def test_serves_the_fastest_dtype_and_announces_a_request_to_try(default_server:
     assert "Paris" in json.loads(reply.stdout)["choices"][0]["message"]["content"]
 
 
-def test_the_default_server_decodes_through_the_captured_step(default_server: ServerProcess) -> None:
-    """The launcher's CPU defaults include ``--oasis-decode-step captured``: plain decode passes run the
-    compiled step (its batch bucket compiled at SGLang's warm-up, or here at the first pass)."""
-    before = default_server.oasis_stats()["captured_decode_passes"]
-    response = chat(default_server)
+def test_the_default_server_selects_by_key_codes_and_holds_more_requests(
+    default_server: ServerProcess,
+) -> None:
+    """The defaults: ``--oasis-selector codes`` at K = 16 on the eager decode step (the faster with codes on
+    CPU). A prompt of more full blocks than K codes them (``key_code_pages`` grows) and decodes no captured
+    pass; the device tier holds at least twice the working sets a ``--oasis-top-k 128`` server's (the
+    summaries' K at dense's accuracy) holds in the same budget, by the launcher's own count."""
+    import dataclasses
+
+    from sglang_oasis.config import OasisConfig
+    from sglang_oasis.evaluation.passkey import essays_text
+    from sglang_oasis.launcher.sparse_mode import device_request_slots
+
+    before = default_server.oasis_stats()
+    text = " ".join(essays_text().split()[:600])  # ~800 tokens: ~50 full blocks, K = 16 selects
+    body = {"model": "default", "prompt": text, "max_tokens": 8, "temperature": 0}
+    response = requests.post(default_server.url + "/v1/completions", json=body, timeout=300)
     assert response.status_code == 200, response.text
-    passes = default_server.oasis_stats()["captured_decode_passes"] - before
-    assert passes >= response.json()["usage"]["completion_tokens"] - 2, passes
+    after = default_server.oasis_stats()
+    assert after["key_code_pages"] > before["key_code_pages"], (before, after)
+    assert after["captured_decode_passes"] == before["captured_decode_passes"] == 0
+    info = requests.get(default_server.url + "/get_server_info", timeout=30).json()
+    argv = ["--model-path", info["model_path"], "--dtype", info["dtype"]]
+    argv += ["--max-total-tokens", str(info["max_total_tokens"])]  # the host tier the launcher gave it
+    wide = dataclasses.replace(OasisConfig(), top_k=128, selector="summaries")
+    assert OasisConfig().top_k == 16 and OasisConfig().selector == "codes"
+    held, wide_held = after["device_request_slots"], device_request_slots(argv, wide)
+    assert wide_held is not None and held >= 2 * wide_held, (held, wide_held)

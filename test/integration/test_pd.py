@@ -39,7 +39,7 @@ SLOW_PROMPT, SLOW_S = 2222, 8.0  # the prefill node answers hand-offs of prompts
 TOP_K, BLOCK = 32, 16
 LAYERS, KV_HEADS, HEAD_DIM, ITEMSIZE = 6, 3, 64, 4  # SmolLM2's first 6 layers, float32
 BLOCK_BYTES = BLOCK * KV_HEADS * HEAD_DIM * ITEMSIZE  # one block of K (or V) of one layer
-SPARSE_ARGS = ["--dtype", "float32", "--oasis-top-k", str(TOP_K),
+SPARSE_ARGS = ["--dtype", "float32", "--oasis-top-k", str(TOP_K), "--oasis-selector", "summaries",
                "--oasis-host-kv-tokens", "16384", "--oasis-device-kv-tokens", "16384"]  # fmt: skip
 
 

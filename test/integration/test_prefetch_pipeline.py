@@ -36,7 +36,7 @@ def tiny_qwen3_capped_server(
     args = [
         "--model-path", str(tiny_qwen3_dir), "--oasis-top-k", "4", "--oasis-fetch-ratio", "0.25",
         "--dtype", "float32", "--oasis-host-kv-tokens", "8192", "--oasis-device-kv-tokens", "768",
-        "--oasis-recall-sample-every", "1",
+        "--oasis-recall-sample-every", "1", "--oasis-selector", "summaries",  # the 3 slots: the summaries' bytes
     ]  # fmt: skip
     env = {"SGLANG_OASIS_INJECT_TRANSFER_FAILURE": str(INJECTED_FAILURE_PROMPT_LEN)}
     log_path = tmp_path_factory.mktemp("logs") / "tiny-qwen3-capped.log"

@@ -62,15 +62,18 @@ def test_cli_parses_every_field() -> None:
         ({"window_keep": 1.5}, "--oasis-window-keep"),
         ({"host_memory_fraction": 1.5}, "--oasis-host-memory-fraction"),
         # a budget below one working set used to become one running request (or an opaque OOM)
-        ({"device_kv_tokens": 2047}, "--oasis-device-kv-tokens: 2047 tokens do not hold"),
+        ({"top_k": 128, "device_kv_tokens": 2047}, "--oasis-device-kv-tokens: 2047 tokens do not hold"),
         ({"top_k": 100_000}, "raise it or lower --oasis-top-k"),
-        ({"sink_blocks": 1, "device_kv_tokens": 2048}, r"\(--oasis-top-k 128 \+ --oasis-sink-blocks 1\)"),
+        (
+            {"top_k": 128, "sink_blocks": 1, "device_kv_tokens": 2048},
+            r"\(--oasis-top-k 128 \+ --oasis-sink-blocks 1\)",
+        ),
         ({"recall_target": 1.0}, "--oasis-recall-target: must be in"),
         ({"recall_target": -0.1}, "--oasis-recall-target: must be in"),
         ({"recall_target": 0.9, "recall_sample_every": 0}, "--oasis-recall-target: needs recall samples"),
         ({"recall_max_top_k": 8}, "--oasis-recall-max-top-k: must be at least --oasis-top-k"),
         # the target reserves its maximum (4 x 128 blocks of 16) per layer and KV head
-        ({"recall_target": 0.9, "device_kv_tokens": 8191}, r"\(--oasis-top-k 512 \+"),
+        ({"top_k": 128, "recall_target": 0.9, "device_kv_tokens": 8191}, r"\(--oasis-top-k 512 \+"),
     ],
 )
 def test_invalid_values_name_the_option(kwargs: dict, option: str) -> None:
@@ -108,17 +111,20 @@ def test_cpu_defaults_only_fill_what_is_missing() -> None:
     assert cpu_defaults([], OasisConfig(cpu_defaults=False)) == ["--device", "cpu"]
 
 
-def test_the_cpu_default_decode_step_is_captured_unless_told(
+def test_the_cpu_default_decode_step_is_the_faster_unless_told(
     monkeypatch: pytest.MonkeyPatch, tmp_path
 ) -> None:
-    """The launcher's CPU default: the captured step, its compiles cached under the project's cache; an
-    explicit --oasis-decode-step, --oasis-adaptive-cap (which it refuses), no fetch cap (where it loses) or
-    the environment wins."""
+    """The launcher's CPU default: the captured step with the summaries, its compiles cached under the
+    project's cache, the eager step with codes; an explicit --oasis-decode-step, --oasis-adaptive-cap (which
+    the captured step refuses), no fetch cap (where it loses) or the environment wins."""
     monkeypatch.delenv(DECODE_STEP_ENV, raising=False)
     monkeypatch.delenv(INDUCTOR_CACHE_ENV, raising=False)
     monkeypatch.setenv("SGLANG_OASIS_CACHE", str(tmp_path))
     monkeypatch.delenv(WARMUP_TIMEOUT_ENV, raising=False)
-    assert cpu_decode_step([], OasisConfig()).decode_step == "captured"
+    summaries = OasisConfig(selector="summaries")
+    assert cpu_decode_step([], summaries).decode_step == "captured"
+    # the default selector, codes: the eager step (faster with codes on CPU), unless told
+    assert cpu_decode_step([], OasisConfig()).decode_step == "eager"
     # what compiles before the server is ready, said; torch's cache under the project's; SGLang's warm-up
     # (where it compiles) given the time it may take
     plan = compile_plan(["--max-running-requests", "20"], OasisConfig(decode_step="captured"))
@@ -137,14 +143,16 @@ def test_the_cpu_default_decode_step_is_captured_unless_told(
     assert "4 programs compile before the server is ready (batch buckets 4, 32;" in sized_plan
     assert "decode+sample passes) as 2 graphs" in sized_plan  # 4 and 32 rows share theirs
     for argv in (["--oasis-decode-step", "eager"], ["--oasis-decode-step=eager"]):
-        assert cpu_decode_step(argv, OasisConfig()).decode_step == "eager"
-    assert cpu_decode_step([], OasisConfig(adaptive_cap=True)).decode_step == "eager"
-    assert cpu_decode_step([], OasisConfig(fetch_ratio=1.0)).decode_step == "eager"  # no cap: eager wins
-    assert cpu_decode_step([], OasisConfig(selector="codes")).decode_step == "captured"  # coded_selection.py
+        assert cpu_decode_step(argv, summaries).decode_step == "eager"
+    assert cpu_decode_step([], OasisConfig(selector="summaries", adaptive_cap=True)).decode_step == "eager"
+    no_cap = OasisConfig(selector="summaries", fetch_ratio=1.0)
+    assert cpu_decode_step([], no_cap).decode_step == "eager"  # no cap: eager wins
     oracle = OasisConfig(selector="oracle", evaluation_only=True)  # its attention replaces the eager step's
     assert cpu_decode_step([], oracle).decode_step == "eager"
     monkeypatch.setenv(DECODE_STEP_ENV, "eager")
-    assert cpu_decode_step([], OasisConfig()).decode_step == "eager"
+    assert cpu_decode_step([], summaries).decode_step == "eager"
+    monkeypatch.setenv(DECODE_STEP_ENV, "captured")
+    assert cpu_decode_step([], OasisConfig()).decode_step == "captured"  # codes captured (coded_selection.py)
     monkeypatch.setenv(DECODE_STEP_ENV, "graph")
     with pytest.raises(LaunchError, match=DECODE_STEP_ENV):
         cpu_decode_step([], OasisConfig())
@@ -230,7 +238,10 @@ def test_a_pd_decode_server_on_cpu_backs_up_retracted_requests_in_plain_tensors(
         (["--oasis-recall-target", "1.5"], "--oasis-recall-target: must be in [0, 1)"),
         (["--dtype", "bogus"], "--dtype bogus"),  # refused by the host tier's sizing, naming it
         (["--oasis-dense-layers", "3,30"], "--oasis-dense-layers 30: the model has 30 layers"),
-        (["--oasis-device-kv-tokens", "1024"], "--oasis-device-kv-tokens: 1024 tokens do not hold"),
+        (
+            ["--oasis-top-k", "128", "--oasis-device-kv-tokens", "1024"],
+            "--oasis-device-kv-tokens: 1024 tokens do not hold",
+        ),
         (["--oasis-device-kv-tokens", str(10**9)], "are both host RAM, more than the"),
         (["--device", "cuda"], "--oasis-cuda-untested true to try the untested CUDA path"),
         (

@@ -235,7 +235,7 @@ CASES = {
 def configs(name: str) -> tuple[OasisConfig, dict[int, int], dict[int, list[int]]]:
     options, own_k, pins = CASES[name]
     base: dict[str, Any] = dict(block_size=BLOCK, device_kv_tokens=POOL, dense_layers=(0,), prefill_window=0,
-                                prefetch="sync")  # fmt: skip
+                                prefetch="sync", selector="summaries")  # fmt: skip
     return OasisConfig(**{**base, **options}), own_k, pins
 
 

@@ -244,7 +244,9 @@ def _backend(rows: int, max_running: int | None, sglang_running: int = 0, **conf
         server_args=SimpleNamespace(port=1, enable_metrics=False, max_running_requests=max_running),
         max_running_requests=sglang_running or rows,  # what SGLang's scheduler will read
     )
-    backend = OasisAttnBackend(runner, OasisConfig(block_size=4, top_k=2, **config))
+    backend = OasisAttnBackend(
+        runner, OasisConfig(block_size=4, top_k=2, **{"selector": "summaries", **config})
+    )
     backend.runner = runner  # type: ignore[attr-defined]
     return backend
 

@@ -215,7 +215,7 @@ def test_a_40_gib_gpu_on_a_256_gib_host_gets_a_host_tier_larger_than_any_dense_p
 def config(**changes: Any) -> OasisConfig:
     base = OasisConfig(
         block_size=BLOCK, top_k=4, fetch_ratio=0.25, device_kv_tokens=4096, decode_step="captured",
-        cuda_untested=True, prefill_attention="torch", prefetch="sync",
+        cuda_untested=True, prefill_attention="torch", prefetch="sync", selector="summaries",
     )  # fmt: skip
     return dataclasses.replace(base, **changes)
 

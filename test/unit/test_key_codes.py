@@ -292,7 +292,7 @@ def test_what_cannot_serve_codes_is_refused() -> None:
     assert not OasisConfig(selector="codes").oracle  # a serving mode, not the evaluation-only oracle
     assert OasisConfig(selector="codes", decode_step="captured").decode_step == "captured"  # served since
     with pytest.raises(OasisConfigError, match=r"--oasis-code-candidates: needs --oasis-selector codes"):
-        OasisConfig(code_candidates=4)
+        OasisConfig(selector="summaries", code_candidates=4)
     with pytest.raises(OasisConfigError, match=r"--oasis-code-candidates: must be >= 0"):
         OasisConfig(selector="codes", code_candidates=-1)
     with pytest.raises(ValueError, match="head_dim 6"):

@@ -61,7 +61,9 @@ def _backend(pool: TinyKVPool, top_k: int = 1, **config: int) -> OasisAttnBacken
         token_to_kv_pool=pool,
         server_args=SimpleNamespace(port=1, enable_metrics=False),
     )
-    backend = OasisAttnBackend(runner, OasisConfig(block_size=BLOCK, top_k=top_k, **config))
+    backend = OasisAttnBackend(
+        runner, OasisConfig(block_size=BLOCK, top_k=top_k, **{"selector": "summaries", **config})
+    )
     if backend.captured is not None:  # no compiles ahead: their padding rows write location 0, a token here
         backend.captured.ahead = None
     return backend

@@ -51,7 +51,13 @@ def _probe_after_selecting(top_k: int, selecting_block: int, **options: Any) -> 
         token_to_kv_pool=Pool(),
         server_args=SimpleNamespace(port=1, enable_metrics=False),
     )
-    config = OasisConfig(block_size=BLOCK, top_k=top_k, recall_sample_every=1, prefill_window=0, **options)
+    config = OasisConfig(
+        block_size=BLOCK,
+        top_k=top_k,
+        recall_sample_every=1,
+        prefill_window=0,
+        **{"selector": "summaries", **options},
+    )
     backend = OasisAttnBackend(runner, config)
     backend.slots.claim(0, 0)
     backend.set_batch([0], admission=True)

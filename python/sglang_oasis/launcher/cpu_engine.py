@@ -80,11 +80,14 @@ def cpu_dtype_args(sglang_argv: Sequence[str]) -> list[str]:
 
 
 def cpu_decode_step(argv: Sequence[str], config: OasisConfig) -> OasisConfig:
-    """The CPU default of ``--oasis-decode-step`` (sparse mode): ``captured`` where it wins (its TPOT
-    0.69-0.93x the eager step's, docs/results.md), or ``$SGLANG_OASIS_CPU_DECODE_STEP``; none where the
-    option is given, with ``--oasis-adaptive-cap`` or ``--oasis-selector oracle`` (which the captured step
-    refuses) or with no fetch cap (``--oasis-fetch-ratio 1``: its fixed shape then copies a whole working
-    set per head every step, 1.68x dense against the eager step's ~1.3x). Its compiles (``compile_plan``)
+    """The CPU default of ``--oasis-decode-step`` (sparse mode), or ``$SGLANG_OASIS_CPU_DECODE_STEP``:
+    ``captured`` with the summaries (its TPOT 0.69-0.93x the eager step's, docs/results.md), ``eager``
+    with ``--oasis-selector codes`` (the eager step scores the codes on the pipeline's thread beside the
+    model's, the captured step inline: 4 x 3K, TPOT 0.68 / 0.76x dense cold / warm against 0.75 / 0.78x,
+    and no compiles before ready); none where the option is given, with ``--oasis-adaptive-cap`` or
+    ``--oasis-selector oracle`` (which the captured step refuses) or with no fetch cap
+    (``--oasis-fetch-ratio 1``: its fixed shape then copies a whole working set per head every step, 1.68x
+    dense against the eager step's ~1.3x). Its compiles (``compile_plan``)
     go to a cache that outlives reboots (``$TORCHINDUCTOR_CACHE_DIR``, unless set: torch's under the
     project's cache)."""
     if config.decode_step == "captured" and config.fetch_ratio >= 1:
@@ -95,11 +98,16 @@ def cpu_decode_step(argv: Sequence[str], config: OasisConfig) -> OasisConfig:
     eager_only = config.adaptive_cap or config.oracle  # the captured step refuses
     if given(argv, "--oasis-decode-step") or eager_only or config.fetch_ratio >= 1:
         return config
-    step = os.environ.get(DECODE_STEP_ENV) or "captured"
+    step = os.environ.get(DECODE_STEP_ENV) or ("eager" if config.selector == "codes" else "captured")
     if step not in DECODE_STEPS:
         raise LaunchError(f"{DECODE_STEP_ENV}={step!r} is not one of {', '.join(DECODE_STEPS)}")
-    if step == "eager":
-        say(f"--oasis-decode-step eager ({DECODE_STEP_ENV})")
+    if os.environ.get(DECODE_STEP_ENV):
+        say(f"--oasis-decode-step {step} ({DECODE_STEP_ENV})")
+    elif step == "eager":
+        say(
+            "--oasis-decode-step eager: with --oasis-selector codes the eager step is the faster on CPU (its "
+            "pipeline's thread scores the codes beside the model's); --oasis-decode-step captured compiles one"
+        )
     return dataclasses.replace(config, decode_step=step)
 
 

@@ -36,7 +36,10 @@ class KeyCodeStore:
         device: torch.device | str,
     ) -> None:
         if head_dim % PER_BYTE:
-            raise ValueError(f"--oasis-selector codes: head_dim {head_dim} is not a multiple of {PER_BYTE}")
+            raise ValueError(
+                f"--oasis-selector codes: head_dim {head_dim} is not a multiple of {PER_BYTE} "
+                "(--oasis-selector summaries serves any head_dim)"
+            )
         self.summaries = summaries
         self.block_size = summaries.block_size
         shape = (num_layers, num_pages, self.block_size, num_kv_heads, head_dim // PER_BYTE)
