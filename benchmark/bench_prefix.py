@@ -184,15 +184,8 @@ def main() -> None:
     model = prepare_default_model(args.num_layers)
     convs = conversations(model, args.groups, args.questions, args.prefix_tokens, args.question_tokens)
     common = ["--model-path", str(model), "--enable-metrics"]
-    sparse = [
-        *common,
-        "--oasis-selector",
-        "summaries",
-        "--oasis-top-k",
-        str(args.top_k),
-        "--oasis-host-kv-tokens",
-        str(args.pool_tokens),
-    ]
+    selection = ["--oasis-selector", "summaries", "--oasis-top-k", str(args.top_k)]  # results.md's rows
+    sparse = [*common, *selection, "--oasis-host-kv-tokens", str(args.pool_tokens)]
     configs = {
         "dense": [*common, "--oasis-mode", "dense", "--max-total-tokens", str(args.pool_tokens)],
         "sparse": sparse,

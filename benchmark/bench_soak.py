@@ -97,15 +97,8 @@ def mode_args(mode: str, args: argparse.Namespace, model: Path) -> list[str]:
               str(args.conservativeness)]  # fmt: skip
     if mode == "dense":
         return [*common, "--oasis-mode", "dense", "--max-total-tokens", str(args.host_kv_tokens)]
-    sparse = [
-        *common,
-        "--oasis-selector",
-        "summaries",
-        "--oasis-top-k",
-        str(args.top_k),
-        "--oasis-host-kv-tokens",
-        str(args.host_kv_tokens),
-    ]
+    selection = ["--oasis-selector", "summaries", "--oasis-top-k", str(args.top_k)]  # results.md's rows
+    sparse = [*common, *selection, "--oasis-host-kv-tokens", str(args.host_kv_tokens)]
     if mode == "eagle3":
         from sglang_oasis.models.default_model import default_draft_dir
 
