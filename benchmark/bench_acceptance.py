@@ -41,7 +41,7 @@ from typing import Any
 
 import requests
 
-from common import machine_info, print_table
+from common import BY_SUMMARIES, machine_info, print_table
 from sglang_oasis.evaluation.chat_prompts import CHAT_PROMPTS
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.server_process import ServerProcess
@@ -56,7 +56,7 @@ def server_args(mode: str, head: Path | None, dtype: str) -> list[str]:
     if mode == "dense":
         return [*common, "--oasis-mode", "dense"]
     source = mode.removesuffix("_pd")
-    args = [*common, "--oasis-selector", "summaries", "--oasis-top-k", "128"]  # covers every chat here
+    args = [*common, *BY_SUMMARIES, "--oasis-top-k", "128"]  # covers every chat here
     args += ["--oasis-lookahead", source, "--oasis-draft-policy", "verify"]
     if source == "eagle3" and head is not None:
         args += ["--speculative-draft-model-path", str(head)]

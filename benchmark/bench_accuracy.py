@@ -111,7 +111,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from accuracy_tasks import TASKS, Message, Sample
-from common import common_prefix, int_list, machine_info, print_table
+from common import BY_SUMMARIES, common_prefix, int_list, machine_info, print_table
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.sglang_contract import FIGURES_KEY
 
@@ -152,7 +152,7 @@ SHAREABLE = ("--oasis-mode", "--oasis-top-k", "--oasis-recall-target", "--oasis-
 GROUPING = ("--oasis-selector", "--oasis-evaluation-only")
 # Every sparse config's first words: the K sweep's rows (and target98's) are the summaries' (the serving
 # default is codes at K = 16); a config's own --oasis-selector comes later and wins
-SPARSE = ("--oasis-mode", "sparse", "--oasis-selector", "summaries")
+SPARSE = ("--oasis-mode", "sparse", *BY_SUMMARIES)
 # The oracle arm (--oracle-top-ks): each step's top-K blocks by its own query's exact attention mass
 ORACLE_ARGS = ("--oasis-selector", "oracle", "--oasis-evaluation-only", "true")
 # --oracle-pooled-top-ks: the same bytes (H x K blocks per request and layer) shared among the KV heads by mass

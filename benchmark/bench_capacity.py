@@ -68,7 +68,15 @@ from typing import Any, NamedTuple
 
 import requests
 
-from common import PeakSampler, essay_prompts, machine_info, oasis_stats, print_table, stream_generate
+from common import (
+    BY_SUMMARIES,
+    PeakSampler,
+    essay_prompts,
+    machine_info,
+    oasis_stats,
+    print_table,
+    stream_generate,
+)
 from sglang_oasis.memory.host_tier import kv_footprint, model_config
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.server_process import ServerProcess
@@ -270,7 +278,7 @@ def run_context(
         *(["--tp-size", str(args.tp_size)] if args.tp_size > 1 else []),
     ]  # fmt: skip
     # key codes: head_dim / 4 bytes per token and KV head, against 2 x head_dim x the dtype's bytes of KV
-    codes, per_token = ["--oasis-selector", "summaries"], 0.0
+    codes, per_token = list(BY_SUMMARIES), 0.0
     if args.code_candidates is not None:
         codes = ["--oasis-selector", "codes", "--oasis-code-candidates", str(args.code_candidates)]
         per_token = 1 / (8 * DTYPE_BYTES[args.dtype])

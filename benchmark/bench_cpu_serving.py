@@ -46,7 +46,7 @@ from typing import Any
 
 import requests
 
-from common import essay_prompts, machine_info, print_table, stream_generate
+from common import BY_SUMMARIES, essay_prompts, machine_info, print_table, stream_generate
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.platform.cpu.capabilities import cpu_flags, fastest_dtype, intra_op_threads, usable_cores
@@ -185,7 +185,7 @@ def server_args(
     # K = 128 with the summaries (the defaults when results.md's rows were measured), the working-set
     # budget cut to the largest batch (memory; speed is the same).
     budget = max(batch, 1) * OasisConfig(top_k=128).working_set_tokens
-    pinned = ["--oasis-selector", "summaries", "--oasis-top-k", "128"]
+    pinned = [*BY_SUMMARIES, "--oasis-top-k", "128"]
     return [
         *common,
         *pinned,

@@ -55,7 +55,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from common import Stream, essay_prompts, machine_info, oasis_stats, print_table, stream_generate
+from common import (
+    BY_SUMMARIES,
+    Stream,
+    essay_prompts,
+    machine_info,
+    oasis_stats,
+    print_table,
+    stream_generate,
+)
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.evaluation.passkey import count_hits, essays_text, make_case
 from sglang_oasis.models.default_model import prepare_default_model
@@ -185,7 +193,7 @@ def sparse_args(
     ratio: float, adaptive: bool, args: argparse.Namespace, model_args: list[str], host_tokens: int
 ) -> list[str]:
     return [
-        *model_args, "--oasis-mode", "sparse", "--oasis-selector", "summaries", "--oasis-top-k", str(args.top_k),
+        *model_args, "--oasis-mode", "sparse", *BY_SUMMARIES, "--oasis-top-k", str(args.top_k),
         "--oasis-block-size", str(args.block_size), "--oasis-fetch-ratio", str(ratio),
         "--oasis-adaptive-cap", str(adaptive).lower(), "--oasis-host-kv-tokens", str(host_tokens),
         "--oasis-device-kv-tokens", str(8 * args.top_k * args.block_size),

@@ -77,7 +77,15 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
-from common import common_prefix, essay_prompts, machine_info, oasis_stats, print_table, stream_generate
+from common import (
+    BY_SUMMARIES,
+    common_prefix,
+    essay_prompts,
+    machine_info,
+    oasis_stats,
+    print_table,
+    stream_generate,
+)
 from sglang_oasis.config import OasisConfig
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.server_process import ServerProcess
@@ -234,7 +242,7 @@ def server_args(
     if "_ngram" in mode:
         step += ["--oasis-lookahead", "ngram", "--oasis-draft-policy", "verify"]
     return [*recall, *step,
-        *common, "--oasis-mode", "sparse", "--oasis-selector", "summaries", "--oasis-top-k", str(top_k), "--oasis-block-size", str(block_size),
+        *common, "--oasis-mode", "sparse", *BY_SUMMARIES, "--oasis-top-k", str(top_k), "--oasis-block-size", str(block_size),
         *fetch, "--oasis-prefetch", "sync" if mode == "sparse_sync" else "async",
         "--oasis-host-kv-tokens", str(pool_tokens), "--oasis-device-kv-tokens", str(device_tokens(top_k, block_size, batch, pool_tokens)),
     ]  # fmt: skip

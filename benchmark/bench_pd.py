@@ -49,12 +49,12 @@ REMOTE = ("remote_admission_bytes", "remote_summary_bytes", "remote_miss_bytes",
 def serve(
     name: str, args: argparse.Namespace, model_dir: Path, prompts: list[list[int]], log_dir: Path
 ) -> list[dict]:
-    from common import oasis_stats, stream_generate
+    from common import BY_SUMMARIES, oasis_stats, stream_generate
     from sglang_oasis_testing.pd_launch import PDLaunch
 
     server_args = [
         "--model-path", str(model_dir), "--dtype", "float32", "--oasis-top-k", str(args.top_k),
-        "--oasis-selector", "summaries",
+        *BY_SUMMARIES,
         "--oasis-host-kv-tokens", "32768", "--oasis-device-kv-tokens", "65536",
         "--prefill-args=--enable-metrics", "--tp-size", str(args.tp_size), *CONFIGS[name],
     ]  # fmt: skip
@@ -103,7 +103,7 @@ def slow_handoff(args: argparse.Namespace, model_dir: Path, prompts: list[list[i
     hand-off (the tokens it decoded inside that wait, against the same token indices alone)."""
     import threading
 
-    from common import oasis_stats, stream_generate
+    from common import BY_SUMMARIES, oasis_stats, stream_generate
     from sglang_oasis.disaggregation.prefill_stager import HANDOFF_DELAY_ENV
     from sglang_oasis_testing.pd_launch import PDLaunch
 
@@ -111,7 +111,7 @@ def slow_handoff(args: argparse.Namespace, model_dir: Path, prompts: list[list[i
     new_tokens = 256  # long enough to decode through the whole wait
     server_args = [
         "--model-path", str(model_dir), "--dtype", "float32", "--oasis-top-k", str(args.top_k),
-        "--oasis-selector", "summaries",
+        *BY_SUMMARIES,
         "--oasis-host-kv-tokens", "32768", "--oasis-device-kv-tokens", "65536", "--tp-size", str(args.tp_size),
     ]  # fmt: skip
     env = {HANDOFF_DELAY_ENV: f"{len(slow)}:{args.handoff_delay_s}"}

@@ -37,7 +37,7 @@ from typing import Any
 
 import requests
 
-from common import essay_prompts, machine_info, oasis_stats, print_table, scrape_metric
+from common import BY_SUMMARIES, essay_prompts, machine_info, oasis_stats, print_table, scrape_metric
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.server_process import ServerProcess
 
@@ -184,7 +184,7 @@ def main() -> None:
     model = prepare_default_model(args.num_layers)
     convs = conversations(model, args.groups, args.questions, args.prefix_tokens, args.question_tokens)
     common = ["--model-path", str(model), "--enable-metrics"]
-    selection = ["--oasis-selector", "summaries", "--oasis-top-k", str(args.top_k)]  # results.md's rows
+    selection = [*BY_SUMMARIES, "--oasis-top-k", str(args.top_k)]  # results.md's rows
     sparse = [*common, *selection, "--oasis-host-kv-tokens", str(args.pool_tokens)]
     configs = {
         "dense": [*common, "--oasis-mode", "dense", "--max-total-tokens", str(args.pool_tokens)],

@@ -70,7 +70,7 @@ from typing import Any
 
 import requests
 
-from common import machine_info, print_table
+from common import BY_SUMMARIES, machine_info, print_table
 from sglang_oasis.evaluation.passkey import essays_text
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.server_process import ServerProcess
@@ -97,7 +97,7 @@ def mode_args(mode: str, args: argparse.Namespace, model: Path) -> list[str]:
               str(args.conservativeness)]  # fmt: skip
     if mode == "dense":
         return [*common, "--oasis-mode", "dense", "--max-total-tokens", str(args.host_kv_tokens)]
-    selection = ["--oasis-selector", "summaries", "--oasis-top-k", str(args.top_k)]  # results.md's rows
+    selection = [*BY_SUMMARIES, "--oasis-top-k", str(args.top_k)]  # results.md's rows
     sparse = [*common, *selection, "--oasis-host-kv-tokens", str(args.host_kv_tokens)]
     if mode == "eagle3":
         from sglang_oasis.models.default_model import default_draft_dir

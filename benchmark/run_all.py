@@ -32,6 +32,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
+from common import BY_SUMMARIES
 from sglang_oasis.evaluation.passkey import count_hits, essays_text, make_case
 from sglang_oasis.models.default_model import prepare_default_model
 from sglang_oasis.replay import ReplayConfig, run_replay
@@ -238,7 +239,7 @@ def server_args(model: Path, mode: str) -> list[str]:
     if mode == "dense":
         return [*common, "--oasis-mode", "dense"]
     return [
-        "--model-path", str(model), "--oasis-selector", "summaries", "--oasis-top-k", str(TOP_K),
+        "--model-path", str(model), *BY_SUMMARIES, "--oasis-top-k", str(TOP_K),
         "--oasis-host-kv-tokens", "32768", "--oasis-device-kv-tokens", "8192",
     ]  # fmt: skip
 
