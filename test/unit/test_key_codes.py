@@ -73,6 +73,9 @@ def test_coded_mass_equals_the_reference_with_awkward_sizes() -> None:
     torch.testing.assert_close(got.sum(-1)[[0, 2, 3]], torch.full((3, kv_heads), float(group)))
     alone = coded_block_mass(query[2:3], kmin, kmax, codes, page_ids[2:3], full[2:3], 0.37)
     assert torch.equal(alone[0], got[2])  # a request's scores do not depend on its batch
+    # boxes in float64: not the CPU kernel's (one call for the batch) but the torch form's, row by row
+    by_rows = coded_block_mass(query, kmin.double(), kmax.double(), codes, page_ids, full, 0.37)
+    torch.testing.assert_close(by_rows, got, rtol=1e-5, atol=1e-6)
 
 
 def test_candidate_mass_equals_the_reference_and_scores_only_candidates() -> None:
@@ -100,6 +103,8 @@ def test_candidate_mass_equals_the_reference_and_scores_only_candidates() -> Non
     torch.testing.assert_close(got.sum(-1), torch.full((3, kv_heads), float(group)))
     whole = coded_block_mass(query[2:], kmin, kmax, codes, page_ids[2:], full[2:], 0.5)
     torch.testing.assert_close(got[2], whole[0])
+    alone = coded_block_mass(query[1:2], kmin, kmax, codes, page_ids[1:2], full[1:2], 0.5, candidates[1:2])
+    assert torch.equal(alone[0], got[1])  # in a batch or alone, the same scores
 
 
 def test_corner_keys_give_the_exact_attention_mass() -> None:

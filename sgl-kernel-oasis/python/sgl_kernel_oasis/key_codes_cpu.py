@@ -10,10 +10,13 @@ writes grows with the context. Here, per (row, KV head, candidate block), in num
     logit[g, t]  = base[g] + sum_d weight[g, d] x level[t, d]           (level: the code, 0..LEVELS)
 
 which is ``q . decode(code) x scale`` rearranged; the block's 16 x head_dim levels are unpacked once into
-a small buffer that stays in cache and read by every query head of the group. Then, in torch (its
-vectorized exp), each (row, KV head, query head)'s softmax over its valid candidates' keys, summed per
-block over the group's query heads: ``candidate_mass_torch``'s result to float32 rounding (tested against
-it and the float64 reference). At 4 rows x 3 KV heads x 192 blocks: 1.2 ms against the torch form's 7.5 (AMD EPYC, one thread).
+a small buffer that stays in cache and read by every query head of the group. Then, in the same call, each
+(row, KV head, query head)'s softmax over its valid candidates' keys (fixed loop order: a row's masses
+depend on its own inputs alone), summed per block over the group's query heads: ``candidate_mass_torch``'s
+result to float32 rounding (tested against it and the float64 reference). At 4 rows x 3 KV heads x 192
+blocks: 1.6 ms against the torch form's 7.5 (AMD EPYC, one thread; the softmax in torch after the kernel
+took 1.2 ms in all, but a dozen ops more, and the eager pipeline's thread takes the GIL for each: the model's
+thread waits for it).
 
 Serial (the server's torch threads are its own; ``nogil``: the eager pipeline's thread runs beside the
 model's). Boxes in float32 or bfloat16 (read as their bits: numba has no bfloat16); other dtypes take the
@@ -34,7 +37,7 @@ PER_BYTE = 8 // BITS
 
 
 @njit(cache=True, fastmath=FAST_MATH, nogil=True, boundscheck=False)
-def _coded_logits(codes, page, valid, kmin, kmax, bf16, query, scale, step, levels, logits):
+def _coded_mass(codes, page, valid, kmin, kmax, bf16, query, scale, step, levels, mass):
     rows, heads, width = page.shape
     groups, dim = query.shape[2], query.shape[3]
     block, per_key = codes.shape[1], codes.shape[3]
@@ -46,12 +49,16 @@ def _coded_logits(codes, page, valid, kmin, kmax, bf16, query, scale, step, leve
     weight = np.empty((groups, dim), np.float32)
     base = np.empty(groups, np.float32)
     level = np.empty((block, dim), np.float32)
+    logits = np.empty((groups, width, block), np.float32)  # one (row, KV head)'s, then their exps
     for r in range(rows):
         for h in range(heads):
             head_valid = h if valid.shape[1] > 1 else 0
+            count = 0
             for c in range(width):
+                mass[r, h, c] = 0.0
                 if not valid[r, head_valid, c]:
-                    continue  # its logits stay the caller's fill
+                    continue  # no share of the softmax
+                count += 1
                 p = page[r, h, c]
                 if bf16:  # bfloat16's bits are a float32's upper half
                     for d in range(dim):
@@ -80,7 +87,31 @@ def _coded_logits(codes, page, valid, kmin, kmax, bf16, query, scale, step, leve
                         acc = np.float32(0.0)
                         for d in range(dim):
                             acc += weight[g, d] * level[t, d]
-                        logits[r, h, g, c, t] = acc + base[g]
+                        logits[g, c, t] = acc + base[g]
+            if count == 0:
+                continue
+            # each query head's softmax over the valid candidates' keys, in a fixed order: a row's masses
+            # depend on its own inputs alone (the same in any batch)
+            for g in range(groups):
+                top = np.float32(-np.inf)
+                for c in range(width):
+                    if valid[r, head_valid, c]:
+                        for t in range(block):
+                            top = max(top, logits[g, c, t])
+                total = np.float32(0.0)
+                for c in range(width):
+                    if valid[r, head_valid, c]:
+                        for t in range(block):
+                            e = np.exp(logits[g, c, t] - top)
+                            logits[g, c, t] = e
+                            total += e
+                inverse = np.float32(1.0) / total
+                for c in range(width):
+                    if valid[r, head_valid, c]:
+                        acc = np.float32(0.0)
+                        for t in range(block):
+                            acc += logits[g, c, t]
+                        mass[r, h, c] += acc * inverse
 
 
 def level_table() -> np.ndarray:
@@ -133,9 +164,8 @@ def coded_mass_cpu(
         raise IndexError(f"coded_mass_cpu: a valid candidate's page is outside the {codes.shape[0]} pages")
     bf16 = kmin.dtype == torch.bfloat16
     q = query.detach().float().reshape(batch, heads, -1, dim).contiguous()
-    lowest = torch.finfo(torch.float32).min  # an invalid candidate's keys: no share of the softmax
-    logits = torch.full((batch, heads, q.shape[2], width, codes.shape[1]), lowest, dtype=torch.float32)
-    _coded_logits(
+    mass = torch.empty((batch, heads, width), dtype=torch.float32)
+    _coded_mass(
         codes.detach().numpy(),
         page.detach().numpy(),
         valid.detach().numpy(),
@@ -146,10 +176,9 @@ def coded_mass_cpu(
         float(scale),
         float(scale) / ((1 << BITS) - 1),
         LEVEL_TABLE,
-        logits.numpy(),
+        mass.numpy(),
     )
-    mass = logits.view(batch, heads, q.shape[2], -1).softmax(dim=-1).view_as(logits).sum(dim=(2, 4))
-    return mass.masked_fill_(~valid, 0.0)
+    return mass
 
 
 @coded_mass_cpu.register_fake
