@@ -55,7 +55,7 @@ def coded_scores(
     assert codes is not None and m is not None
     bs, heads, num_blocks = in_range.shape
     if m == 0:
-        page = pages[:, None, :num_blocks].expand(bs, heads, num_blocks)
+        page = pages[:, None].expand(bs, heads, num_blocks)
         return candidate_mass(query, state.kmin, state.kmax, codes, page, in_range, scale)
     assert bound is not None
     full = in_range[:, 0].sum(dim=-1)  # [bs]
@@ -63,7 +63,6 @@ def coded_scores(
     ranked = bound.masked_fill(~in_range, float("-inf")).topk(width, dim=-1).indices  # [bs, H, W]
     valid = torch.arange(width, device=bound.device) < torch.minimum(full, m * top_k)[:, None, None]
     page = pages.gather(1, ranked.flatten(1)).view(bs, heads, width)
-    # [bs, H, W]
-    mass = candidate_mass(query, state.kmin, state.kmax, codes, page, valid, scale)
+    mass = candidate_mass(query, state.kmin, state.kmax, codes, page, valid, scale)  # [bs, H, W]
     scores = torch.zeros((bs, heads, num_blocks), dtype=torch.float32, device=bound.device)
     return scores.scatter(-1, ranked, mass)

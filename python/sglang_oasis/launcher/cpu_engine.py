@@ -98,10 +98,11 @@ def cpu_decode_step(argv: Sequence[str], config: OasisConfig) -> OasisConfig:
     eager_only = config.adaptive_cap or config.oracle  # the captured step refuses
     if given(argv, "--oasis-decode-step") or eager_only or config.fetch_ratio >= 1:
         return config
-    step = os.environ.get(DECODE_STEP_ENV) or ("eager" if config.selector == "codes" else "captured")
+    chosen = os.environ.get(DECODE_STEP_ENV)
+    step = chosen or ("eager" if config.selector == "codes" else "captured")
     if step not in DECODE_STEPS:
         raise LaunchError(f"{DECODE_STEP_ENV}={step!r} is not one of {', '.join(DECODE_STEPS)}")
-    if os.environ.get(DECODE_STEP_ENV):
+    if chosen:
         say(f"--oasis-decode-step {step} ({DECODE_STEP_ENV})")
     elif step == "eager":
         say(
