@@ -4,12 +4,12 @@ the sparse server's defaults (key codes, K = 16 blocks of 16) against dense.
 Measured with the defaults (greedy, 2026-12-07, AMD EPYC, the launcher's dtype: bfloat16 there): ~2K
 tokens dense 5/5, sparse 5/5; ~4K tokens dense 4/5, sparse 4/5 (both cases 5.4 min). Before, with the
 summaries at K = 32 (2026-12-01): ~2K dense 5/5, sparse 5/5; ~4K dense 5/5, sparse 5/5. The first
-working sets come from the prefill window (--oasis-prefill-window 32: each KV head's top-K blocks by
-the exact attention of the prompt's last 32 queries, a quarter of them kept for the whole request). Without it (--oasis-prefill-window 0, the min/max summaries choosing every step's
-blocks) sparse found 4/5 at 2K and 0/5 at 4K (K=64: 1/5; K=256, every block: 5/5);
-benchmark/bench_selection.py shows why offline: the min/max bound of 16-token blocks ranks the key's
-blocks out of the top 32 at 4K. The 4K case takes ~3-11 minutes, so it runs only with
-SGLANG_OASIS_SLOW_TESTS=1.
+working sets come from the prefill window (--oasis-prefill-window 32: each KV head's top-K blocks by the
+exact attention of the prompt's last 32 queries, a quarter of them kept for the whole request). Without
+it (--oasis-prefill-window 0, the min/max summaries choosing every step's blocks) sparse found 4/5 at 2K
+and 0/5 at 4K (K=64: 1/5; K=256, every block: 5/5); benchmark/bench_selection.py shows why offline: the
+min/max bound of 16-token blocks ranks the key's blocks out of the top 32 at 4K. The 4K case takes ~3-11
+minutes, so it runs only with SGLANG_OASIS_SLOW_TESTS=1.
 
 Blocks of 4 with K = 128 (the same 512 tokens per working set, 4x the summaries) found the key in 4/5 at
 4K without the window when the fetch cap adapts to the drift (test_blocks_of_4_find_the_key_at_4k, also

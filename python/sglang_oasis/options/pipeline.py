@@ -66,19 +66,19 @@ class PipelineOptions:
         metadata={
             "help": "How a sparse layer's decode step runs (sparse mode). 'eager': torch ops sized by the data, "
             "the selection and its copies in the prefetch pipeline (--oasis-prefetch). 'captured': plain decode "
-            "batches run one torch.compile'd program per layer on fixed shapes (batches padded to 1, 2, 4, 8... "
-            "rows, blocks to a first bucket then every 16 more on CPU; no host sync), its next-step copies "
-            "inside the step; compiled before the server is ready for every batch bucket up to the "
-            "running-request cap (or "
-            "--cuda-graph-max-bs-decode; larger batches decode eagerly) and kind of pass, as two graphs per kind "
-            "(one row; every larger bucket: the batch dimension is symbolic; ~20 s each on a CPU the first time, "
-            "~2 s once torch has cached it across starts), and one device request slot goes to padding rows. "
-            "Verify passes (--oasis-lookahead's rows), recall samples and recall targets run it too. Steps it "
-            "does not cover (extends, PD arrivals, passes of a request whose KV is still partly on the prefill "
-            "node) run eagerly. Without the option the launcher's CPU defaults choose 'captured' with "
-            "--oasis-selector summaries and 'eager' with codes (faster there: the pipeline's thread scores the codes beside the "
-            "model's) (the eager step also with --oasis-adaptive-cap, or --oasis-fetch-ratio 1, where captured "
-            "loses; SGLANG_OASIS_CPU_DECODE_STEP=eager or captured changes that default).",
+            "batches run one torch.compile'd program per layer on fixed shapes (batches padded to 1, 2, 4, "
+            "8... rows, blocks to a first bucket then every 16 more on CPU; no host sync), its next-step "
+            "copies inside the step; compiled before the server is ready for every batch bucket up to the "
+            "running-request cap (or --cuda-graph-max-bs-decode; larger batches decode eagerly) and kind of "
+            "pass, as two graphs per kind (one row; every larger bucket: the batch dimension is symbolic; "
+            "~20 s each on a CPU the first time, ~2 s once torch has cached it across starts), and one device "
+            "request slot goes to padding rows. Verify passes (--oasis-lookahead's rows), recall samples and "
+            "recall targets run it too. Steps it does not cover (extends, PD arrivals, passes of a request "
+            "whose KV is still partly on the prefill node) run eagerly. Without the option the launcher's "
+            "CPU defaults choose 'captured' with --oasis-selector summaries and 'eager' with codes (faster "
+            "there: the pipeline's thread scores the codes beside the model's) (the eager step also with "
+            "--oasis-adaptive-cap, or --oasis-fetch-ratio 1, where captured loses; "
+            "SGLANG_OASIS_CPU_DECODE_STEP=eager or captured changes that default).",
             "choices": DECODE_STEPS,
         },
     )

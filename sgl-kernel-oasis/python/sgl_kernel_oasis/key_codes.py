@@ -94,7 +94,7 @@ def coded_block_mass(
     greedy output in any batch): on CPU in one call of the kernel for the whole batch (its loops compute
     each row's softmax over that row's keys alone, and the eager pipeline's thread holds the GIL for a
     few ops per layer rather than a few dozen per request, each of which the model's thread waited for:
-    the default served step at 4 x 3K took 1.5x the summaries' with the loop), elsewhere row by row.
+    the default served step at 4 x 3K: 235 ms with the loop, 213 with one call), elsewhere row by row.
     """
     batch, num_kv_heads = query.shape[0], kmin.shape[1]
     if key_codes_cpu.supports(query, kmin):  # candidates marked valid, all rows at once
