@@ -2,13 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from sgl_kernel_oasis import build_block_summaries
+from sglang_oasis.memory.plan_cpu import PlanLimits, plan_tables
 from sglang_oasis.memory.summary_store import BlockSummaryStore
-from sglang_oasis.memory.working_set import EMPTY, WorkingSetPool
+from sglang_oasis.memory.working_set import EMPTY, WorkingSetPool, plan_in_torch
 from sglang_oasis_testing.headwise_reference import HeadwiseMap
 
 B = 4
@@ -262,3 +264,40 @@ def test_a_plan_within_a_smaller_capacity_matches_the_per_head_reference(
             assert torch.equal(ws.last_selected[req, 0], reference[req].last_selected)
             assert int((ws.slot_block[req, 0] != EMPTY).sum(-1).max()) <= capacity[i]
         assert plan.num_loads == want_loads
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_the_cpu_plan_is_the_torch_plan_slot_for_slot(seed: int) -> None:
+    """``plan_tables`` (one numba call, the CPU path) against ``plan_in_torch`` over a run of steps on
+    awkward sizes: the same new tables and the same loads in the same order, with and without a cap
+    (one for all, or per request), fresh blocks, priorities with ties and infinities, and capacities."""
+    gen = torch.Generator().manual_seed(seed)
+    bs, heads, slots, num_blocks = 5, 3, 7, 37
+    blocks = torch.full((bs, heads, slots), EMPTY, dtype=torch.int64)
+    last = torch.full((bs, heads, slots), EMPTY, dtype=torch.int64)
+    for step in range(12):
+        full = torch.randint(1, num_blocks + 1, (bs,), generator=gen)
+        capacity = torch.randint(2, slots + 1, (bs,), generator=gen)
+        scores = torch.randint(0, 4, (bs, heads, num_blocks), generator=gen).float()  # ties likely
+        scores[..., :2] = float("inf")  # sinks
+        valid = (torch.arange(num_blocks) < full[:, None, None]).expand(-1, heads, -1)
+        rank = scores.masked_fill(~valid, float("-inf")).argsort(dim=-1, descending=True, stable=True)
+        selected = torch.zeros_like(valid).scatter_(-1, rank[..., :slots], True) & valid
+        selected &= (
+            torch.arange(num_blocks) < capacity[:, None, None] + (step % 3) * 5
+        )  # some fit, some don't
+        kinds = [None, int(step % 4), torch.randint(0, 3, (bs,), generator=gen)]
+        cap = kinds[step % 3]
+        fresh_from = None if step % 2 else full - 1
+        priority = None if step % 5 == 4 else scores
+        shrink = capacity if step % 4 == 1 else None
+        limits = PlanLimits(cap, fresh_from, priority, shrink)
+        want = plan_in_torch(blocks.clone(), last.clone(), selected, step, limits)
+        got_blocks, got_last = blocks.clone(), last.clone()
+        loads, deferred = plan_tables(got_blocks, got_last, selected, step, limits)
+        assert torch.equal(got_blocks, want[0]) and torch.equal(got_last, want[1])
+        plan = want[2]
+        assert torch.equal(loads, torch.stack([plan.batch_rows, plan.heads, plan.slots, plan.blocks]))
+        assert deferred == plan.deferred
+        blocks, last = got_blocks, got_last
+    assert int((blocks != EMPTY).sum()) > 0  # the run filled working sets

@@ -20,12 +20,7 @@ from typing import NamedTuple
 import torch
 
 from sgl_kernel_oasis import ops
-
-EMPTY = -1  # a slot that holds no block (in slot tables and selections)
-
-# Block ids are below this (2**24 blocks: contexts of 268M tokens at 16 per block), so victims order by
-# last_selected * BLOCK_ID_SPAN + block id: by last selection, ties by block id.
-BLOCK_ID_SPAN = 1 << 24
+from sglang_oasis.memory.plan_cpu import BLOCK_ID_SPAN, EMPTY, PlanLimits, plan_tables
 
 
 def stable_ranks(key: torch.Tensor) -> torch.Tensor:
@@ -141,8 +136,9 @@ class WorkingSetPool:
         priority: torch.Tensor | None = None,
         capacity: torch.Tensor | None = None,
     ) -> TransferPlan:
-        """Decide, for a whole batch in tensor ops, which selected blocks to load into which slots, and
-        record the new mapping (``load`` then copies the data). ``HeadwiseMap.plan``
+        """Decide, for a whole batch, which selected blocks to load into which slots, and record the new
+        mapping (``load`` then copies the data): on CPU tables in one call (``plan_cpu.py``), otherwise in
+        tensor ops (``plan_in_torch``). ``HeadwiseMap.plan``
         (sglang_oasis_testing.headwise_reference) is the readable per-head reference this must agree with
         (``test/unit/test_sparse_stores.py`` checks it on random selections, caps and priorities).
 
@@ -160,35 +156,17 @@ class WorkingSetPool:
         least recently selected first (ties: lowest block id first); then, past ``capacity``, unselected
         blocks leave in that same order.
         """
-        bs, heads, num_blocks = selected.shape
-        blocks = self.slot_block[reqs, layer]  # [bs, H, S]
+        blocks = self.slot_block[reqs, layer]  # [bs, H, S] copies, the new tables once planned
         last = self.last_selected[reqs, layer]
-        occupied = blocks != EMPTY
-        holds_selected = occupied & selected.gather(-1, blocks.clamp(0, num_blocks - 1))
-        resident = torch.zeros((bs, heads, num_blocks + 1), dtype=torch.bool)
-        resident.scatter_(-1, torch.where(occupied, blocks, num_blocks), True)
-        missing = selected & ~resident[..., :num_blocks]
-        missing, deferred = (missing, 0) if cap is None else under_cap(missing, cap, fresh_from, priority)
-        # Victim order: free slots (key -1), then unselected blocks by last selection, ties by block id
-        # (not by slot: where a block sits depends on the slot's history, e.g. a warm start's donor, and
-        # what is evicted must not); kept slots last.
-        key = torch.where(occupied, last * BLOCK_ID_SPAN + blocks, -1)
-        key = torch.where(holds_selected, torch.iinfo(torch.int64).max, key)
-        victims = key.sort(dim=-1, stable=True).indices
-        missing_first = (~missing).to(torch.int8).sort(dim=-1, stable=True).indices  # ascending ids
-        ranks = min(self.num_slots, num_blocks)
-        take = torch.arange(ranks) < missing.sum(-1, keepdim=True)  # [bs, H, ranks]
-        b_idx, h_idx, r_idx = take.nonzero(as_tuple=True)
-        slots = victims[b_idx, h_idx, r_idx]
-        new = missing_first[b_idx, h_idx, r_idx]
-        blocks[b_idx, h_idx, slots] = new
-        now_selected = (blocks != EMPTY) & selected.gather(-1, blocks.clamp(0, num_blocks - 1))
-        if capacity is not None:  # a working set the recall target shrank gives its extra blocks back
-            dropped = past_capacity(blocks, last, now_selected, capacity)
-            blocks, last = blocks.masked_fill(dropped, EMPTY), last.masked_fill(dropped, EMPTY)
+        limits = PlanLimits(cap, fresh_from, priority, capacity)
+        if selected.device.type == "cpu":  # one GIL-free call (plan_cpu.py)
+            loads, deferred = plan_tables(blocks, last, selected, step, limits)
+            plan = TransferPlan(loads[0], loads[1], loads[2], loads[3], deferred)
+        else:
+            blocks, last, plan = plan_in_torch(blocks, last, selected, step, limits)
         self.slot_block[reqs, layer] = blocks
-        self.last_selected[reqs, layer] = torch.where(now_selected, step, last)
-        return TransferPlan(b_idx, h_idx, slots, new, deferred)
+        self.last_selected[reqs, layer] = last
+        return plan
 
     def load(
         self,
@@ -276,6 +254,40 @@ class WorkingSetPool:
         values = ws_v[rows.clamp(min=0)].view(shape)
         valid = (rows >= 0)[..., None].expand(bs, heads, slots, self.block_size)
         return keys, values, valid.flatten(2, 3)
+
+
+def plan_in_torch(
+    blocks: torch.Tensor, last: torch.Tensor, selected: torch.Tensor, step: int, limits: PlanLimits
+) -> tuple[torch.Tensor, torch.Tensor, TransferPlan]:
+    """``WorkingSetPool.plan_selections`` in tensor ops, for a batch's tables ``blocks``/``last``
+    ``[bs, H, S]``: the new tables and the plan (``plan_cpu.plan_tables`` is the same plan in one call)."""
+    cap, fresh_from, priority, capacity = limits
+    bs, heads, num_blocks = selected.shape
+    num_slots = blocks.shape[-1]
+    occupied = blocks != EMPTY
+    holds_selected = occupied & selected.gather(-1, blocks.clamp(0, num_blocks - 1))
+    resident = torch.zeros((bs, heads, num_blocks + 1), dtype=torch.bool)
+    resident.scatter_(-1, torch.where(occupied, blocks, num_blocks), True)
+    missing = selected & ~resident[..., :num_blocks]
+    missing, deferred = (missing, 0) if cap is None else under_cap(missing, cap, fresh_from, priority)
+    # Victim order: free slots (key -1), then unselected blocks by last selection, ties by block id
+    # (not by slot: where a block sits depends on the slot's history, e.g. a warm start's donor, and
+    # what is evicted must not); kept slots last.
+    key = torch.where(occupied, last * BLOCK_ID_SPAN + blocks, -1)
+    key = torch.where(holds_selected, torch.iinfo(torch.int64).max, key)
+    victims = key.sort(dim=-1, stable=True).indices
+    missing_first = (~missing).to(torch.int8).sort(dim=-1, stable=True).indices  # ascending ids
+    ranks = min(num_slots, num_blocks)
+    take = torch.arange(ranks) < missing.sum(-1, keepdim=True)  # [bs, H, ranks]
+    b_idx, h_idx, r_idx = take.nonzero(as_tuple=True)
+    slots = victims[b_idx, h_idx, r_idx]
+    new = missing_first[b_idx, h_idx, r_idx]
+    blocks[b_idx, h_idx, slots] = new
+    now_selected = (blocks != EMPTY) & selected.gather(-1, blocks.clamp(0, num_blocks - 1))
+    if capacity is not None:  # a working set the recall target shrank gives its extra blocks back
+        dropped = past_capacity(blocks, last, now_selected, capacity)
+        blocks, last = blocks.masked_fill(dropped, EMPTY), last.masked_fill(dropped, EMPTY)
+    return blocks, torch.where(now_selected, step, last), TransferPlan(b_idx, h_idx, slots, new, deferred)
 
 
 def under_cap(
