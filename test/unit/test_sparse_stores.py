@@ -283,9 +283,8 @@ def test_the_cpu_plan_is_the_torch_plan_slot_for_slot(seed: int) -> None:
         valid = (torch.arange(num_blocks) < full[:, None, None]).expand(-1, heads, -1)
         rank = scores.masked_fill(~valid, float("-inf")).argsort(dim=-1, descending=True, stable=True)
         selected = torch.zeros_like(valid).scatter_(-1, rank[..., :slots], True) & valid
-        selected &= (
-            torch.arange(num_blocks) < capacity[:, None, None] + (step % 3) * 5
-        )  # some fit, some don't
+        # some steps' selections fit the capacity, others do not
+        selected &= torch.arange(num_blocks) < capacity[:, None, None] + (step % 3) * 5
         kinds = [None, int(step % 4), torch.randint(0, 3, (bs,), generator=gen)]
         cap = kinds[step % 3]
         fresh_from = None if step % 2 else full - 1

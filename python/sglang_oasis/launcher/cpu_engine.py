@@ -84,8 +84,9 @@ def cpu_decode_step(argv: Sequence[str], config: OasisConfig) -> OasisConfig:
     ``captured`` with the summaries (its TPOT 0.69-0.93x the eager step's, docs/results.md), ``eager``
     with ``--oasis-selector codes`` (the eager step scores the codes on the pipeline's thread beside the
     model's, the captured step inline: 4 x 3K, TPOT against dense cold / warm 0.68 / 0.76 against 0.75 /
-    0.78 in one run, 0.78 / 0.77 against 0.81 / 0.78 in another; and no compiles before ready); none where the option is given, with ``--oasis-adaptive-cap`` or
-    ``--oasis-selector oracle`` (which the captured step refuses) or with no fetch cap
+    0.78 in one run, 0.78 / 0.77 against 0.81 / 0.78 in another; and no compiles before ready); none
+    where the option is given, with ``--oasis-adaptive-cap`` or ``--oasis-selector oracle`` (which the
+    captured step refuses) or with no fetch cap
     (``--oasis-fetch-ratio 1``: its fixed shape then copies a whole working set per head every step, 1.68x
     dense against the eager step's ~1.3x). Its compiles (``compile_plan``)
     go to a cache that outlives reboots (``$TORCHINDUCTOR_CACHE_DIR``, unless set: torch's under the

@@ -50,6 +50,13 @@ def _under_cap(missing, priority, cap, fresh_from, order_key):
 
 
 @njit(cache=True, nogil=True, boundscheck=False)
+def _holds_selected(blocks, selected, held):
+    """Which of one head's slots (``blocks`` ``[S]``) hold a block it selected (``selected`` ``[N]``)."""
+    for s in range(len(blocks)):
+        held[s] = blocks[s] != EMPTY and selected[min(max(blocks[s], 0), len(selected) - 1)]
+
+
+@njit(cache=True, nogil=True, boundscheck=False)
 def _rank_by_last(blocks, last, keep, key):
     """One head's slots in eviction order: free slots first, then blocks not ``keep`` (``[S]``) by last
     selection (ties: block id), the kept last."""
@@ -80,8 +87,7 @@ def _plan(blocks, last, selected, step, cap, fresh_from, priority, capacity, out
             _missing(row, wanted, missing)
             if cap[b] >= 0:
                 deferred += _under_cap(missing, priority[b, h], cap[b], fresh_from[b], order_key)
-            for s in range(slots):
-                held[s] = row[s] != EMPTY and wanted[min(max(row[s], 0), num_blocks - 1)]
+            _holds_selected(row, wanted, held)
             victims = _rank_by_last(row, row_last, held, key)
             taken = 0
             for n in range(num_blocks):  # missing blocks in ascending order, into the victims in order
@@ -89,8 +95,7 @@ def _plan(blocks, last, selected, step, cap, fresh_from, priority, capacity, out
                     row[victims[taken]] = n
                     out[0, loads], out[1, loads], out[2, loads], out[3, loads] = b, h, victims[taken], n
                     taken, loads = taken + 1, loads + 1
-            for s in range(slots):  # what each slot holds now and is selected
-                held[s] = row[s] != EMPTY and wanted[min(max(row[s], 0), num_blocks - 1)]
+            _holds_selected(row, wanted, held)  # after the loads
             excess = (row != EMPTY).sum() - capacity[b]
             if capacity[b] >= 0 and excess > 0:  # unselected blocks leave, least recently selected first
                 for s in _rank_by_last(row, row_last, held, key):
